@@ -1,0 +1,47 @@
+# Two commands set everything up on a fresh machine with Python 3.11:
+#   make demo   -> creates .venv, installs, runs the main job (workbench compare)
+#   make test   -> creates .venv if missing, runs the unit tests and every notebook under nbval
+#
+# TORCH is installed before the package: an open range ("torch") pulls a multi-GB CUDA build
+# on a CPU-only machine. Override it on a GPU box: make demo TORCH=torch
+
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Jupyter finds kernels/workbench/kernel.json through JUPYTER_PATH: no global install needed.
+export JUPYTER_PATH := $(CURDIR)$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export OMP_NUM_THREADS ?= 1
+export MPLBACKEND ?= Agg
+
+.PHONY: demo test lab notebooks notebook install clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install "$(TORCH)"
+	$(BIN)/python -m pip install -e ".[test]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/workbench compare
+
+test: install
+	$(BIN)/python -m pytest -q --nbval tests notebooks
+
+lab: install
+	$(BIN)/jupyter lab notebooks
+
+# Re-create a lesson's notebook from its paired script and execute it, storing outputs.
+notebook: install
+	$(BIN)/jupytext --sync $(NB)
+	$(BIN)/jupyter nbconvert --to notebook --execute --inplace $(basename $(NB)).ipynb
+
+notebooks: install
+	for f in notebooks/[0-9]*.py; do $(MAKE) notebook NB=$$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,17 @@
+"""workbench: learn and measure distributed training, one readable file per idea.
+
+Start here::
+
+    import workbench
+
+    def hello():
+        return f"rank {workbench.rank()} of {workbench.world_size()} on {workbench.device()}"
+
+    workbench.launch(hello, world_size=2)   # ['rank 0 of 2 on cpu', 'rank 1 of 2 on cpu']
+"""
+from workbench.launch import LaunchResult, LaunchTimeout, RankFailed, launch
+from workbench.runtime import backend, device, local_rank, rank, report, world_size
+
+__all__ = ["launch", "LaunchResult", "RankFailed", "LaunchTimeout",
+           "rank", "world_size", "local_rank", "device", "backend", "report"]
+__version__ = "0.1.0"

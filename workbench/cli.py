@@ -1,0 +1,49 @@
+"""The ``workbench`` command.
+
+``workbench compare``            the main job: every registered strategy on one model, one report
+``workbench bench NAME [...]``   a benchmark; NAME is a module ``workbench.bench.NAME`` exposing
+                                 ``add_arguments(parser)`` and ``main(args) -> int``
+
+Each sub-command lives in its own module so that a reader finds the code of a job by its name.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+
+def _benchmarks() -> list[str]:
+    import workbench.bench as bench
+
+    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="workbench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from workbench import compare
+
+    p = sub.add_parser("compare", help="train with every strategy and write a report")
+    compare.add_arguments(p)
+    p.set_defaults(run=compare.main)
+
+    b = sub.add_parser("bench", help="run a benchmark (nccl-tests style tables against PyTorch)")
+    bsub = b.add_subparsers(dest="benchmark", required=True)
+    for name in _benchmarks():
+        module = importlib.import_module(f"workbench.bench.{name}")
+        bp = bsub.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
+        module.add_arguments(bp)
+        bp.set_defaults(run=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""Start N ranks from a notebook cell, a script, or under ``torchrun``: :func:`launch`.
+
+How a launch works
+------------------
+::
+
+    parent (notebook kernel)                         rank r (a child process)
+    ------------------------                         -------------------------
+    TCPStore server on a free port  ---- port ---->  one intra-op thread, own process group
+    one pipe per rank for output    <--- stdout ---  fd 1 and 2 redirected into the pipe
+    one queue for all ranks         <--- records --  workbench.report(step=..., loss=...)
+                                    <--- result ---  fn's return value (or its traceback)
+    SIGUSR1 on timeout              ---- signal -->  faulthandler writes every thread's stack
+
+* The parent owns the rendezvous: it opens a ``TCPStore`` on port 0, so the operating system
+  picks a free port and two launches (in a row, or from two notebooks) never collide.
+* Children are forked by default, so a function defined in a notebook cell just works (spawn
+  would have to pickle it by name, and a notebook's ``__main__`` cannot be imported). The first
+  thing a child does is set one intra-op thread: a forked child of a parent that already ran
+  OpenMP work would otherwise hang in its first parallel region.
+* Whatever a rank prints, from Python or from C, goes into its pipe and is shown by the parent,
+  prefixed ``[rank k]``, grouped in rank order at the end (or live with ``stream=True``). This
+  is what makes rank output visible under nbval, where ipykernel does not capture children.
+* If a rank raises, the parent stops every rank (SIGKILL to each rank's process group, so no
+  grandchild survives) and raises :class:`RankFailed` with that rank's own traceback.
+* After ``timeout`` seconds the parent asks each unfinished rank for its Python stacks
+  (``faulthandler`` on SIGUSR1 works even inside a blocked C call such as a gloo ``recv``),
+  kills every rank and raises :class:`LaunchTimeout`.
+* Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) there is nothing to start: ``fn`` runs in
+  this process inside torchrun's group, so a script exported from a notebook runs unchanged on
+  one machine or several.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from workbench import runtime
+
+_HOST = "127.0.0.1"
+
+
+class RankFailed(RuntimeError):
+    """A rank raised (or died). ``.rank`` is its number, ``.remote_traceback`` its own traceback."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str = "",
+                 exitcode: int | None = None):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.exc_message = message
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+        text = f"rank {rank} failed with {exc_type}: {message}"
+        if remote_traceback:
+            text += f"\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.exc_type, self.exc_message, self.remote_traceback, self.exitcode))
+
+
+class LaunchTimeout(RuntimeError):
+    """Ranks did not finish in time. ``.stacks`` maps each unfinished rank to where it was stuck."""
+
+    def __init__(self, timeout: float, stacks: dict[int, str]):
+        self.timeout = timeout
+        self.ranks = sorted(stacks)
+        self.stacks = stacks
+        names = ", ".join(str(r) for r in self.ranks)
+        text = (f"launch timed out after {timeout:g} s: rank(s) {names} had not finished "
+                f"(raise timeout= if the work is just slow). All ranks were stopped.")
+        for r in self.ranks:
+            text += f"\n\n--- rank {r} was here (most recent call first) ---\n{stacks[r].rstrip() or '(no stack received)'}"
+        super().__init__(text)
+
+
+class LaunchResult(list):
+    """The ranks' return values (index = rank), plus what the launch observed.
+
+    ``records``: every ``workbench.report(...)`` record, in arrival order (dicts with ``rank``
+    and ``time``); ``output``: each rank's printed text; ``elapsed``: wall time in seconds.
+    """
+
+    def __init__(self, values=(), *, records=None, output=None, elapsed=0.0):
+        super().__init__(values)
+        self.records: list[dict] = list(records or [])
+        self.output: dict[int, str] = dict(output or {})
+        self.elapsed = elapsed
+
+    def records_of(self, rank: int = 0) -> list[dict]:
+        """The records one rank sent."""
+        return [r for r in self.records if r["rank"] == rank]
+
+
+# --------------------------------------------------------------------------------------- checks
+
+def _validate(fn, world_size, args, kwargs, timeout, start_method) -> str:
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} is not callable: pass the function each rank should run, "
+                        "e.g. launch(train, world_size=2)")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a whole number >= 1 (2 on a 2-core machine)")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. args=(x,)")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    methods = mp.get_all_start_methods()
+    if start_method is None:
+        start_method = "fork" if "fork" in methods else "spawn"
+    if start_method not in ("fork", "spawn", "forkserver") or start_method not in methods:
+        raise ValueError(f"start_method={start_method!r} is not available here: use one of {methods} "
+                         "(fork works for functions defined in a notebook)")
+    if start_method == "fork" and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was already initialised in this process, and a forked child cannot use it. "
+                           "Restart the kernel and call launch() before any CUDA work in the notebook, or "
+                           "pass start_method='spawn' with a function importable from a module.")
+    if start_method != "fork":
+        _check_picklable(fn, args, kwargs or {}, start_method)
+    return start_method
+
+
+def _check_picklable(fn, args, kwargs, start_method) -> None:
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise TypeError(f"fn={getattr(fn, '__qualname__', fn)!r} is defined in an interactive session, which a "
+                        f"'{start_method}' child cannot import: use start_method='fork' (the default on Linux) "
+                        "or move the function into a .py module")
+    items = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + \
+            [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    for name, value in items:
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - any pickling failure is the user's to fix
+            raise TypeError(f"{name}={value!r} cannot be pickled for start_method='{start_method}' ({e}): "
+                            "define it at module top level, or use start_method='fork'") from None
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+# ------------------------------------------------------------------------------------ the child
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if the parent dies (no orphans after a kernel crash)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _redirect_output(fd: int) -> None:
+    """Point fd 1 and 2 (and Python's sys.stdout/err) at the parent's pipe for this rank."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - the parent's stream objects may be half-usable after fork
+            pass
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+
+
+def _rank_main(rank, world_size, port, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout):
+    runtime.limit_threads(1)  # before any tensor work (see module docstring)
+    _die_with_parent()
+    try:
+        os.setpgid(0, 0)  # own process group: the parent can kill this rank and its children at once
+    except OSError:
+        pass
+    _redirect_output(out_conn.fileno())
+    dump_file = os.fdopen(os.dup(dump_conn.fileno()), "w")
+    faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
+
+    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    code = 0
+    try:
+        dev = torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dev = torch.device("cuda", rank)
+        runtime._set_context(runtime._RankContext(
+            rank=rank, world_size=world_size, local_rank=rank, backend=backend, device=dev,
+            sink=lambda record: queue.put(("record", rank, record))))
+        store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout))
+        value = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"rank {rank}'s return value {type(value).__name__} cannot be pickled back to the "
+                            f"parent ({e}): return plain Python objects or CPU tensors") from None
+        queue.put(("result", rank, payload))
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after the result is sent is best effort
+            pass
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
+        code = 1
+        # the traceback starts in fn: the launcher's own frame teaches nothing
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next or e.__traceback__))
+        name = type(e).__qualname__
+        if type(e).__module__ not in ("builtins", "__main__"):
+            name = f"{type(e).__module__}.{name}"
+        queue.put(("error", rank, (name, str(e), tb)))
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        queue.close()
+        queue.join_thread()
+    sys.exit(code)
+
+
+# ----------------------------------------------------------------------------------- the parent
+
+class _RankOutput:
+    """Reads one rank's pipe without blocking and splits it into lines."""
+
+    def __init__(self, rank: int, conn, stream: bool):
+        self.rank, self.conn, self.stream = rank, conn, stream
+        self.fd = conn.fileno()
+        os.set_blocking(self.fd, False)
+        self.buffer = b""
+        self.lines: list[str] = []
+        self.open = True
+
+    def read(self) -> bool:
+        """Read what is there; return True if anything arrived."""
+        got = False
+        while self.open:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.open = False
+                break
+            got = True
+            self.buffer += chunk
+        *complete, self.buffer = self.buffer.split(b"\n")
+        for raw in complete:
+            self._add(raw)
+        return got
+
+    def finish(self) -> None:
+        self.read()
+        if self.buffer:
+            self._add(self.buffer)
+            self.buffer = b""
+
+    def _add(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        self.lines.append(line)
+        if self.stream:
+            print(f"[rank {self.rank}] {line}", flush=True)
+
+
+class _Progress:
+    """A progress bar fed by ``report(step=..., total=...)`` records from rank 0."""
+
+    def __init__(self):
+        self.bar = None
+
+    def update(self, record: dict) -> None:
+        if record["rank"] != 0 or "step" not in record:
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=record.get("total"), desc="rank 0", unit="step", leave=True)
+        if record.get("total") is not None and self.bar.total != record["total"]:
+            self.bar.total = record["total"]
+        self.bar.n = int(record["step"]) + 1 if record.get("total") else int(record["step"])
+        shown = {k: v for k, v in record.items()
+                 if k not in ("rank", "time", "step", "total") and isinstance(v, (int, float))}
+        self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()},
+                             refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+_live: set = set()  # processes of launches in flight, killed if the interpreter exits
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in list(_live):
+        _kill(proc)
+
+
+def _kill(proc) -> None:
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the rank and anything it started
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    try:
+        proc.kill()
+    except (ProcessLookupError, OSError, AttributeError, ValueError):
+        pass
+    proc.join(5)
+    _live.discard(proc)
+
+
+def _collect_stacks(procs, dumps, ranks) -> dict[int, str]:
+    """SIGUSR1 each unfinished rank; faulthandler writes its stacks to the rank's dump pipe."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    deadline, quiet_since = time.monotonic() + 3.0, time.monotonic()
+    while time.monotonic() < deadline:
+        got = any(dumps[r].read() for r in ranks)
+        now = time.monotonic()
+        if got:
+            quiet_since = now
+        elif now - quiet_since > 0.5 and all(dumps[r].lines for r in ranks):
+            break
+        time.sleep(0.05)
+    stacks = {}
+    for r in ranks:
+        dumps[r].finish()
+        # faulthandler prints innermost first: keep frames down to fn, drop the launcher's below it
+        lines, skipping = [], False
+        for line in dumps[r].lines:
+            if not line.startswith(" "):  # a "Thread 0x... (most recent call first):" header
+                skipping = False
+            elif "in _rank_main" in line:
+                skipping = True  # everything below is the launcher and the parent's frames
+            if not skipping:
+                lines.append(line)
+        stacks[r] = "\n".join(lines)
+    return stacks
+
+
+def _print_output(outputs) -> None:
+    for out in outputs:
+        if not out.stream:
+            for line in out.lines:
+                print(f"[rank {out.rank}] {line}")
+    sys.stdout.flush()
+
+
+def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwargs: dict | None = None,
+           backend: str | None = None, timeout: float = 300.0, start_method: str | None = None,
+           stream: bool = False) -> LaunchResult:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks, each in an initialised process group.
+
+    Returns the ranks' return values as a list (index = rank) with ``.records`` (from
+    :func:`workbench.report`), ``.output`` and ``.elapsed``. Raises :class:`RankFailed` if a rank
+    raises or dies, :class:`LaunchTimeout` if ranks are still running after ``timeout`` seconds.
+
+    ``backend``: ``"gloo"`` (CPU, the default without enough GPUs) or ``"nccl"`` (one GPU per rank).
+    ``start_method``: ``"fork"`` (default; works for notebook functions) or ``"spawn"`` (needs an
+    importable, picklable ``fn``). ``stream=True`` prints rank output live instead of at the end.
+
+    Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set), and when called inside a rank, ``fn`` runs
+    in this process in the existing group and a one-element list is returned.
+    """
+    kwargs = dict(kwargs or {})
+    method = _validate(fn, world_size, args, kwargs, timeout, start_method)
+    if runtime._context is not None or _under_torchrun():
+        return _launch_in_process(fn, world_size, args, kwargs, backend, timeout)
+    backend = runtime.check_backend(backend, world_size)
+
+    ctx = mp.get_context(method)
+    store = dist.TCPStore(_HOST, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    queue = ctx.Queue()
+    procs, outputs, dumps, child_ends = [], [], [], []
+    start = time.monotonic()
+    try:
+        for r in range(world_size):
+            out_read, out_write = ctx.Pipe(duplex=False)
+            dump_read, dump_write = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main, name=f"workbench-rank-{r}",
+                args=(r, world_size, store.port, backend, fn, tuple(args), kwargs, queue,
+                      out_write, dump_write, timeout + 60))
+            proc.start()
+            _live.add(proc)
+            try:
+                os.setpgid(proc.pid, proc.pid)
+            except OSError:
+                pass
+            procs.append(proc)
+            outputs.append(_RankOutput(r, out_read, stream))
+            dumps.append(_RankOutput(r, dump_read, False))
+            child_ends += [out_write, dump_write]
+        for conn in child_ends:
+            conn.close()
+        return _monitor(procs, outputs, dumps, queue, timeout, start)
+    finally:
+        for proc in procs:
+            if proc.is_alive() or proc.exitcode is None:
+                _kill(proc)
+            else:
+                proc.join(1)
+                _live.discard(proc)
+        for out in outputs + dumps:
+            out.conn.close()
+        queue.close()
+        queue.cancel_join_thread()
+        del store
+
+
+def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
+    world_size = len(procs)
+    results: dict[int, Any] = {}
+    records: list[dict] = []
+    progress = _Progress()
+    failure: RankFailed | None = None
+    exited_at: dict[int, float] = {}
+    deadline = start + timeout
+    fds = [o.fd for o in outputs]
+    try:
+        while True:
+            # 1. messages from the ranks
+            try:
+                kind, rank, payload = queue.get(timeout=0.02)
+                while True:
+                    if kind == "record":
+                        records.append(payload)
+                        progress.update(payload)
+                    elif kind == "result":
+                        results[rank] = pickle.loads(payload)
+                    elif kind == "error" and failure is None:
+                        failure = RankFailed(rank, *payload)
+                    kind, rank, payload = queue.get_nowait()
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing more for now
+                pass
+            # 2. what the ranks printed
+            ready, _, _ = select.select([fd for fd, o in zip(fds, outputs) if o.open], [], [], 0.02)
+            for out in outputs:
+                if out.fd in ready:
+                    out.read()
+            # 3. who has finished, who has died
+            if failure is not None:
+                procs[failure.rank].join(2)  # let it flush its last output
+                break
+            if len(results) == world_size:
+                break
+            now = time.monotonic()
+            for r, proc in enumerate(procs):
+                if r in results or proc.exitcode is None:
+                    continue
+                exited_at.setdefault(r, now)
+                if now - exited_at[r] > 2.0:  # its last message would have arrived by now
+                    code = proc.exitcode
+                    why = (f"killed by signal {signal.Signals(-code).name}" if code < 0
+                           else f"exited with code {code}")
+                    failure = RankFailed(r, "ProcessExited", f"rank process {why} without returning a result",
+                                         "", exitcode=code)
+                    break
+            if failure is not None:
+                break
+            if now > deadline:
+                unfinished = [r for r in range(world_size) if r not in results]
+                stacks = _collect_stacks(procs, dumps, unfinished)
+                for proc in procs:
+                    _kill(proc)
+                for out in outputs:
+                    out.finish()
+                _print_output(outputs)
+                raise LaunchTimeout(timeout, stacks)
+    except KeyboardInterrupt:
+        for proc in procs:
+            _kill(proc)
+        raise
+    finally:
+        progress.close()
+
+    if failure is not None:
+        for proc in procs:
+            _kill(proc)
+    else:
+        for proc in procs:
+            proc.join(10)
+    for out in outputs:
+        out.finish()
+    _print_output(outputs)
+    if failure is not None:
+        raise failure
+    return LaunchResult([results[r] for r in range(world_size)], records=records,
+                        output={o.rank: "\n".join(o.lines) for o in outputs},
+                        elapsed=time.monotonic() - start)
+
+
+# ------------------------------------------------------------------------------ under torchrun
+
+def _launch_in_process(fn, world_size, args, kwargs, backend, timeout) -> LaunchResult:
+    """Run ``fn`` in this process, as one rank of torchrun's group (or of an enclosing launch)."""
+    start = time.monotonic()
+    nested = runtime._context is not None
+    if not nested:
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != world_size:
+            warnings.warn(f"launch(world_size={world_size}) runs under torchrun with WORLD_SIZE={env_world}: "
+                          f"torchrun's world size wins", stacklevel=3)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        if not dist.is_initialized():
+            backend = runtime.check_backend(backend, env_world, local_world_size=local_world)
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout + 60))
+            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        backend = dist.get_backend()
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        runtime._set_context(runtime._RankContext(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, backend=backend,
+            device=torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")))
+    ctx = runtime._context
+    first_record = len(ctx.records)
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as e:
+        raise RankFailed(ctx.rank, type(e).__qualname__, str(e), traceback.format_exc()) from e
+    return LaunchResult([value], records=ctx.records[first_record:], elapsed=time.monotonic() - start)

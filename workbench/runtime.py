@@ -1,0 +1,136 @@
+"""What a rank knows about itself: its number, the world size, its device, and how to report.
+
+Every piece of the workbench asks these questions through this module, so the same code runs in a
+rank started by :func:`workbench.launch` (fork or spawn from a notebook or script), in a process
+started by ``torchrun``, or in a plain single process (rank 0 of a world of 1).
+
+``report(**fields)`` is the one way a rank talks to the notebook while it runs: each call sends a
+record (a dict with ``rank`` and ``time`` added) to the parent, which draws a progress bar and
+keeps the records on the launch's result for plotting.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class _RankContext:
+    """State of the current rank, set by the launcher in each rank process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sink: Callable[[dict], None] | None = None  # where report() records go
+    records: list = field(default_factory=list)  # used when there is no parent to send to
+
+
+_context: _RankContext | None = None
+
+
+def _set_context(ctx: _RankContext | None) -> None:
+    global _context
+    _context = ctx
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 outside any launch)."""
+    if _context is not None:
+        return _context.rank
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of ranks in the default group (1 outside any launch)."""
+    if _context is not None:
+        return _context.world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    """This rank's number on its own machine (it picks the GPU under NCCL)."""
+    if _context is not None:
+        return _context.local_rank
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def device() -> torch.device:
+    """The device this rank computes on: ``cuda:<local rank>`` under NCCL, else the CPU."""
+    if _context is not None:
+        return _context.device
+    return torch.device("cpu")
+
+
+def backend() -> str | None:
+    """The process group's backend (``"gloo"`` or ``"nccl"``), or None outside a launch."""
+    if _context is not None:
+        return _context.backend
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_backend()
+    return None
+
+
+def report(**fields: Any) -> None:
+    """Send a progress record to the notebook, e.g. ``report(step=i, total=100, loss=l)``.
+
+    ``step`` and ``total`` drive the progress bar; every other field is kept on the launch's
+    result (``result.records``) for plotting. Tensors are turned into Python numbers.
+    """
+    record = {"rank": rank(), "time": time.time()}
+    for key, value in fields.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        record[key] = value
+    ctx = _context
+    if ctx is not None and ctx.sink is not None:
+        ctx.sink(record)
+    elif ctx is not None:
+        ctx.records.append(record)
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when this machine has a GPU for every rank, gloo on the CPU otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def check_backend(backend: str | None, world_size: int, *, local_world_size: int | None = None) -> str:
+    """Validate ``backend=`` and return the backend to use."""
+    if backend is None:
+        return default_backend(local_world_size or world_size)
+    if not isinstance(backend, str) or backend.lower() not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known: use 'gloo' (CPU) or 'nccl' (one GPU per rank), "
+                         "or leave it None to choose by the hardware")
+    backend = backend.lower()
+    if backend == "nccl":
+        need = local_world_size or world_size
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < need or not dist.is_nccl_available():
+            raise ValueError(f"backend='nccl' needs one GPU per rank: {need} ranks on this machine but "
+                             f"{have} CUDA device(s) found. Use backend='gloo' to run on the CPU.")
+    return backend
+
+
+def limit_threads(threads: int = 1) -> None:
+    """One intra-op thread per rank: two ranks on two cores must not fight over them.
+
+    Called first thing in every rank, before any tensor work, so that a forked child of a parent
+    that already used OpenMP never enters an OpenMP parallel region (which can hang after fork).
+    """
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    torch.set_num_threads(threads)
