@@ -159,6 +159,13 @@ def _under_torchrun() -> bool:
 
 # ------------------------------------------------------------------------------------ the child
 
+def _exception_name(e: BaseException) -> str:
+    name = type(e).__qualname__
+    if type(e).__module__ not in ("builtins", "__main__"):
+        name = f"{type(e).__module__}.{name}"
+    return name
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank if the parent dies (no orphans after a kernel crash)."""
     if sys.platform.startswith("linux"):
@@ -221,10 +228,7 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, queue, out_con
         code = 1
         # the traceback starts in fn: the launcher's own frame teaches nothing
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next or e.__traceback__))
-        name = type(e).__qualname__
-        if type(e).__module__ not in ("builtins", "__main__"):
-            name = f"{type(e).__module__}.{name}"
-        queue.put(("error", rank, (name, str(e), tb)))
+        queue.put(("error", rank, (_exception_name(e), str(e), tb)))
     finally:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -430,15 +434,35 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
         del store
 
 
+# A rank that dies breaks its peers' connections, and they fail too, a moment later, with errors
+# like these. The parent reports the rank that failed first for a reason of its own.
+_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
+             "NCCL communicator was aborted", "Socket Timeout")
+
+
+def _root_cause(errors: list[RankFailed], died: dict[int, int]) -> RankFailed:
+    """Pick the failure to report: an error of the rank's own, else a rank that died, else the first."""
+    own = [e for e in errors if not any(marker in e.exc_message for marker in _KNOCK_ON)]
+    if own:
+        return own[0]
+    if died:
+        rank = min(died)
+        code = died[rank]
+        why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return RankFailed(rank, "ProcessExited", f"rank process {why} without returning a result", "",
+                          exitcode=code)
+    return errors[0]
+
+
 def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
     world_size = len(procs)
     results: dict[int, Any] = {}
     records: list[dict] = []
     progress = _Progress()
+    errors: list[RankFailed] = []
+    first_trouble: float | None = None  # when the first error or unexplained exit was seen
     failure: RankFailed | None = None
-    exited_at: dict[int, float] = {}
     deadline = start + timeout
-    fds = [o.fd for o in outputs]
     try:
         while True:
             # 1. messages from the ranks
@@ -450,36 +474,38 @@ def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
                         progress.update(payload)
                     elif kind == "result":
                         results[rank] = pickle.loads(payload)
-                    elif kind == "error" and failure is None:
-                        failure = RankFailed(rank, *payload)
+                    elif kind == "error":
+                        errors.append(RankFailed(rank, *payload))
                     kind, rank, payload = queue.get_nowait()
             except Exception:  # noqa: BLE001 - queue.Empty: nothing more for now
                 pass
             # 2. what the ranks printed
-            ready, _, _ = select.select([fd for fd, o in zip(fds, outputs) if o.open], [], [], 0.02)
+            open_fds = [o.fd for o in outputs if o.open]
+            ready, _, _ = select.select(open_fds, [], [], 0.02) if open_fds else ([], [], [])
             for out in outputs:
                 if out.fd in ready:
                     out.read()
             # 3. who has finished, who has died
-            if failure is not None:
-                procs[failure.rank].join(2)  # let it flush its last output
-                break
             if len(results) == world_size:
                 break
             now = time.monotonic()
-            for r, proc in enumerate(procs):
-                if r in results or proc.exitcode is None:
-                    continue
-                exited_at.setdefault(r, now)
-                if now - exited_at[r] > 2.0:  # its last message would have arrived by now
-                    code = proc.exitcode
-                    why = (f"killed by signal {signal.Signals(-code).name}" if code < 0
-                           else f"exited with code {code}")
-                    failure = RankFailed(r, "ProcessExited", f"rank process {why} without returning a result",
-                                         "", exitcode=code)
-                    break
-            if failure is not None:
-                break
+            reported = {e.rank for e in errors}
+            died = {r: p.exitcode for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in reported and r not in results}
+            silent = [r for r, p in enumerate(procs) if p.exitcode == 0 and r not in results]
+            if errors or died or silent:
+                first_trouble = first_trouble or now
+                settled = all(r in results or r in reported or procs[r].exitcode is not None
+                              for r in range(world_size))
+                # wait a moment for the other ranks' errors and exits, to find the root cause
+                if settled or now - first_trouble > 1.0:
+                    if errors or died:
+                        failure = _root_cause(errors, died)
+                        break
+                    if now - first_trouble > 2.0:  # exited 0 but its result never came
+                        failure = RankFailed(silent[0], "ProcessExited",
+                                             "rank process exited without returning a result", "", exitcode=0)
+                        break
             if now > deadline:
                 unfinished = [r for r in range(world_size) if r not in results]
                 stacks = _collect_stacks(procs, dumps, unfinished)
@@ -497,6 +523,7 @@ def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
         progress.close()
 
     if failure is not None:
+        procs[failure.rank].join(1)  # let it flush its last output
         for proc in procs:
             _kill(proc)
     else:
@@ -540,5 +567,6 @@ def _launch_in_process(fn, world_size, args, kwargs, backend, timeout) -> Launch
     try:
         value = fn(*args, **kwargs)
     except Exception as e:
-        raise RankFailed(ctx.rank, type(e).__qualname__, str(e), traceback.format_exc()) from e
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next or e.__traceback__))
+        raise RankFailed(ctx.rank, _exception_name(e), str(e), tb) from e
     return LaunchResult([value], records=ctx.records[first_record:], elapsed=time.monotonic() - start)

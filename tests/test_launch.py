@@ -1,0 +1,221 @@
+"""workbench.launch: return values, output, progress records, failures, hangs, bad input."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import workbench
+from workbench import LaunchTimeout, RankFailed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sum_of_ranks(scale):
+    t = torch.tensor([float(workbench.rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank {workbench.rank()} sees {t.item():g}")
+    workbench.report(step=0, total=1, loss=t.item() * scale)
+    return {"rank": workbench.rank(), "world": workbench.world_size(), "sum": t.item() * scale,
+            "device": str(workbench.device()), "threads": torch.get_num_threads(),
+            "backend": workbench.backend()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_return_values_in_rank_order(world_size, capsys):
+    result = workbench.launch(_sum_of_ranks, world_size=world_size, args=(2.0,))
+    expected_sum = 2.0 * world_size * (world_size + 1) / 2
+    assert [r["rank"] for r in result] == list(range(world_size))
+    assert all(r["world"] == world_size and r["sum"] == expected_sum for r in result)
+    assert all(r["device"] == "cpu" and r["backend"] == "gloo" and r["threads"] == 1 for r in result)
+    # printed output is grouped by rank, each line prefixed
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("[rank")]
+    assert lines == [f"[rank {r}] rank {r} sees {expected_sum / 2:g}" for r in range(world_size)]
+    assert result.output[0] == f"rank 0 sees {expected_sum / 2:g}"
+    # one progress record per rank, with rank and time added
+    assert sorted(rec["rank"] for rec in result.records) == list(range(world_size))
+    assert all(rec["loss"] == expected_sum and "time" in rec for rec in result.records)
+
+
+def test_two_launches_in_a_row_use_fresh_ports():
+    first = workbench.launch(_sum_of_ranks, 2, args=(1.0,))
+    second = workbench.launch(_sum_of_ranks, 2, kwargs={"scale": 3.0})
+    assert [r["sum"] for r in first] == [3.0, 3.0]
+    assert [r["sum"] for r in second] == [9.0, 9.0]
+
+
+def _print_from_c_and_python():
+    sys.stdout.write("from python\n")
+    os.write(1, b"from the file descriptor\n")
+    print("to stderr", file=sys.stderr)
+    return workbench.rank()
+
+
+def test_output_at_file_descriptor_level_is_captured(capsys):
+    result = workbench.launch(_print_from_c_and_python, 2)
+    assert result == [0, 1]
+    out = capsys.readouterr().out
+    for r in range(2):
+        for text in ("from python", "from the file descriptor", "to stderr"):
+            assert f"[rank {r}] {text}" in out
+
+
+def test_stream_prints_live(capsys):
+    workbench.launch(_print_from_c_and_python, 2, stream=True)
+    out = capsys.readouterr().out
+    assert out.count("[rank 0] from python") == 1 and out.count("[rank 1] from python") == 1
+
+
+def _fail_on_rank_one():
+    if workbench.rank() == 1:
+        raise KeyError("no such shard")
+    dist.barrier()  # rank 0 would wait forever for rank 1
+
+
+def test_rank_failure_names_rank_and_carries_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        workbench.launch(_fail_on_rank_one, 2, timeout=120)
+    assert time.monotonic() - start < 15, "the other rank must be stopped within seconds"
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert err.rank == 1 and err.exc_type == "KeyError"
+    assert "rank 1 failed with KeyError" in str(err) and "no such shard" in str(err)
+    assert "_fail_on_rank_one" in err.remote_traceback and "raise KeyError" in err.remote_traceback
+    assert err.remote_traceback.rstrip() in str(err)
+
+
+def _die_hard():
+    if workbench.rank() == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_rank_that_dies_without_exception_is_reported():
+    with pytest.raises(RankFailed) as info:
+        workbench.launch(_die_hard, 2, timeout=120)
+    assert info.value.rank == 0 and info.value.exitcode == 3
+    assert "exited with code 3" in str(info.value)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _hang_with_a_grandchild(pid_dir):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.path.join(pid_dir, f"rank{workbench.rank()}"), "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    if workbench.rank() == 1:
+        time.sleep(600)  # stuck in Python
+    dist.barrier()  # rank 0: stuck in gloo, waiting for rank 1
+
+
+def test_hang_raises_launch_timeout_with_stacks_and_leaves_no_process(tmp_path):
+    timeout = 4.0
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        workbench.launch(_hang_with_a_grandchild, 2, args=(str(tmp_path),), timeout=timeout)
+    assert time.monotonic() - start < timeout + 15
+    err = info.value
+    assert err.ranks == [0, 1]
+    assert "barrier" in err.stacks[0] and "_hang_with_a_grandchild" in err.stacks[0]
+    assert "_hang_with_a_grandchild" in err.stacks[1]
+    assert "rank(s) 0, 1 had not finished" in str(err)
+    pids = [int(p) for r in range(2) for p in (tmp_path / f"rank{r}").read_text().split()]
+    deadline = time.monotonic() + 5
+    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _pid_alive(p)], "ranks and their children must not survive"
+
+
+def test_bad_input_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="world_size=0"):
+        workbench.launch(_sum_of_ranks, 0)
+    with pytest.raises(ValueError, match="world_size"):
+        workbench.launch(_sum_of_ranks, 2.5)
+    with pytest.raises(TypeError, match="fn=42 is not callable"):
+        workbench.launch(42)
+    with pytest.raises(ValueError, match="backend='mpx'"):
+        workbench.launch(_sum_of_ranks, 2, backend="mpx")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank"):
+            workbench.launch(_sum_of_ranks, 2, backend="nccl")
+    with pytest.raises(ValueError, match="timeout"):
+        workbench.launch(_sum_of_ranks, 2, timeout=0)
+    with pytest.raises(ValueError, match="start_method='thread'"):
+        workbench.launch(_sum_of_ranks, 2, start_method="thread")
+    with pytest.raises(TypeError, match=r"args\[0\]=.*cannot be pickled.*spawn"):
+        workbench.launch(_sum_of_ranks, 2, args=(lambda: 1,), start_method="spawn")
+    with pytest.raises(TypeError, match="args=.* must be a tuple"):
+        workbench.launch(_sum_of_ranks, 2, args=5)
+
+
+def _return_unpicklable():
+    return lambda: 1
+
+
+def test_unpicklable_return_value_is_a_clear_failure():
+    with pytest.raises(RankFailed, match="return value function cannot be pickled"):
+        workbench.launch(_return_unpicklable, 2)
+
+
+def _run_script(code: str, timeout: float = 120, env_extra=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def test_function_defined_in_main_and_spawn_of_an_importable_function():
+    proc = _run_script("""
+        import workbench, torch.distributed as dist
+        def in_main(x):
+            return x * (workbench.rank() + 1)
+        print(workbench.launch(in_main, 2, args=(5,)))
+        print(workbench.launch(dist.get_world_size, 2, start_method="spawn"))
+        try:
+            workbench.launch(in_main, 2, args=(5,), start_method="spawn")
+        except TypeError as e:
+            print("refused:", e)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "[5, 10]" and lines[1] == "[2, 2]"
+    assert lines[2].startswith("refused: fn='in_main' is defined in an interactive session")
+
+
+def test_parent_that_used_openmp_does_not_hang_its_forked_children():
+    proc = _run_script("""
+        import torch, workbench
+        torch.set_num_threads(2)
+        a = torch.randn(2000, 2000)
+        (a @ a).sum()            # the parent's OpenMP pool is now running
+        def child_matmul():
+            b = torch.randn(500, 500)
+            return float((b @ b).abs().sum() > 0), torch.get_num_threads()
+        print(workbench.launch(child_matmul, 2, timeout=60))
+    """, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[(1.0, 1), (1.0, 1)]"
+
+
+def _nested():
+    inner = workbench.launch(workbench.rank, 2)
+    return inner
+
+
+def test_launch_inside_a_rank_runs_in_process():
+    assert workbench.launch(_nested, 2) == [[0], [1]]

@@ -1,0 +1,88 @@
+"""Lessons: every notebook has a paired script in sync with it, and the scripts run under torchrun.
+
+nbval itself (``pytest --nbval notebooks``, part of ``make test``) re-executes every notebook and
+compares the stored outputs; these tests check what nbval cannot: the pairing and the torchrun path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jupytext
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SCRIPTS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py"))
+
+
+def _cells(notebook) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source.strip()) for c in notebook.cells]
+
+
+def test_every_lesson_has_both_files():
+    assert NOTEBOOKS, "no lessons found"
+    assert {p.stem for p in NOTEBOOKS} == {p.stem for p in SCRIPTS}, \
+        "each notebooks/NN_topic.ipynb needs its paired NN_topic.py (make notebook NB=notebooks/NN_topic.py)"
+
+
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_and_script_in_sync(ipynb):
+    script = ipynb.with_suffix(".py")
+    assert _cells(jupytext.read(ipynb)) == _cells(jupytext.read(script)), \
+        f"{ipynb.name} and {script.name} differ: run `make notebook NB=notebooks/{script.name}`"
+
+
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_stored_with_outputs_and_workbench_kernel(ipynb):
+    nb = json.loads(ipynb.read_text())
+    assert nb["metadata"]["kernelspec"]["name"] == "workbench"
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(c.get("execution_count") for c in code), f"{ipynb.name} has cells that were never run"
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in code for o in c.get("outputs", [])), f"{ipynb.name} is stored without a plot"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    return env
+
+
+LESSON_00 = REPO / "notebooks" / "00_launching_ranks.py"
+
+
+def test_lesson_00_script_under_torchrun_standalone():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(LESSON_00)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_torchrun_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("all checks passed") == 2
+
+
+def test_lesson_00_script_across_two_nodes_on_localhost():
+    """The multi-machine path: two torchrun agents, one per 'node', meeting at a master address."""
+    port = str(_free_port())
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(LESSON_00)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_torchrun_env(), cwd=REPO)
+        for node in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    for node, (agent, out) in enumerate(zip(agents, outputs)):
+        assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
+        assert "all checks passed" in out
