@@ -219,3 +219,28 @@ def _nested():
 
 def test_launch_inside_a_rank_runs_in_process():
     assert workbench.launch(_nested, 2) == [[0], [1]]
+
+
+def test_fork_after_cuda_was_initialised_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA was already initialised.*start_method='spawn'"):
+        workbench.launch(_sum_of_ranks, 2, args=(1.0,))
+
+
+def test_launches_from_two_processes_at_once_do_not_collide():
+    """Two notebooks launching at the same moment: each launch gets its own free port."""
+    code = """
+        import workbench, torch, torch.distributed as dist
+        def work(k):
+            t = torch.full((1000,), float(workbench.rank() + k))
+            dist.all_reduce(t)
+            return t[0].item()
+        print([workbench.launch(work, 2, args=(k,))[0] for k in range(5)])
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert out.strip() == "[1.0, 3.0, 5.0, 7.0, 9.0]"
