@@ -1,0 +1,194 @@
+"""The one training loop every strategy runs: :func:`train` (inside a rank), :func:`summarize`.
+
+Fairness is the point of sharing the loop. For every strategy:
+
+* the model is built from the same seed (``torch.manual_seed(seed)`` then ``GPT(config)``), so
+  every rank and every strategy starts from identical weights;
+* step ``i`` trains on the same *global* batch (``workbench.data.get_batch(step=i)``); a
+  distributed strategy's rank r keeps rows ``[r B/N, (r+1) B/N)`` of it;
+* the loss reported for a step is the global mean: the ranks' mean losses all-reduced and
+  divided by N, which equals the single process's mean over the whole batch because every
+  shard holds the same number of tokens;
+* throughput is timed per step with the warm-up steps and the memory-measuring step left out;
+  a step's time is the slowest rank's (the ranks wait for each other in the collectives);
+* memory is measured on one steady-state step (by default the second: Adam's moments exist by
+  then) with :class:`workbench.metrics.MemoryMeter`, which slows the step it watches.
+
+The step itself is the same four lines for every strategy, whatever ``Strategy.wrap`` did::
+
+    _, loss = model(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from workbench import runtime, strategies
+from workbench.data import get_batch, shard_batch
+from workbench.metrics import MemoryMeter, Throughput, model_state_bytes
+from workbench.models import GPT, GPTConfig
+
+__all__ = ["TrainConfig", "train", "summarize", "make_optimizer", "preload"]
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how long. ``batch_size`` is the *global* batch (all ranks together)."""
+
+    model: str = "tiny"  # a GPTConfig preset
+    steps: int = 30
+    batch_size: int = 16
+    block_size: int | None = None  # None: the preset's context length
+    lr: float = 1e-3
+    seed: int = 0
+    warmup: int = 2  # first steps left out of the throughput (allocator and cache warm-up)
+    memory_step: int | None = 1  # the step measured by MemoryMeter (None: no memory measurement)
+
+    def __post_init__(self) -> None:
+        if self.model not in GPTConfig.PRESETS:
+            raise ValueError(f"TrainConfig.model={self.model!r} is not a preset: use one of {sorted(GPTConfig.PRESETS)}")
+        for name in ("steps", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name}={value!r} must be a whole number >= 1")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+            raise ValueError(f"TrainConfig.block_size={self.block_size!r} must be a whole number >= 1 or None")
+        if self.block_size is not None and self.block_size > GPTConfig.PRESETS[self.model]["block_size"]:
+            limit = GPTConfig.PRESETS[self.model]["block_size"]
+            raise ValueError(f"TrainConfig.block_size={self.block_size} is longer than the {self.model!r} model's "
+                             f"context ({limit} tokens): use block_size <= {limit} or a larger preset")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr={self.lr!r} must be > 0")
+        if self.memory_step is not None and not 0 <= self.memory_step < self.steps:
+            self.memory_step = min(1, self.steps - 1)
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig.preset(self.model)
+
+    @property
+    def sequence_length(self) -> int:
+        return self.block_size or GPTConfig.PRESETS[self.model]["block_size"]
+
+    def check_world_size(self, world_size: int) -> None:
+        """ValueError unless the global batch splits evenly over ``world_size`` ranks."""
+        if self.batch_size % world_size:
+            lower = self.batch_size // world_size * world_size
+            raise ValueError(f"batch_size={self.batch_size} does not split evenly over world_size={world_size} "
+                             f"ranks: use a multiple of {world_size} (e.g. {max(lower, world_size)} or "
+                             f"{lower + world_size})")
+
+
+def make_optimizer(params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The optimizer every strategy gets: AdamW without weight decay (decay would not change
+    what is being compared), single-tensor update so every strategy runs the same arithmetic."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+
+
+def preload() -> None:
+    """Do once in the parent what every forked rank would otherwise do again: import what the
+    optimizer and PyTorch's DDP/FSDP pull in on first use (``torch._dynamo`` alone takes about a
+    second) and tokenize the corpus. Ranks forked afterwards inherit it all."""
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    from workbench.data import encoded_corpus
+
+    make_optimizer([torch.zeros(1, requires_grad=True)])
+    encoded_corpus("train")
+
+
+def _global_mean(value: torch.Tensor, world_size: int) -> float:
+    if world_size == 1 or not dist.is_initialized():
+        return float(value)
+    value = value.detach().clone().float()
+    dist.all_reduce(value)
+    return float(value) / world_size
+
+
+def train(strategy: str | strategies.Strategy, config: TrainConfig | None = None) -> dict:
+    """Train with ``strategy`` in this rank (call it through ``workbench.launch``); return its record.
+
+    The record (picklable): ``strategy``, ``rank``, ``world_size``, ``losses`` (global mean per
+    step), ``step_times`` and ``counted`` (per step, whether it counts for throughput),
+    ``tokens_per_step`` and ``samples_per_step`` (this rank's), ``peak_bytes`` and
+    ``peak_by_category`` (MemoryMeter on ``memory_step``), ``model_state`` (model_state_bytes
+    after the memory step's optimizer update, before its gradients are freed) and ``parameters``.
+    Each step is also sent to the parent with ``workbench.report(step, total, loss, strategy)``.
+    """
+    config = config or TrainConfig()
+    if isinstance(strategy, str):
+        strategy = strategies.get(strategy)
+    rank, world = runtime.rank(), runtime.world_size()
+    if not strategy.distributed and world != 1:
+        raise ValueError(f"strategy {strategy.name!r} trains in one process but this launch has world_size={world}: "
+                         "launch it with world_size=1")
+    config.check_world_size(world)
+    device = runtime.device()
+
+    torch.manual_seed(config.seed)
+    model = GPT(config.gpt_config()).to(device)
+    n_params = model.num_parameters()
+    model, optimizer = strategy.wrap(model, functools.partial(make_optimizer, lr=config.lr))
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    clock = Throughput(warmup=config.warmup, sync=sync)
+    losses: list[float] = []
+    peak_bytes, peak_by_category, state = 0, {}, {}
+    T = config.sequence_length
+    for step in range(config.steps):
+        x, y = get_batch("train", config.batch_size, T, step=step, seed=config.seed, device=device)
+        if strategy.distributed:
+            x, y = shard_batch((x, y), rank, world)
+        metered = step == config.memory_step
+        clock.start()
+        with (MemoryMeter(x, y, device=device) if metered else contextlib.nullcontext()) as meter:
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            if metered:
+                state = model_state_bytes(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        clock.stop(samples=x.shape[0], tokens=x.numel(), count=not metered)
+        if metered:
+            peak_bytes, peak_by_category = meter.peak_bytes, meter.peak_by_category
+        losses.append(_global_mean(loss.detach(), world))
+        runtime.report(step=step, total=config.steps, loss=losses[-1], strategy=strategy.name)
+    return {
+        "strategy": strategy.name, "rank": rank, "world_size": world, "distributed": strategy.distributed,
+        "losses": losses, "step_times": clock.step_times, "counted": clock.counted,
+        "tokens_per_step": x.numel(), "samples_per_step": x.shape[0],
+        "peak_bytes": peak_bytes, "peak_by_category": peak_by_category, "model_state": state,
+        "parameters": n_params, "config": asdict(config),
+    }
+
+
+def summarize(ranks: list[dict], reference: list[float] | None = None) -> dict:
+    """One row of the comparison from every rank's :func:`train` record.
+
+    tokens/s is global: all ranks' tokens per step over the slowest rank's step time, summed
+    over the counted steps. ``loss_diff`` is the largest |loss - reference| over the steps.
+    """
+    first = ranks[0]
+    counted = [all(r["counted"][i] for r in ranks) for i in range(len(first["step_times"]))]
+    seconds = sum(max(r["step_times"][i] for r in ranks) for i, c in enumerate(counted) if c)
+    steps = sum(counted)
+    tokens = steps * sum(r["tokens_per_step"] for r in ranks)
+    samples = steps * sum(r["samples_per_step"] for r in ranks)
+    row = {
+        "strategy": first["strategy"], "world_size": first["world_size"],
+        "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+        "samples_per_s": samples / seconds if seconds > 0 else float("nan"),
+        "step_seconds": seconds / steps if steps else float("nan"),
+        "peak_bytes": [r["peak_bytes"] for r in ranks],
+        "peak_by_category": [r["peak_by_category"] for r in ranks],
+        "model_state": [r["model_state"] for r in ranks],
+        "losses": first["losses"], "final_loss": first["losses"][-1], "parameters": first["parameters"],
+        "loss_diff": None,
+    }
+    if reference is not None:
+        n = min(len(reference), len(first["losses"]))
+        row["loss_diff"] = max(abs(a - b) for a, b in zip(first["losses"][:n], reference[:n]))
+    return row
