@@ -1,0 +1,72 @@
+"""Collectives written by hand from point-to-point messages: the only door strategies talk through.
+
+Same names, signatures and in-place semantics as ``torch.distributed``, plus ``algorithm=``::
+
+    from workbench import comm
+    comm.all_reduce(t)                                   # torch.distributed.all_reduce ("native")
+    comm.all_reduce(t, algorithm="ring")                 # ours, from isend/irecv
+    h = comm.all_reduce(t, algorithm="ring", async_op=True); ...; h.wait()
+    with comm.counters() as c:
+        comm.all_gather(outs, t, algorithm="bruck")
+    print(c.table())
+
+=================  ========================================================================
+collective         algorithms (``comm.ALGORITHMS[name]``; default ``"native"`` everywhere)
+=================  ========================================================================
+broadcast          native, flat, binomial, scatter_allgather
+reduce             native, flat, binomial
+all_reduce         native, reduce_broadcast, ring, recursive_doubling, rabenseifner
+scatter, gather    native, flat, binomial
+all_gather         native, ring, recursive_doubling, bruck
+reduce_scatter     native, ring, recursive_halving
+=================  ========================================================================
+
+Every algorithm works for every group size (recursive doubling/halving fold non-powers of two
+in and out), every tensor size (uneven, smaller than the group, empty), ``ReduceOp`` SUM,
+PRODUCT, MIN, MAX and AVG (floating point only, as a SUM then a division), the dtypes gloo
+reduces, non-contiguous tensors, and sub-groups from ``torch.distributed.new_group``. As in torch,
+``src``/``dst`` are global ranks and ``group_src``/``group_dst`` ranks inside ``group``; a rank that
+is not in ``group`` does nothing and returns None. Each algorithm's docstring gives its
+alpha-beta cost and draws its messages.
+
+``async_op=True`` returns a handle with ``wait()`` and ``is_completed()`` (see
+:mod:`workbench.comm.work`); hand-written collectives then run, in issue order, on one background
+communication thread per process.
+
+Where things are: one module per collective (``broadcast.py``, ``reduce.py``, ``all_reduce.py``,
+``scatter_gather.py``, ``all_gather.py``, ``reduce_scatter.py``) holds its algorithms and its public
+function; ``group.py`` the point-to-point layer (group numbering, counted ``isend``/``irecv``,
+block and segment splits, power-of-two folding), ``ops.py`` the reduction operators,
+``checks.py`` the argument checks, ``work.py`` the async handles and the communication thread,
+``counters.py`` the counters, ``dispatch.py`` what runs one call. As in ``torch.distributed``,
+``workbench.comm.all_reduce`` is the *function*; reach a module's algorithms with
+``from workbench.comm.all_reduce import ring`` (``import workbench.comm.all_reduce as m`` would
+give the function).
+"""
+from __future__ import annotations
+
+# The functions share their modules' names (comm.reduce is the function, as in torch.distributed);
+# the modules stay reachable as workbench.comm.<name> in sys.modules and through `from ... import`.
+from workbench.comm.all_gather import ALGORITHMS as _ALL_GATHER, all_gather
+from workbench.comm.all_reduce import ALGORITHMS as _ALL_REDUCE, all_reduce
+from workbench.comm.broadcast import ALGORITHMS as _BROADCAST, broadcast
+from workbench.comm.counters import Counters, Stat, counters
+from workbench.comm.ops import ReduceOp
+from workbench.comm.reduce import ALGORITHMS as _REDUCE, reduce
+from workbench.comm.reduce_scatter import ALGORITHMS as _REDUCE_SCATTER, reduce_scatter
+from workbench.comm.scatter_gather import GATHER_ALGORITHMS as _GATHER, SCATTER_ALGORITHMS as _SCATTER
+from workbench.comm.scatter_gather import gather, scatter
+from workbench.comm.work import Work
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "broadcast": tuple(_BROADCAST),
+    "reduce": tuple(_REDUCE),
+    "all_reduce": tuple(_ALL_REDUCE),
+    "scatter": tuple(_SCATTER),
+    "gather": tuple(_GATHER),
+    "all_gather": tuple(_ALL_GATHER),
+    "reduce_scatter": tuple(_REDUCE_SCATTER),
+}
+
+__all__ = ["broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter",
+           "ALGORITHMS", "ReduceOp", "counters", "Counters", "Stat", "Work"]

@@ -1,0 +1,175 @@
+"""Groups and point-to-point messages: what every hand-written algorithm is built from.
+
+A collective runs on a process group (the default group, or one made by
+``torch.distributed.new_group``). Inside an algorithm every rank is named by its rank *in the
+group* (0 .. p-1), as in the textbooks; :class:`GroupView` translates, and :class:`Comm` sends
+and receives in group numbering with ``torch.distributed.isend/irecv(group_dst=/group_src=)``,
+counting every byte that goes through it. Empty tensors are not sent at all (both sides know the
+size, so both skip the message).
+
+Also here, because several collectives share them: :func:`block_bounds` (split n elements into p
+near-equal blocks), :class:`Fold` (fold a non-power-of-two group onto a power of two, for
+recursive doubling and halving), and :func:`segment_count` / :func:`segment` (cut ring blocks into
+pipeline segments).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GroupView", "Comm", "resolve_group", "block_bounds", "Fold", "segment_count", "segment"]
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A process group seen from this rank: ``rank`` and ``size`` in group numbering."""
+
+    pg: dist.ProcessGroup
+    rank: int
+    size: int
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.pg, group_rank)
+
+    def group_rank(self, global_rank: int) -> int:
+        return dist.get_group_rank(self.pg, global_rank)
+
+
+def resolve_group(group) -> GroupView | None:
+    """The view of ``group`` (None = default group), or None if this rank is not in it."""
+    if not dist.is_initialized():
+        raise RuntimeError("workbench.comm needs an initialised process group: run inside "
+                           "workbench.launch(fn, world_size=...) or under torchrun")
+    if group is None:
+        group = dist.group.WORLD
+    if group == dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group={group!r} is not a ProcessGroup: pass None (every rank) or a group "
+                        "made by torch.distributed.new_group(ranks)")
+    return GroupView(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+class _Done:
+    """The handle of a message that was not sent because it was empty."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Comm:
+    """Point-to-point messages inside one collective call, in group numbering, counted.
+
+    ``bytes_sent`` / ``bytes_received`` add up the payload of every message this rank posted.
+    """
+
+    def __init__(self, view: GroupView) -> None:
+        self.view = view
+        self.pg = view.pg
+        self.rank = view.rank
+        self.size = view.size
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        if tensor.numel() == 0:
+            return _Done()
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        """Receive from ``peer``. Messages with the same (peer, tag) match in posting order."""
+        if tensor.numel() == 0:
+            return _Done()
+        self.bytes_received += tensor.numel() * tensor.element_size()
+        return dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag)
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        self.isend(tensor, peer).wait()
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        self.irecv(tensor, peer).wait()
+
+    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        """Send to ``dst`` and receive from ``src`` at the same time (both posted, then waited)."""
+        r = self.irecv(recv, src)
+        s = self.isend(send, dst)
+        r.wait()
+        s.wait()
+
+
+def block_bounds(numel: int, parts: int) -> list[int]:
+    """Split ``numel`` elements into ``parts`` contiguous blocks as evenly as possible.
+
+    Block ``i`` is ``[bounds[i], bounds[i+1])``; sizes differ by at most one, and blocks are empty
+    when ``numel < parts``. Every rank computes the same bounds, so sizes never need sending.
+    """
+    return [i * numel // parts for i in range(parts + 1)]
+
+
+class Fold:
+    """Fold a group of any size ``p`` onto the largest power of two ``pp <= p``, and back.
+
+    Algorithms that pair ranks by flipping one bit (recursive doubling and halving) need a power
+    of two. The standard fix (Thakur et al. 2005): ``rem = p - pp`` pairs of ranks ``(2i, 2i+1)``
+    for ``i < rem`` merge first ("fold in": the even rank hands its data to the odd one and sits
+    out), the ``pp`` survivors run the algorithm with new ranks ``0..pp-1``, and the odd ranks hand
+    the result back ("fold out")::
+
+        p = 6, pp = 4, rem = 2        rank:      0   1   2   3   4   5
+                                       fold in:  0-->1   2-->3
+                                       new rank:     0       1   2   3
+
+    It costs two extra messages of the whole buffer on the folded pairs.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.pp = 1 << (size.bit_length() - 1)
+        self.rem = size - self.pp
+
+    def new_rank(self, rank: int) -> int | None:
+        """The survivor number of ``rank``, or None if it sits out (an even rank < 2 rem)."""
+        if rank < 2 * self.rem:
+            return rank // 2 if rank % 2 else None
+        return rank - self.rem
+
+    def old_rank(self, new_rank: int) -> int:
+        return 2 * new_rank + 1 if new_rank < self.rem else new_rank + self.rem
+
+    def first_block(self, new_rank: int) -> int:
+        """The first of the original ranks a survivor stands for (they are contiguous)."""
+        return 2 * new_rank if new_rank < self.rem else new_rank + self.rem
+
+
+# Gloo's ring cuts each rank's block into segments of at most 1 MiB, and at least two, so that
+# sending one overlaps reducing another; the ring algorithms here do the same, except that blocks
+# under PIPELINE_BYTES go in one message (there, latency costs more than the overlap saves).
+# Module variables: change them to experiment.
+SEGMENT_BYTES = 1 << 20
+MIN_SEGMENTS = 2
+PIPELINE_BYTES = 256 << 10
+
+
+def segment_count(blocks: list[torch.Tensor]) -> int:
+    """Pipeline segments per block: enough that none exceeds ``SEGMENT_BYTES``, and at least
+    ``MIN_SEGMENTS`` for blocks of ``PIPELINE_BYTES`` or more.
+
+    Every block of a ring is cut into the same number of segments (the largest block decides), so
+    both neighbours agree on every message's size and segment j of any block fits in the same
+    preallocated receive row.
+    """
+    biggest = max(b.numel() for b in blocks)
+    nbytes = biggest * blocks[0].element_size()
+    return max(1, -(-nbytes // SEGMENT_BYTES), MIN_SEGMENTS if nbytes >= PIPELINE_BYTES else 1)
+
+
+def segment(block: torch.Tensor, nseg: int, j: int) -> torch.Tensor:
+    """Segment ``j`` of ``nseg`` of a 1-D ``block`` (sizes differ by at most one element)."""
+    n = block.numel()
+    return block[j * n // nseg:(j + 1) * n // nseg]

@@ -1,0 +1,183 @@
+"""Reduce-scatter: combine every rank's p blocks with ``op``; rank i keeps only block i of the result.
+
+::
+
+    before                       after
+    rank 0: a0 a1 a2 a3          rank 0: a0+b0+c0+d0
+    rank 1: b0 b1 b2 b3          rank 1: a1+b1+c1+d1
+    rank 2: c0 c1 c2 c3          rank 2: a2+b2+c2+d2
+    rank 3: d0 d1 d2 d3          rank 3: a3+b3+c3+d3
+
+Algorithms (n = bytes of one rank's whole input, p ranks):
+
+* ``ring``: p-1 steps; each rank passes a partial sum to the right, which adds its own block and
+  passes it on. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``; pipelined in segments <= 1 MiB.
+* ``recursive_halving``: lg p steps; partners ``rank xor 2^k`` swap half of what is left and
+  each keeps (and reduces) the other half. ``lg p alpha + ((p-1)/p) n (beta + gamma)`` for a
+  power of two; other sizes fold in and out (:class:`~workbench.comm.group.Fold`).
+* ``native``: ``torch.distributed.reduce_scatter``.
+
+``AVG`` reduces with ``SUM`` and divides the kept block by p.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from workbench.comm import checks, ops
+from workbench.comm.dispatch import nbytes, run_algorithm, run_native
+from workbench.comm.group import Comm, Fold, resolve_group, segment, segment_count
+
+ReduceOp = dist.ReduceOp
+
+# Receive rows in flight in the ring reduce-scatter (segments of at most 1 MiB each): gloo keeps 2.
+RECV_WINDOW = 4
+
+
+def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right: int, left: int,
+                        on_reduced: Callable[[int], None] | None = None) -> None:
+    """Ring reduce-scatter of ``blocks`` (1-D tensors, one per ring position, reduced in place);
+    block ``me`` ends fully reduced.
+
+    At step s the rank at position ``me`` sends its partial block ``me - s - 1`` to the right and
+    receives block ``me - s - 2`` from the left, which it reduces into its own copy::
+
+        p = 4, step 0:  0 --a3--> 1 --b0--> 2 --c1--> 3 --d2--> 0
+               step 1:  0 --a2+d2--> 1 --b3+a3--> 2 --c0+b0--> 3 --d1+c1--> 0
+               step 2:  ... after p-1 steps rank i holds block i reduced over all ranks
+
+    Pipelining: each block is cut into segments (<= 1 MiB). Receives land in a small preallocated
+    ring of ``RECV_WINDOW`` rows (at most a few MiB, whatever the message size, and warm in
+    cache); as soon as a segment arrives it is reduced in place (``add_``) and sent on as the
+    next step's segment, and its row takes the next receive, while later segments are still in
+    flight: the network and the adder work at the same time. Other blocks of ``buf`` end up
+    holding partial results. ``on_reduced(j)`` is called as soon as segment j of block ``me`` is
+    final (ring all-reduce starts its all-gather there).
+    """
+    p = len(blocks)
+    if p == 1:
+        return
+    nseg = segment_count(blocks)
+    rows = min(RECV_WINDOW, (p - 1) * nseg)
+    tmp = blocks[0].new_empty(rows, -(-max(b.numel() for b in blocks) // nseg))
+    seg = lambda block, j: segment(blocks[block % p], nseg, j)  # noqa: E731
+
+    # Receives, in the order the left neighbour sends them: (step s, segment j), s-major.
+    order = [(s, j) for s in range(p - 1) for j in range(nseg)]
+
+    def post(k: int):
+        s, j = order[k]
+        return c.irecv(tmp[k % rows, :seg(me - s - 2, j).numel()], left)
+
+    recvs = [post(k) for k in range(rows)]  # receives first: gloo sends once the receiver is ready
+    sends = [c.isend(seg(me - 1, j), right) for j in range(nseg)]
+    for k, (s, j) in enumerate(order):
+        recvs[k % rows].wait()
+        piece = seg(me - s - 2, j)
+        ops.reduce_into(piece, tmp[k % rows, :piece.numel()], op)
+        if k + rows < len(order):
+            recvs[k % rows] = post(k + rows)
+        if s < p - 2:
+            sends.append(c.isend(piece, right))
+        elif on_reduced is not None:
+            on_reduced(j)
+    for h in sends:
+        h.wait()
+
+
+def halving_reduce_scatter(c: Comm, buf: torch.Tensor, units: list[int], op, me: int, real) -> None:
+    """Recursive halving over ``len(units) - 1`` (a power of two) units of ``buf``.
+
+    Unit i is ``buf[units[i]:units[i+1]]``. At each step the survivor ``me`` and its partner
+    ``me xor mask`` (mask = pp/2, pp/4, ..., 1) split the units they are still responsible for:
+    the one with the bit set keeps the upper half, sends the lower half, and reduces what it
+    receives into the half it keeps::
+
+        pp = 4, step 0:  0 <-> 2, 1 <-> 3  (swap halves: 0,1 keep units 0-1, 2,3 keep units 2-3)
+                step 1:  0 <-> 1, 2 <-> 3  (swap quarters: survivor i keeps unit i)
+
+    ``real(new_rank)`` gives a survivor's rank in the group.
+    """
+    pp = len(units) - 1
+    lo, hi, mask = 0, pp, pp // 2
+    tmp = None
+    while mask >= 1:
+        mid, partner = lo + mask, me ^ mask
+        keep, give = ((mid, hi), (lo, mid)) if me & mask else ((lo, mid), (mid, hi))
+        k0, k1 = units[keep[0]], units[keep[1]]
+        if tmp is None:  # the first kept half is the largest
+            tmp = buf.new_empty(max(units[mid] - units[lo], units[hi] - units[mid]))
+        incoming = tmp[:k1 - k0]
+        c.sendrecv(buf[units[give[0]]:units[give[1]]], real(partner), incoming, real(partner))
+        ops.reduce_into(buf[k0:k1], incoming, op)
+        lo, hi = keep
+        mask //= 2
+
+
+def ring(c: Comm, full: torch.Tensor, m: int, op) -> None:
+    """Ring: see :func:`ring_reduce_scatter`. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``."""
+    p, r = c.size, c.rank
+    blocks = [full[i * m:(i + 1) * m] for i in range(p)]
+    ring_reduce_scatter(c, blocks, op, me=r, right=(r + 1) % p, left=(r - 1) % p)
+
+
+def recursive_halving(c: Comm, full: torch.Tensor, m: int, op) -> None:
+    """Recursive halving, folded for non-powers of two::
+
+        p = 3:  fold in   0 --a0 a1 a2--> 1        (1 reduces it into its own input)
+                halving   1 <-> 2 (new ranks 0, 1): 1 keeps blocks 0-1, 2 keeps block 2
+                fold out  1 --block 0--> 0
+
+    Power of two: ``lg p alpha + ((p-1)/p) n (beta + gamma)``.
+    """
+    fold, r = Fold(c.size), c.rank
+    if r < 2 * fold.rem:  # fold in: the even rank hands its whole input to the odd one
+        if r % 2 == 0:
+            c.send(full, r + 1)
+        else:
+            tmp = torch.empty_like(full)
+            c.recv(tmp, r - 1)
+            ops.reduce_into(full, tmp, op)
+    me = fold.new_rank(r)
+    if me is not None:  # survivor i answers for the blocks of the ranks it stands for
+        units = [fold.first_block(i) * m for i in range(fold.pp)] + [c.size * m]
+        halving_reduce_scatter(c, full, units, op, me, fold.old_rank)
+    if r < 2 * fold.rem:  # fold out: the odd rank hands the even one its block
+        if r % 2:
+            c.send(full[(r - 1) * m:r * m], r - 1)
+        else:
+            c.recv(full[r * m:(r + 1) * m], r + 1)
+
+
+ALGORITHMS = {"native": None, "ring": ring, "recursive_halving": recursive_halving}
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=ReduceOp.SUM, group=None,
+                   async_op: bool = False, algorithm: str = "native"):
+    """Like ``torch.distributed.reduce_scatter``: ``output`` on rank i receives
+    ``op`` over every rank's ``input_list[i]``. ``input_list`` is not modified."""
+    checks.check_algorithm("reduce_scatter", algorithm, ALGORITHMS)
+    checks.check_tensor(output, "output")
+    checks.check_op("reduce_scatter", op, output.dtype, algorithm)
+    view = resolve_group(group)
+    if view is None:
+        checks.warn_not_in_group("reduce_scatter")
+        return None
+    checks.check_list(input_list, "input_list", view.size, output, "output")
+    if algorithm == "native":
+        moved = (view.size - 1) * nbytes(output)
+        return run_native("reduce_scatter",
+                          lambda a: dist.reduce_scatter(output, list(input_list), op=op, group=view.pg, async_op=a),
+                          sent=moved, received=moved, async_op=async_op)
+    algo, m = ALGORITHMS[algorithm], output.numel()
+
+    def body(c: Comm) -> None:
+        full = torch.cat([t.reshape(-1) for t in input_list]) if m else output.new_empty(0)
+        algo(c, full, m, ops.combining_op(op))
+        mine = full[c.rank * m:(c.rank + 1) * m]
+        ops.finish_avg(mine, op, c.size)
+        output.copy_(mine.view(output.shape))
+
+    return run_algorithm("reduce_scatter", algorithm, view, body, async_op)
