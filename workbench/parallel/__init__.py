@@ -1,0 +1,5 @@
+"""Parallel training strategies, one file each (see DESIGN.md)."""
+from workbench.parallel.dp import DataParallel
+from workbench.parallel.ddp import DistributedDataParallel
+from workbench.parallel.fsdp import FullyShardedDataParallel
+from workbench.parallel.zero import ShardedOptimizer, zero

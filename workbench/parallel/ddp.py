@@ -1,0 +1,354 @@
+"""DistributedDataParallel: one process per replica, gradients averaged by bucketed all-reduces.
+
+The algorithm (Li et al., "PyTorch Distributed", VLDB 2020), as this file runs it::
+
+    construction   broadcast every parameter and buffer from rank 0 (all replicas start equal)
+                   group the trainable parameters into buckets (workbench.parallel.buckets):
+                   reverse parameter order, ~bucket_cap_mb each, a 1 MB first bucket;
+                   each bucket is one flat buffer and param.grad is a view into it
+                   register a post-accumulate-grad hook on every trainable parameter
+    forward        broadcast the buffers from rank 0 (BatchNorm statistics), run the module
+    backward       autograd accumulates a gradient into param.grad (= the bucket view), then
+                   calls our hook: when the bucket's last gradient has arrived, the bucket is
+                   ready; ready buckets are launched *in bucket order* (every rank must issue
+                   the same collectives in the same order): buffer /= world, async all-reduce
+    end of backward  an autograd-engine callback waits for every all-reduce: param.grad now
+                   holds the average over ranks, and optimizer.step() may run
+
+Because the all-reduce of the first buckets runs while autograd still computes the gradients of
+earlier layers, part of the communication is hidden behind backward (``overlap=True``). With
+``overlap=False`` every bucket is launched after backward, the simple and slow baseline.
+
+Cost per step (``psi`` parameters, 4-byte gradients, ``k`` buckets, ``p`` ranks, ring
+all-reduce): ``2(p-1) k alpha + 2 (p-1)/p 4 psi beta``, minus whatever overlaps with backward.
+Memory: the gradient buffers are the ``4 psi`` bytes of gradients themselves (``param.grad`` is
+a view), so DDP adds no gradient memory over single-process training.
+
+Everything crosses between ranks through ``workbench.comm`` (the ``algorithm`` argument picks
+the all-reduce), so ``algorithm="ring"`` trains with the hand-written ring.
+
+Features and their PyTorch names
+--------------------------------
+``no_sync()``             skip the all-reduce; gradients accumulate locally (in the buckets)
+                          until a backward outside the context, which averages the sum.
+``find_unused_parameters``  parameters that got no gradient are filled with zeros at the end of
+                          backward, so their bucket can still be reduced; a parameter unused on
+                          *every* rank keeps ``.grad = None`` (one extra small all-reduce tells
+                          which), as PyTorch does. Without the flag an unused parameter is an
+                          error that names it.
+``finish_gradient_synchronization()``  waits for the all-reduces; runs by itself at the end of
+                          backward, and is safe to call again.
+``events``                per step and bucket: ready time, all-reduce start and end
+                          (``time.perf_counter`` seconds), for the timeline plot. An end time
+                          is when completion was first seen (polled at every gradient hook,
+                          then waited for in order), so it is late by at most one hook.
+
+Differences from PyTorch's C++ ``Reducer``: buckets are not rebuilt after the first iteration
+from the observed gradient order, and a bucket holding a locally unused parameter waits for the
+end of backward (PyTorch finds unused parameters by walking the graph after forward).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import deque
+from numbers import Real
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from workbench import comm
+from workbench.parallel.buckets import FIRST_BUCKET_BYTES, MB, Bucket, assign_buckets
+
+__all__ = ["DistributedDataParallel"]
+
+_now = time.perf_counter
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` so that ``loss.backward()`` leaves every rank with the averaged gradient.
+
+    Arguments mirror ``torch.nn.parallel.DistributedDataParallel``:
+
+    * ``bucket_cap_mb``: bucket size in MiB (25 by default; the first bucket is at most 1 MiB;
+      0 gives one bucket, hence one all-reduce, per parameter).
+    * ``overlap``: launch each bucket's all-reduce from the backward hooks as soon as it is
+      ready (True), or all of them after backward (False).
+    * ``algorithm``: the ``workbench.comm`` all-reduce algorithm (``"native"`` = torch.distributed).
+    * ``process_group``: the group to average over (None: the default group).
+    * ``find_unused_parameters``: allow parameters that receive no gradient in a step.
+    * ``broadcast_buffers``: broadcast buffers from rank 0 before forward (PyTorch's default).
+
+    Call it inside a rank (``workbench.launch``, ``torchrun``): the process group must exist.
+    """
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, overlap: bool = True,
+                 algorithm: str = "native", process_group=None, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module={module!r} must be an nn.Module")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, Real) or not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB >= 0 "
+                             "(25 is PyTorch's default; 0 means one all-reduce per parameter)")
+        for name, flag in (("overlap", overlap), ("find_unused_parameters", find_unused_parameters),
+                           ("broadcast_buffers", broadcast_buffers)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r} must be True or False")
+        known = getattr(comm, "ALGORITHMS", None)
+        names = known.get("all_reduce", known) if isinstance(known, dict) else known
+        if names is not None and algorithm not in names:
+            raise ValueError(f"algorithm={algorithm!r} is not an all-reduce algorithm of workbench.comm: "
+                             f"use one of {sorted(names)}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DistributedDataParallel needs a process group: create it inside a rank, "
+                               "e.g. workbench.launch(train, world_size=2), or run the script under torchrun")
+
+        self.module = module
+        self.process_group = process_group
+        self.algorithm = algorithm
+        self.overlap = overlap
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.world_size = dist.get_world_size(process_group)
+        self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+
+        # module.named_parameters() yields a tied tensor once, under its first name
+        named = [(n, p) for n, p in module.named_parameters()]
+        self._module_buffers = [b for b in module.buffers()]
+        self._sync_module_states([p.detach() for _, p in named] + self._module_buffers)
+
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        self._params = [p for _, p in trainable]
+        self._param_names = [n for n, _ in trainable]
+        cap = int(self.bucket_cap_mb * MB)
+        assignment = assign_buckets(self._params, cap, FIRST_BUCKET_BYTES)
+        self.buckets: list[Bucket] = []
+        self._slot: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, slot, param index)
+        for b, indices in enumerate(assignment):
+            bucket = Bucket(b, [self._params[i] for i in indices], [self._param_names[i] for i in indices])
+            self.buckets.append(bucket)
+            for s, i in enumerate(indices):
+                self._slot[id(self._params[i])] = (b, s, i)
+                if self._params[i].grad is not None:  # keep an existing gradient, now in the bucket
+                    bucket.adopt_grad(s)
+
+        # per-step state
+        self._sync_enabled = True            # False inside no_sync()
+        self._expect_sync = False            # set by forward: the next backward must all-reduce
+        self._require_forward_buffer_sync = True  # PyTorch's require_forward_param_sync
+        self._in_backward = False            # a synchronising backward is running / unfinished
+        self._ready = [False] * len(self._params)
+        # which parameters got a gradient since the last synchronisation (for find_unused_parameters)
+        used_device = self._params[0].device if self._params else torch.device("cpu")
+        self._locally_used = torch.zeros(len(self._params), dtype=torch.int32, device=used_device)
+        self._next_bucket = 0
+        self._inflight: list = []            # (handle, event record) of unfinished all-reduces
+        self._step = 0
+        self._current: dict | None = None
+        self.events: deque[dict] = deque(maxlen=64)  # the last steps' bucket timings
+
+        me = weakref.ref(self)  # hooks must not keep a dropped wrapper alive
+
+        def hook(param: torch.Tensor) -> None:
+            ddp = me()
+            if ddp is not None:
+                ddp._on_grad_ready(param)
+
+        self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
+
+    # ------------------------------------------------------------------------ construction
+
+    def _sync_module_states(self, tensors: list[torch.Tensor]) -> None:
+        """Broadcast ``tensors`` from rank 0, coalesced into one flat buffer per dtype/device."""
+        if self.world_size == 1 or not tensors:
+            return
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group in groups.values():
+                flat = _flatten_dense_tensors(group)
+                comm.broadcast(flat, src=self._src, group=self.process_group)
+                for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+                    t.copy_(synced)
+
+    # ------------------------------------------------------------------------------ forward
+
+    def forward(self, *inputs, **kwargs):
+        if self.broadcast_buffers and self._require_forward_buffer_sync and self._module_buffers:
+            self._sync_module_states([b for b in self.module.buffers()])
+        syncing = torch.is_grad_enabled() and self._sync_enabled
+        self._expect_sync = syncing
+        self._require_forward_buffer_sync = syncing  # PyTorch skips the next buffer sync after no_sync
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally: backward inside this context all-reduces nothing.
+
+        ``with ddp.no_sync(): ddp(x1).sum().backward()`` then ``ddp(x2).sum().backward()``
+        outside it leaves the average over ranks of the summed micro-batch gradients, at the
+        communication cost of one step instead of two.
+        """
+        old = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    # ---------------------------------------------------------------------------- backward
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: ``param.grad`` is final for this backward."""
+        b, s, i = self._slot[id(param)]
+        bucket = self.buckets[b]
+        bucket.adopt_grad(s)  # the gradient now lives in the bucket, also under no_sync
+        self._locally_used[i] = 1
+        if not self._expect_sync:
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        self._poll_completions()
+        if self._ready[i]:
+            raise RuntimeError(f"DistributedDataParallel: parameter {self._param_names[i]!r} received a second "
+                               "gradient in one backward (backward through the same forward twice?). "
+                               "Run forward again before each backward.")
+        self._ready[i] = True
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._current["buckets"][b]["ready"] = _now()
+            if self.overlap:
+                self._launch_ready_buckets()
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._ready = [False] * len(self._params)
+        self._next_bucket = 0
+        for bucket in self.buckets:
+            bucket.reset()
+        self._current = {"step": self._step, "backward_start": _now(), "backward_end": None,
+                         "buckets": [{"bucket": bk.index, "bytes": bk.nbytes, "params": len(bk.params),
+                                      "ready": None, "start": None, "end": None} for bk in self.buckets]}
+        self.events.append(self._current)
+        # run finish_gradient_synchronization when the autograd engine has finished this backward
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._current["backward_end"] = _now()
+        self.finish_gradient_synchronization()
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch ready buckets in bucket order, so every rank issues the same sequence."""
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            bucket = self.buckets[self._next_bucket]
+            record = self._current["buckets"][bucket.index]
+            record["start"] = _now()
+            bucket.buffer.mul_(1.0 / self.world_size)  # average = sum of grad * (1/world), as PyTorch
+            bucket.handle = comm.all_reduce(bucket.buffer, op=comm.ReduceOp.SUM, group=self.process_group,
+                                            async_op=True, algorithm=self.algorithm)
+            self._inflight.append((bucket.handle, record))
+            self._next_bucket += 1
+
+    def _poll_completions(self) -> None:
+        """Stamp the end time of all-reduces that have finished (checked at every hook)."""
+        if self._inflight:
+            now = _now()
+            still = []
+            for handle, record in self._inflight:
+                if handle.is_completed():
+                    record["end"] = now
+                else:
+                    still.append((handle, record))
+            self._inflight = still
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait until every gradient is averaged over the ranks. Idempotent.
+
+        Runs by itself at the end of each backward (an autograd-engine callback), so the usual
+        ``loss.backward(); optimizer.step()`` is correct without calling it.
+        """
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        self._expect_sync = False
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        was_none = {i: self._params[i].grad is None for i in missing}
+        for i in missing:  # unused in this backward: contribute zeros (or the accumulated gradient)
+            b, s, _ = self._slot[id(self._params[i])]
+            self.buckets[b].adopt_grad(s)
+            self._ready[i] = True
+            self.buckets[b].pending -= 1
+            self._current["buckets"][b]["ready"] = self._current["buckets"][b]["ready"] or _now()
+        self._poll_completions()
+        self._launch_ready_buckets()  # the rest (all of them when overlap=False)
+        used = None
+        if self.find_unused_parameters:  # after the buckets, so every rank keeps the same order
+            used = self._locally_used.clone()
+            comm.all_reduce(used, op=comm.ReduceOp.SUM, group=self.process_group)
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            record = self._current["buckets"][bucket.index]
+            record["end"] = record["end"] or _now()
+            bucket.handle = None
+        self._inflight = []
+        self._locally_used.zero_()
+        self._step += 1
+        if missing and not self.find_unused_parameters:
+            names = [self._param_names[i] for i in missing]
+            more = f" (and {len(names) - 1} more: {', '.join(names[1:4])}{', ...' if len(names) > 4 else ''})" \
+                if len(names) > 1 else ""
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {names[0]!r}{more} received no gradient in this backward "
+                "pass. Every trainable parameter must take part in the loss: pass find_unused_parameters=True "
+                "to DistributedDataParallel, or set requires_grad=False on the parameters you do not train.")
+        if used is not None and missing:
+            used = used.tolist()
+            for i in missing:
+                if used[i] == 0 and was_none[i]:
+                    self._params[i].grad = None  # unused on every rank: no gradient, as without DDP
+
+    # ----------------------------------------------------------------------------- reports
+
+    def timeline_events(self, steps: int | None = None, origin: float = 0.0) -> list[dict]:
+        """The recorded steps as ``workbench.plots.timeline`` events, in seconds from ``origin``.
+
+        Lanes: ``"backward"`` (first gradient ready to end of backward) and ``"all-reduce"``
+        (one box per bucket, ``b0``, ``b1``, ..., launch to completion). ``steps``: how many of
+        the last steps (default all recorded). Times are ``time.perf_counter()`` readings, one
+        clock for every process of a machine, so events gathered from all ranks line up.
+        """
+        recorded = list(self.events)[-steps:] if steps else list(self.events)
+        rank = dist.get_rank(self.process_group)
+        out = []
+        for step in recorded:
+            if step["backward_end"] is not None:
+                out.append({"rank": rank, "lane": "backward", "name": "backward", "step": step["step"],
+                            "start": step["backward_start"] - origin, "end": step["backward_end"] - origin})
+            for bk in step["buckets"]:
+                if bk["start"] is not None and bk["end"] is not None:
+                    out.append({"rank": rank, "lane": "all-reduce", "name": f"b{bk['bucket']}", "step": step["step"],
+                                "start": bk["start"] - origin, "end": bk["end"] - origin})
+        return out
+
+    def hidden_communication_fraction(self, steps: int | None = None) -> float:
+        """Share of all-reduce time that ran while backward was still computing (0 to 1)."""
+        recorded = list(self.events)[-steps:] if steps else list(self.events)
+        hidden = total = 0.0
+        for step in recorded:
+            end_bwd = step["backward_end"]
+            for bk in step["buckets"]:
+                if bk["start"] is None or bk["end"] is None or end_bwd is None:
+                    continue
+                total += bk["end"] - bk["start"]
+                hidden += max(0.0, min(bk["end"], end_bwd) - bk["start"])
+        return hidden / total if total > 0 else 0.0
+
+    def extra_repr(self) -> str:
+        return (f"buckets={len(self.buckets)}, bucket_cap_mb={self.bucket_cap_mb:g}, overlap={self.overlap}, "
+                f"algorithm={self.algorithm!r}, world_size={self.world_size}")
