@@ -1,0 +1,442 @@
+"""ZeRO-3, FSDP-style: every rank keeps 1/N of the parameters, gathering each unit just in time.
+
+ZeRO-1 and ZeRO-2 (:mod:`workbench.parallel.zero`) shard the optimizer state and the gradients
+but still keep every parameter on every rank (``4 psi`` bytes in float32). ZeRO-3
+(Rajbhandari et al. 2020), which PyTorch calls *Fully Sharded Data Parallel*, shards the
+parameters too, so the whole model state costs ``16 psi / N`` bytes per rank with Adam.
+
+Units and flat shards
+---------------------
+The model is cut into **units**: each block of ``module.blocks`` (or ``module.layers``) is one
+unit, and everything else (embeddings, final norm, head) is the *root* unit. A unit's
+parameters are flattened into one vector of ``n`` elements, padded with zeros to
+``N * ceil(n / N)`` so it splits evenly, and rank ``r`` keeps only chunk ``r``::
+
+    unit "blocks.0":  [ c_attn.weight | c_attn.bias | ... | mlp.c_proj.bias | pad ]
+                      [ rank 0's shard  |  rank 1's shard  | ... | rank N-1's     ]
+
+The shards are the wrapper's only parameters: ``model.parameters()`` yields one float32 tensor
+per unit, and an ordinary ``torch.optim`` optimizer built on them keeps state for the local
+shards only. The original ``nn.Parameter`` objects are removed from the wrapped module.
+
+One training step
+-----------------
+::
+
+    forward   root:   all-gather -> ... (root stays gathered while the blocks run)
+              unit k: wait for its all-gather, start unit k+1's (prefetch), run, free
+              root:   run the head, free
+    backward  root:   all-gather again (the head needs its weight), prefetch the last block
+              unit k: all-gather (already prefetched), start unit k-1's, backward through the
+                      unit, free, reduce-scatter its gradient (asynchronous)
+    end       wait for the reduce-scatters, each rank adds its gradient shard (float32)
+
+How the gathered weights reach backward without being kept: the wrapper runs the forward under
+:func:`torch.autograd.graph.saved_tensors_hooks`. When autograd wants to save a tensor that
+lives in a gathered unit (``F.linear`` saves its weight for the input gradient), the *pack* hook
+stores only where it lives (unit, offset, shape, strides); the *unpack* hook, called when
+backward needs it, all-gathers the unit again and returns the same view of the new buffer. So a
+unit's full parameters exist only while its forward or its backward runs.
+
+A unit's gradient: the gathered flat tensor comes out of :class:`_GatherParams`, an autograd
+function whose backward receives the gradient of the *whole* flat tensor once backward is done
+with the unit. It starts a reduce-scatter of it (asynchronous, so the next unit's backward
+overlaps it) and frees the unit; ``finish_gradient_synchronization()``, queued to run when the
+autograd engine finishes, waits for them and averages the shards into ``shard.grad``.
+
+Cost per step, per rank (``psi`` parameters, ring algorithms, ``beta`` seconds per byte)::
+
+    all-gather forward      (N-1)/N psi elements
+    all-gather backward     (N-1)/N psi
+    reduce-scatter grads    (N-1)/N psi      total 3 (N-1)/N psi: 1.5x DDP's all-reduce
+
+Memory per rank (float32 Adam): ``16 psi / N`` of model state (parameters, gradients and Adam's
+two moments, each sharded), plus the gathered units: at most the root and two blocks (the one
+running and the one prefetched) at any moment.
+
+``compute_dtype`` (``torch.bfloat16``, ``torch.float16``): the shards stay float32 master
+weights and the optimizer steps them in float32, but each unit is cast before its all-gather, so
+the gather, the forward and backward compute, and the gradient reduce-scatter all run in the
+compute dtype (half the bytes on the wire); floating-point inputs are cast on the way in.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workbench import comm
+
+__all__ = ["FullyShardedDataParallel", "find_units"]
+
+
+def find_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The sub-modules that become units of their own: each child of ``module.blocks`` (or of
+    ``module.layers``) that has parameters, with its name. Everything else is the root unit."""
+    for attr in ("blocks", "layers"):
+        container = getattr(module, attr, None)
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            return [(f"{attr}.{name}", child) for name, child in container.named_children()
+                    if any(True for _ in child.parameters())]
+    return []
+
+
+@dataclass
+class _Saved:
+    """What the pack hook keeps instead of a tensor that lives in a gathered unit."""
+
+    unit: "_Unit"
+    offset: int
+    size: torch.Size
+    stride: tuple
+
+
+class _Unit:
+    """One unit: its parameters as one flat, padded vector, of which this rank keeps a shard.
+
+    ``uses[i]`` lists every ``(submodule, attribute, name)`` through which parameter ``i`` was
+    reachable (a tied weight has several); gathering sets each of them to a view of the
+    gathered buffer, freeing sets them back to ``None``.
+    """
+
+    def __init__(self, name: str, params: list[nn.Parameter], uses: list[list[tuple[nn.Module, str, str]]],
+                 rank: int, world: int, group, compute_dtype: torch.dtype | None):
+        self.name = name
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.uses = uses
+        self.numel = sum(self.numels)
+        self.world = world
+        self.group = group
+        self.shard_numel = math.ceil(self.numel / world)
+        self.padded_numel = self.shard_numel * world
+        self.dtype = compute_dtype or params[0].dtype
+        with torch.no_grad():
+            flat = torch.zeros(self.padded_numel, dtype=params[0].dtype, device=params[0].device)
+            torch.cat([p.detach().reshape(-1) for p in params], out=flat[:self.numel])
+            lo = rank * self.shard_numel
+            self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone())
+        self.full: torch.Tensor | None = None      # the gathered flat buffer while unsharded
+        self._gathering: tuple | None = None        # (buffer, work handle, start time) in flight
+
+    # -- gathering ------------------------------------------------------------------------
+    def start_all_gather(self) -> None:
+        """Issue this unit's all-gather asynchronously (no-op if gathered or in flight)."""
+        if self.full is not None or self._gathering is not None:
+            return
+        buffer = torch.empty(self.padded_numel, dtype=self.dtype, device=self.shard.device)
+        local = self.shard.detach().to(self.dtype)
+        work = comm.all_gather(list(buffer.chunk(self.world)), local, group=self.group, async_op=True)
+        self._gathering = (buffer, work, time.perf_counter())
+
+    def wait_all_gather(self, owner: "FullyShardedDataParallel") -> torch.Tensor:
+        """The gathered flat buffer, issuing and/or waiting for the all-gather as needed."""
+        if self.full is None:
+            self.start_all_gather()
+            buffer, work, start = self._gathering
+            work.wait()
+            owner._event("comm", "all-gather", self, start)
+            self._gathering = None
+            self.full = buffer
+        return self.full
+
+    def set_views(self, flat: torch.Tensor) -> None:
+        """Point every use of every parameter at its slice of ``flat`` (``None``: detach them)."""
+        for i, uses in enumerate(self.uses):
+            view = None if flat is None else flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
+            for module, attr, _ in uses:
+                setattr(module, attr, view)
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+
+class _GatherParams(torch.autograd.Function):
+    """Identity on the unit's gathered buffer in forward; in backward, hands the gradient of the
+    whole unit to :meth:`FullyShardedDataParallel._reduce_scatter` (which starts the
+    reduce-scatter) and returns no gradient: the shard's ``.grad`` is filled when the
+    reduce-scatter is waited on, at the end of backward."""
+
+    @staticmethod
+    def forward(ctx, shard, full, unit, owner):
+        ctx.unit, ctx.owner = unit, owner
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        ctx.owner._reduce_scatter(ctx.unit, grad_full)
+        return None, None, None, None
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3: parameters, gradients and (through the optimizer) optimizer state sharded per unit.
+
+    ``module``: the model, identically initialised on every rank. Each child of
+    ``module.blocks`` (or ``module.layers``) is a unit, the rest is the root unit (see the
+    module docstring). A tensor shared by two units (for example a weight tied between a block
+    and the head) cannot live in two flat shards and is refused with a ValueError; a weight
+    tied inside one unit (GPT's embedding and head, both in the root) is fine.
+
+    ``compute_dtype``: floating dtype for communication and compute (``None``: the parameters'
+    own dtype). Master weights, gradients seen by the optimizer and its state stay float32.
+
+    ``process_group``: the ranks to shard over (default: all).
+
+    Use ``model.parameters()`` for the optimizer (the local float32 shards). Gradients are
+    complete when ``backward`` returns; :meth:`finish_gradient_synchronization` does the same
+    by hand and is safe to call again. :meth:`full_state_dict` gathers the full parameters.
+    """
+
+    def __init__(self, module: nn.Module, *, compute_dtype: torch.dtype | None = None, process_group=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel(module={module!r}): pass an nn.Module")
+        if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype)
+                                          or not compute_dtype.is_floating_point):
+            raise ValueError(f"FullyShardedDataParallel: compute_dtype={compute_dtype!r} is not a floating-point "
+                             "dtype; pass torch.bfloat16, torch.float16 or torch.float32, or None to compute in "
+                             "the parameters' own dtype")
+        if not any(True for _ in module.parameters()):
+            raise ValueError(f"FullyShardedDataParallel: {type(module).__name__} has no parameters to shard")
+        if not dist.is_initialized():
+            raise RuntimeError("FullyShardedDataParallel needs an initialised process group: run it inside "
+                               "workbench.launch(fn, world_size=N) or under torchrun")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.compute_dtype = compute_dtype
+        self.module = module
+        self._param_names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+
+        block_units = find_units(module)
+        unit_params, uses = _assign_parameters(module, block_units)
+        for mod_name, sub in module.named_modules(remove_duplicate=False):
+            for attr in list(sub._parameters):
+                if sub._parameters[attr] is not None:
+                    del sub._parameters[attr]
+                    setattr(sub, attr, None)
+
+        self.units: list[_Unit] = []
+        for unit_name in [""] + [name for name, _ in block_units]:
+            params = unit_params[unit_name]
+            if params:
+                self.units.append(_Unit(unit_name or "root", params, [uses[id(p)] for p in params],
+                                        self.rank, self.world_size, process_group, compute_dtype))
+        self.flat_shards = nn.ParameterList([u.shard for u in self.units])
+        self._root = self.units[0] if self.units and self.units[0].name == "root" else None
+        self._blocks = [u for u in self.units if u is not self._root]
+        # Backward meets the root first (the head), then the blocks last to first.
+        self._backward_order = ([self._root] if self._root else []) + self._blocks[::-1]
+        self._by_storage: dict[int, _Unit] = {}
+        self._pending: list[tuple[_Unit, torch.Tensor, object, float]] = []
+        self._callback_queued = False
+        self._in_backward: set[int] = set()
+        self.events: list[dict] | None = None  # set to [] to record a timeline of this rank
+        for (_, sub), unit in zip(block_units, self._blocks):
+            sub.register_forward_pre_hook(self._make_pre_forward(unit))
+            sub.register_forward_hook(self._make_post_forward(unit))
+
+    # ------------------------------------------------------------------- forward
+    def forward(self, *args, **kwargs):
+        self.finish_gradient_synchronization()
+        if self.compute_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            if self._root is not None:
+                self._gather_for_forward(self._root)
+            try:
+                if self._blocks:
+                    self._blocks[0].start_all_gather()   # prefetch the first block
+                return self.module(*args, **kwargs)
+            finally:
+                if self._root is not None:
+                    self._free(self._root)
+
+    def _make_pre_forward(self, unit: _Unit):
+        def hook(module, args):
+            self._gather_for_forward(unit)
+            return None
+        return hook
+
+    def _make_post_forward(self, unit: _Unit):
+        def hook(module, args, output):
+            self._free(unit)
+            return None
+        return hook
+
+    def _gather_for_forward(self, unit: _Unit) -> None:
+        full = unit.wait_all_gather(self)
+        index = self._blocks.index(unit) if unit is not self._root else -1
+        if 0 <= index < len(self._blocks) - 1:
+            self._blocks[index + 1].start_all_gather()
+        flat = _GatherParams.apply(unit.shard, full, unit, self) if torch.is_grad_enabled() else full
+        self._by_storage[full.untyped_storage().data_ptr()] = unit
+        unit.set_views(flat)
+        unit.forward_start = time.perf_counter()
+
+    def _free(self, unit: _Unit) -> None:
+        if unit.full is not None:
+            self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
+            if getattr(unit, "forward_start", None) is not None:
+                self._event("compute", "forward", unit, unit.forward_start)
+                unit.forward_start = None
+        unit.set_views(None)
+        unit.full = None
+
+    # ------------------------------------------------------------------- backward
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return tensor
+        unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        if unit is None:
+            return tensor
+        return _Saved(unit, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        full = self._gather_for_backward(saved.unit)
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _gather_for_backward(self, unit: _Unit) -> torch.Tensor:
+        first = id(unit) not in self._in_backward
+        full = unit.wait_all_gather(self)
+        if first:
+            self._in_backward.add(id(unit))
+            unit.backward_start = time.perf_counter()
+            order = self._backward_order
+            i = order.index(unit)
+            if i + 1 < len(order):
+                order[i + 1].start_all_gather()   # prefetch the unit backward reaches next
+        return full
+
+    def _reduce_scatter(self, unit: _Unit, grad_full: torch.Tensor) -> None:
+        """Backward is done with ``unit``: free its parameters, start reducing its gradient."""
+        if getattr(unit, "backward_start", None) is not None:
+            self._event("compute", "backward", unit, unit.backward_start)
+            unit.backward_start = None
+        unit.full = None
+        self._in_backward.discard(id(unit))
+        grad = grad_full.to(unit.dtype).contiguous()
+        out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=grad.device)
+        work = comm.reduce_scatter(out, list(grad.chunk(self.world_size)), group=self.process_group, async_op=True)
+        self._pending.append((unit, out, work, time.perf_counter()))
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the gradient reduce-scatters and add each averaged shard to ``shard.grad``.
+
+        Runs by itself when backward ends; calling it again (or with nothing pending) is a no-op.
+        Also frees any unit backward left gathered (a unit whose parameters got no gradient).
+        """
+        pending, self._pending = self._pending, []
+        self._callback_queued = False
+        for unit, out, work, start in pending:
+            work.wait()
+            self._event("comm", "reduce-scatter", unit, start)
+            grad = out.to(unit.shard.dtype).div_(self.world_size)
+            if unit.shard.grad is None:
+                unit.shard.grad = grad
+            else:
+                unit.shard.grad.add_(grad)
+        for unit in self.units:
+            if unit._gathering is not None:   # prefetched for a unit backward never reached
+                unit._gathering[1].wait()
+                unit._gathering = None
+            if id(unit) in self._in_backward:
+                self._free(unit)
+        self._in_backward.clear()
+
+    # ------------------------------------------------------------------- state
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded (float32 master values), on every rank, keyed by the names
+        the module gave them before wrapping (a tied weight under each of its names), plus the
+        module's buffers. ``reference.load_state_dict(model.full_state_dict())`` works."""
+        self.finish_gradient_synchronization()
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            full = torch.empty(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
+            comm.all_gather(list(full.chunk(self.world_size)), unit.shard.detach(), group=self.process_group)
+            for tensor, uses in zip(unit.unflatten(full), unit.uses):
+                for _, _, name in uses:
+                    out[name] = tensor.clone()
+        for name, buf in self.module.named_buffers():
+            out[name] = buf.detach().clone()
+        order = {name: i for i, name in enumerate(self._param_names)}
+        return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+    def _event(self, lane: str, name: str, unit: _Unit, start: float) -> None:
+        """Record ``{"rank", "lane", "name", "unit", "start", "end"}`` when ``self.events`` is a list.
+        A collective's bar runs from its issue to the end of its wait (the time it was in flight);
+        the root's forward and backward are not drawn, since they enclose the blocks'."""
+        if self.events is not None and not (lane == "compute" and unit is self._root):
+            self.events.append({"rank": self.rank, "lane": lane, "name": name, "unit": unit.name,
+                                "start": start, "end": time.perf_counter()})
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.world_size}, units={[u.name for u in self.units]}, "
+                f"compute_dtype={self.compute_dtype}")
+
+
+def _assign_parameters(module: nn.Module, block_units: list[tuple[str, nn.Module]]):
+    """Which unit owns each parameter (``""``: the root), and every ``(submodule, attribute,
+    name)`` through which it is reached. Refuses what one flat shard per unit cannot hold."""
+    dtype = next(module.parameters()).dtype
+    owner: dict[int, str] = {}
+    for unit_name, sub in block_units:
+        for pname, p in sub.named_parameters():
+            if id(p) in owner:
+                raise ValueError(f"FullyShardedDataParallel: parameter '{unit_name}.{pname}' is also used by "
+                                 f"unit '{owner[id(p)]}'; a tensor shared by two units cannot be split into two "
+                                 "flat shards. Untie it (one copy per unit) or move both uses into one unit")
+            owner[id(p)] = unit_name
+    unit_params: dict[str, list[nn.Parameter]] = {name: [] for name, _ in block_units}
+    unit_params[""] = []
+    uses: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            full_name = f"{mod_name}.{attr}" if mod_name else attr
+            unit_name = owner.get(id(p), "")
+            inside = unit_name == "" or full_name.startswith(unit_name + ".")
+            if not inside:
+                raise ValueError(f"FullyShardedDataParallel: parameter '{full_name}' is the same tensor as one "
+                                 f"of unit '{unit_name}'; a tensor shared by two units cannot be split into two "
+                                 "flat shards. Untie it (one copy per unit) or move both uses into one unit")
+            if not p.requires_grad:
+                raise ValueError(f"FullyShardedDataParallel: parameter '{full_name}' has requires_grad=False; "
+                                 "frozen parameters are not supported: remove them from the module or "
+                                 "unfreeze them")
+            if p.dtype != dtype or not p.is_floating_point():
+                raise ValueError(f"FullyShardedDataParallel: parameter '{full_name}' has dtype {p.dtype} but "
+                                 "each unit is one flat tensor of one floating-point dtype: convert the module "
+                                 "first, e.g. module.float()")
+            if id(p) not in uses:
+                uses[id(p)] = []
+                unit_params[unit_name].append(p)
+            uses[id(p)].append((sub, attr, full_name))
+    return unit_params, uses
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    """``obj`` with every floating-point tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [_cast_floats(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
