@@ -1,0 +1,308 @@
+"""``workbench bench collectives``, its shared helpers, and the alpha-beta cost model.
+
+Timing figures are not asserted (they depend on the machine and its load): these tests check the
+structure of what the benchmark measures and reports, the nccl-tests conventions (sizes, busbw
+factors), the correctness check (#wrong is 0 for every algorithm, and is not 0 when the
+collective did not run), and the cost formulas against the closed forms of the formula sheet.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+import workbench
+from workbench import comm
+from workbench.bench import _common
+from workbench.bench import collectives as bc
+from workbench.comm import cost
+
+# ------------------------------------------------------------------------------- _common helpers
+
+
+def test_parse_and_format_bytes():
+    assert _common.parse_bytes("8") == 8
+    assert _common.parse_bytes("4K") == 4096
+    assert _common.parse_bytes("64M") == 64 << 20
+    assert _common.parse_bytes("1g") == 1 << 30
+    assert _common.parse_bytes(12) == 12
+    for bad in ("", "12X", "-3", "1.5M"):
+        with pytest.raises(ValueError, match="size"):
+            _common.parse_bytes(bad)
+    assert _common.format_bytes(64 << 20) == "64M"
+    assert _common.format_bytes(1536) == "1.5K"
+    assert _common.format_bytes(8) == "8"
+
+
+def test_size_sweep_is_nccl_tests_b_e_f():
+    sizes = _common.size_sweep(8, 64 << 20, 4)
+    # 8 * 4^11 = 32M, the next step (128M) is past the end: 64M itself closes the sweep
+    assert sizes[0] == 8 and sizes[-2:] == [32 << 20, 64 << 20] and len(sizes) == 13
+    assert all(b == 4 * a for a, b in zip(sizes[:-1], sizes[1:-1]))
+    assert _common.size_sweep(8, 128 << 20, 4) == [8 * 4 ** k for k in range(13)]
+    with pytest.raises(ValueError, match="max_bytes"):
+        _common.size_sweep(64, 8, 4)
+    with pytest.raises(ValueError, match="factor"):
+        _common.size_sweep(8, 64, 1)
+
+
+def test_scaled_iterations():
+    assert _common.scaled_iterations(8, 20, 64 << 20) == 20
+    assert _common.scaled_iterations(16 << 20, 20, 64 << 20) == 4
+    assert _common.scaled_iterations(256 << 20, 20, 64 << 20) == 1
+
+
+def test_interleaved_trials_rotate_the_order():
+    calls = []
+    samples = _common.interleaved_trials(["a", "b", "c"], 6, lambda name: calls.append(name) or len(calls))
+    assert calls[:3] == ["a", "b", "c"] and calls[3:6] == ["b", "c", "a"] and calls[6:9] == ["c", "a", "b"]
+    # every candidate runs first, second and third equally often
+    for name in "abc":
+        positions = [calls[3 * t:3 * t + 3].index(name) for t in range(6)]
+        assert sorted(positions) == [0, 0, 1, 1, 2, 2]
+    assert {k: len(v) for k, v in samples.items()} == {"a": 6, "b": 6, "c": 6}
+    assert _common.median([3.0, 1.0, 2.0, float("nan")]) == 2.0
+    with pytest.raises(ValueError, match="trials"):
+        _common.interleaved_trials(["a"], 0, lambda name: 0.0)
+
+
+def test_format_table_aligns_and_marks_missing():
+    text = _common.format_table([{"x": 1, "y": 2.5}, {"x": 100, "y": float("nan")}],
+                                [("x", "size", "{:d}"), ("y", "busbw", "{:.2f}")], title="t")
+    lines = text.splitlines()
+    assert lines[0] == "# t" and lines[1].startswith("#") and "busbw" in lines[1]
+    assert lines[2].split() == ["1", "2.50"] and lines[3].split() == ["100", "-"]
+    assert len({len(line) for line in lines[1:]}) == 1  # fixed width
+
+
+# ------------------------------------------------------------------------ nccl-tests conventions
+
+
+def test_bus_factors_and_counts():
+    assert bc.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    for c in ("all_gather", "reduce_scatter", "gather", "scatter"):
+        assert bc.bus_factor(c, 4) == pytest.approx(0.75)
+    assert bc.bus_factor("broadcast", 4) == bc.bus_factor("reduce", 4) == 1.0
+    with pytest.raises(ValueError, match="collective"):
+        bc.bus_factor("all_to_all", 2)
+    # the size is the whole vector (all_reduce) or the whole gathered buffer (all_gather)
+    assert bc.counts("all_reduce", 1000, 3, 4) == (250, 1000)
+    assert bc.counts("all_gather", 1000, 3, 4) == (83, 996)
+    assert bc.counts("reduce_scatter", 8, 4, 4) == (0, 0)  # too small: skipped
+
+
+# ------------------------------------------------------------------------- the sweep on 2, 3 ranks
+
+SIZES = [8, 1000, 48 << 10]  # one element, a size no world size divides, a multi-segment-free medium size
+
+
+def _sweep_all(sizes):
+    algorithms = {c: ["native"] + [a for a in comm.ALGORITHMS[c] if a != "native"] for c in bc.COLLECTIVES}
+    rows = bc.sweep(bc.COLLECTIVES, algorithms, sizes, trials=2, warmup=1, iters=2, progress=False)
+    # the check must be able to fail: inputs filled, collective *not* called -> wrong elements
+    unrun = {}
+    for c in ("all_reduce", "all_gather", "broadcast"):
+        case = bc._make_case(c, 16, "out-of-place", torch.float32)
+        case.fill()
+        unrun[c] = int(_common.sum_over_ranks(case.wrong()))
+    return {"rows": rows, "unrun": unrun, "algorithms": algorithms}
+
+
+@pytest.fixture(scope="module")
+def swept():
+    return {n: workbench.launch(_sweep_all, n, args=(SIZES,), timeout=240)[0] for n in (2, 3)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_algorithm_is_measured_and_correct(swept, world):
+    out = swept[world]
+    rows, algorithms = out["rows"], out["algorithms"]
+    for c in bc.COLLECTIVES:
+        for size in SIZES:
+            per_rank, reported = bc.counts(c, size, world, 4)
+            got = [r for r in rows if r["collective"] == c and r["bytes"] == reported]
+            if per_rank == 0:
+                assert not got
+                continue
+            assert [r["algorithm"] for r in got] == algorithms[c]  # native first, then ours
+            for r in got:
+                assert r["world_size"] == world and r["count"] == per_rank and r["iters"] == 2
+                for p in bc.PLACEMENTS:
+                    m = r[p]
+                    assert m["wrong"] == 0, (c, r["algorithm"], size, p)
+                    assert len(m["trials_s"]) == 2 and all(t > 0 for t in m["trials_s"])
+                    assert m["time_s"] == pytest.approx(sorted(m["trials_s"])[0] / 2 + sorted(m["trials_s"])[1] / 2)
+                    assert m["algbw"] == pytest.approx(reported / m["time_s"])
+                    assert m["busbw"] == pytest.approx(m["algbw"] * bc.bus_factor(c, world))
+                    if r["algorithm"] == "native":
+                        assert m["ratio"] == pytest.approx(1.0)
+                    else:
+                        native = got[0][p]["busbw"]
+                        assert m["ratio"] == pytest.approx(m["busbw"] / native)
+    # an output nobody computed is caught (all_gather: the whole zeroed output of every rank;
+    # broadcast: every rank but the root, which already holds the answer)
+    assert out["unrun"]["all_reduce"] == 16 * world
+    assert out["unrun"]["all_gather"] == 16 * world * world
+    assert out["unrun"]["broadcast"] == 16 * (world - 1)
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    bc.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_is_discovered_and_defaults_match_the_issue():
+    from workbench import cli
+
+    assert "collectives" in cli._benchmarks()
+    args = _parse([])
+    assert (args.world_size, args.min_bytes, args.max_bytes, args.factor) == (2, "8", "64M", 4)
+    assert args.trials >= 5
+    config = bc.configure(args)
+    assert config["sizes"] == _common.size_sweep(8, 64 << 20, 4)
+    assert config["collectives"] == list(bc.COLLECTIVES)
+    for c in bc.COLLECTIVES:
+        assert config["algorithms"][c][0] == "native"
+        assert set(config["algorithms"][c]) == set(comm.ALGORITHMS[c]) | {"native"}
+
+
+def test_cli_rejects_bad_input(capsys):
+    with pytest.raises(ValueError, match="all_to_all"):
+        bc.configure(_parse(["--collectives", "all_to_all"]))
+    with pytest.raises(ValueError, match="--algorithms nosuch"):
+        bc.configure(_parse(["--collectives", "all_reduce", "--algorithms", "nosuch"]))
+    with pytest.raises(ValueError, match="--world-size 1"):
+        bc.configure(_parse(["--world-size", "1"]))
+    with pytest.raises(ValueError, match="size"):
+        bc.configure(_parse(["--max-bytes", "lots"]))
+    assert bc.main(_parse(["--trials", "0"])) == 2
+    assert "--trials 0" in capsys.readouterr().out
+
+
+def test_cli_writes_table_json_and_plot(tmp_path, capsys):
+    ring = [a for a in comm.ALGORITHMS["all_reduce"] if a != "native"][:1]
+    argv = ["--collectives", "all_reduce,all_gather", "--max-bytes", "2K", "--factor", "16", "--trials", "2",
+            "--iters", "2", "--warmup", "1", "--out", str(tmp_path)] + (["--algorithms"] + ring if ring else [])
+    assert bc.main(_parse(argv)) == 0
+    printed = capsys.readouterr().out
+    assert "# all_reduce  world size 2" in printed and "#wrong" in printed and "x native" in printed
+    assert "pred(us)" in printed and "# cost model: alpha" in printed
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["config"]["sizes"] == [8, 128, 2048]
+    assert {r["collective"] for r in data["rows"]} == {"all_reduce", "all_gather"}
+    assert all(r[p]["wrong"] == 0 for r in data["rows"] for p in bc.PLACEMENTS)
+    assert set(data["cost"]["model"]) == {"alpha", "beta", "gamma", "beta_duplex"}
+    assert (tmp_path / "busbw.png").stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------------- cost model
+
+M = cost.CostModel(alpha=1e-5, beta=1e-9, gamma=2e-10)
+
+
+def test_cost_formulas_match_the_formula_sheet():
+    a, b, g = M.alpha, M.beta, M.gamma
+    n = 1 << 20
+    # world size 2: ring and recursive doubling both send half / all of the vector once
+    assert M.predict("all_reduce", "ring", n, 2) == pytest.approx(2 * a + n * b + 0.5 * n * g)
+    assert M.predict("all_reduce", "recursive_doubling", n, 2) == pytest.approx(a + n * b + n * g)
+    p = 8
+    assert M.predict("all_reduce", "ring", n, p) == pytest.approx(2 * 7 * a + 2 * 7 / 8 * n * b + 7 / 8 * n * g)
+    assert M.predict("all_reduce", "rabenseifner", n, p) == pytest.approx(6 * a + 2 * 7 / 8 * n * b + 7 / 8 * n * g)
+    assert M.predict("all_reduce", "recursive_doubling", n, p) == pytest.approx(3 * (a + n * b + n * g))
+    assert M.predict("all_gather", "ring", n, p) == pytest.approx(7 * a + 7 / 8 * n * b)
+    assert M.predict("all_gather", "recursive_doubling", n, p) == pytest.approx(3 * a + 7 / 8 * n * b)
+    assert M.predict("reduce_scatter", "recursive_halving", n, p) == pytest.approx(3 * a + 7 / 8 * n * (b + g))
+    assert M.predict("broadcast", "binomial", n, p) == pytest.approx(3 * (a + n * b))
+    assert M.predict("broadcast", "scatter_allgather", n, p) == pytest.approx(10 * a + 2 * 7 / 8 * n * b)
+    assert M.predict("reduce", "binomial", n, p) == pytest.approx(3 * (a + n * b + n * g))
+    # a non-power of two pays for folding the extra rank in and out
+    assert M.predict("all_reduce", "recursive_doubling", n, 3) == pytest.approx(
+        (a + n * b + n * g) + (a + n * b + n * g) + (a + n * b))
+    assert M.predict("all_reduce", "native", n, p) == M.predict("all_reduce", "ring", n, p)
+    assert M.predict("all_reduce", "ring", n, 1) == 0.0
+
+
+def test_beta_duplex_prices_exchange_steps_only():
+    d = cost.CostModel(alpha=M.alpha, beta=M.beta, gamma=M.gamma, beta_duplex=3 * M.beta)
+    a, b, g, x = d.alpha, d.beta, d.gamma, d.beta_duplex
+    n, p = 1 << 20, 4
+    assert d.predict("all_reduce", "ring", n, p) == pytest.approx(6 * a + 1.5 * n * x + 0.75 * n * g)
+    assert d.predict("all_gather", "bruck", n, p) == pytest.approx(2 * a + 0.75 * n * x)
+    assert d.predict("reduce_scatter", "ring", n, p) == pytest.approx(3 * a + 0.75 * n * (x + g))
+    assert d.predict("broadcast", "scatter_allgather", n, p) == pytest.approx(5 * a + 0.75 * n * (b + x))
+    for c, alg in (("broadcast", "binomial"), ("reduce", "flat"), ("gather", "binomial"),
+                   ("all_reduce", "reduce_broadcast")):  # one-way trees keep beta
+        assert d.predict(c, alg, n, p) == M.predict(c, alg, n, p)
+
+
+def test_every_algorithm_has_a_prediction():
+    for c, algs in comm.ALGORITHMS.items():
+        for alg in algs:
+            for p in (2, 3, 4, 5):
+                t = M.predict(c, alg, 1 << 16, p)
+                assert t > 0 and math.isfinite(t), (c, alg, p)
+
+
+def test_crossover_recursive_doubling_to_ring():
+    a, b, g = M.alpha, M.beta, M.gamma
+    x = cost.crossover("all_reduce", "recursive_doubling", "ring", 4, M)
+    assert x == pytest.approx(4 * a / (0.5 * b + 1.25 * g), rel=1e-6, abs=1)
+    below, above = int(x * 0.9), int(x * 1.1)
+    assert M.predict("all_reduce", "recursive_doubling", below, 4) < M.predict("all_reduce", "ring", below, 4)
+    assert M.predict("all_reduce", "ring", above, 4) < M.predict("all_reduce", "recursive_doubling", above, 4)
+    # at p = 2 both send the vector once; the ring wins only by reducing half of it: from 2a/g up
+    assert cost.crossover("all_reduce", "recursive_doubling", "ring", 2, M) == pytest.approx(2 * a / g, abs=1)
+    assert cost.crossover("all_reduce", "ring", "recursive_doubling", 2, M) == 1.0  # never slower: lo
+    assert cost.crossover("broadcast", "binomial", "flat", 4, M) == math.inf  # flat never catches up
+
+
+def test_cost_bad_input():
+    with pytest.raises(ValueError, match="algorithm='nosuch'"):
+        M.predict("all_reduce", "nosuch", 8, 2)
+    with pytest.raises(ValueError, match="collective='all_to_all'"):
+        M.predict("all_to_all", "ring", 8, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        M.predict("all_reduce", "ring", 8, 0)
+    with pytest.raises(ValueError, match="beta"):
+        cost.CostModel(alpha=0.0, beta=-1.0, gamma=0.0)
+    with pytest.raises(TypeError, match="model"):
+        cost.predict("all_reduce", "ring", 8, 2, model=None)
+
+
+def test_fit_line_recovers_a_line():
+    pts = [(x, 3e-5 + 2e-9 * x) for x in (8, 1024, 1 << 16, 1 << 20, 1 << 24)]
+    alpha, beta = cost.fit_line(pts)
+    assert alpha == pytest.approx(3e-5, rel=1e-6) and beta == pytest.approx(2e-9, rel=1e-6)
+    with pytest.raises(ValueError, match="at least 2"):
+        cost.fit_line([(8, 1.0)])
+
+
+def _fit_tiny():
+    return cost.fit(pingpong_sizes=(8, 4096, 1 << 18), reduction_sizes=(1 << 16, 1 << 18, 1 << 20),
+                    exchange_sizes=(1 << 12, 1 << 16))
+
+
+def test_fit_on_ranks_and_compare():
+    res = workbench.launch(_fit_tiny, 2, timeout=120)
+    a, b = res
+    assert a["model"] == b["model"]  # every rank returns rank 0's fit
+    model = a["model"]
+    assert [n for n, _ in a["pingpong"]] == [8, 4096, 1 << 18] and all(t > 0 for _, t in a["pingpong"])
+    assert [n for n, _ in a["reduction"]] == [1 << 16, 1 << 18, 1 << 20] and all(t > 0 for _, t in a["reduction"])
+    # the model is the relative-error line through exactly these points (no timing figure asserted)
+    assert (model.alpha, model.beta) == cost.fit_line(a["pingpong"])
+    assert model.gamma == cost.fit_line(a["reduction"])[1]
+    assert [n for n, _ in a["exchange"]] == [1 << 12, 1 << 16]
+    assert model.beta_duplex == cost.fit_line(a["exchange"])[1]
+    rows = cost.compare(model, [{"collective": "all_reduce", "algorithm": "ring", "bytes": 1 << 20,
+                                 "world_size": 2, "time_s": 1e-3}])
+    pred = model.predict("all_reduce", "ring", 1 << 20, 2)
+    assert rows[0]["predicted_s"] == pred and rows[0]["error"] == pytest.approx(pred / 1e-3 - 1)

@@ -1,0 +1,440 @@
+"""Measure every collective and algorithm against PyTorch's, nccl-tests style.
+
+What one row means
+------------------
+For each collective, size and algorithm (``native`` = ``torch.distributed``, the baseline)::
+
+    size    bytes moved, counted as nccl-tests does: the whole vector for all_reduce, broadcast
+            and reduce; the whole gathered (scattered) buffer for all_gather, reduce_scatter,
+            gather and scatter, so each rank contributes size / world_size
+    time    seconds per call: each rank times ``iters`` back-to-back calls after a barrier, the
+            slowest rank's time counts; the median over ``--trials`` trials is shown
+    algbw   size / time
+    busbw   algbw * factor, the per-link bandwidth a bandwidth-optimal algorithm needs:
+            2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter, gather and scatter,
+            1 for broadcast and reduce. busbw can be compared across collectives and world sizes
+    #wrong  elements that differ from the expected result in a check run outside the timed loop
+            (exact small integers, so any reduction order gives the same bits), summed over ranks
+    ratio   our busbw / native busbw, same size, same placement
+
+Every size runs **out-of-place** and **in-place**. Where ``torch.distributed`` has separate
+input and output buffers (all_gather, reduce_scatter, gather, scatter) in-place means the input
+*is* this rank's slot of the output, as in ``all_gather(out, out[rank])``. all_reduce, broadcast
+and reduce only exist in place in PyTorch; their out-of-place form copies the input into the
+output first (``out.copy_(x); all_reduce(out)``), which is what a caller who must keep ``x``
+pays, so that column includes one local copy.
+
+Fair comparison
+---------------
+All algorithms of a collective, ``native`` included, run in the same trials, in an order that
+rotates from trial to trial (``workbench.bench._common.interleaved_trials``), so machine noise
+falls on all of them alike; the ratio compares medians. Big messages run fewer iterations
+(at most ``--budget`` bytes per measurement, at least one): the ``iters`` column says how many.
+
+Run it::
+
+    workbench bench collectives                                   # all collectives, 2 ranks
+    workbench bench collectives --collectives all_reduce --algorithms ring --world-size 4
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import workbench
+from workbench.bench import _common
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter")
+PLACEMENTS = ("out-of-place", "in-place")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+ROOT = 0  # src/dst of the rooted collectives
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw for ``collective`` on ``world_size`` ranks."""
+    n = world_size
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "gather", "scatter"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"collective={collective!r} is not known: use one of {', '.join(COLLECTIVES)}")
+
+
+def counts(collective: str, nbytes: int, world_size: int, element_size: int) -> tuple[int, int]:
+    """``(elements per call argument, bytes reported)`` for a requested size, nccl-tests style.
+
+    Sharded collectives round down so that every rank holds the same whole number of elements;
+    0 elements means the size is too small for this world size (the row is skipped).
+    """
+    total = nbytes // element_size
+    if collective in ("all_gather", "reduce_scatter", "gather", "scatter"):
+        per_rank = total // world_size
+        return per_rank, per_rank * world_size * element_size
+    return total, total * element_size
+
+
+# ----------------------------------------------------------------------------- one measurement
+
+def _pattern(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s check data: small integers (exact in every dtype, in any summation order)."""
+    return ((torch.arange(numel) % 7) + 1 + 3 * rank).to(dtype)
+
+
+@dataclass
+class _Case:
+    """Buffers for one (collective, size, placement) on this rank, how to call it, how to check it."""
+
+    call: Callable[[str], None]  # run the collective once with the given algorithm
+    fill: Callable[[], None]  # put the check data in the inputs
+    wrong: Callable[[], int]  # elements of this rank's output that differ from the expected result
+
+
+def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) -> _Case:
+    from workbench import comm
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    inplace = placement == "in-place"
+
+    def mismatches(got, want) -> int:
+        return int((got != want).sum().item())
+
+    if collective in ("all_reduce", "broadcast", "reduce"):
+        x = _pattern(r, numel, dtype)
+        out = x if inplace else torch.empty_like(x)
+        if collective == "all_reduce":
+            run = lambda a: comm.all_reduce(out, algorithm=a)  # noqa: E731
+            expected = lambda: sum(_pattern(q, numel, dtype) for q in range(n))  # noqa: E731
+            checked = True
+        elif collective == "reduce":
+            run = lambda a: comm.reduce(out, ROOT, algorithm=a)  # noqa: E731
+            expected = lambda: sum(_pattern(q, numel, dtype) for q in range(n))  # noqa: E731
+            checked = r == ROOT
+        else:
+            run = lambda a: comm.broadcast(out, ROOT, algorithm=a)  # noqa: E731
+            expected = lambda: _pattern(ROOT, numel, dtype)  # noqa: E731
+            checked = True
+
+        def call(a):
+            if not inplace:
+                out.copy_(x)
+            run(a)
+
+        def fill():
+            out.copy_(_pattern(r, numel, dtype))
+            if not inplace:
+                x.copy_(_pattern(r, numel, dtype))
+
+        return _Case(call, fill, lambda: mismatches(out, expected()) if checked else 0)
+
+    if collective == "all_gather":
+        flat = torch.zeros(n * numel, dtype=dtype)
+        outs = list(flat.chunk(n)) if numel else [flat[:0] for _ in range(n)]
+        x = outs[r] if inplace else _pattern(r, numel, dtype)
+
+        def fill():
+            flat.zero_()
+            x.copy_(_pattern(r, numel, dtype))
+
+        want = lambda: torch.cat([_pattern(q, numel, dtype) for q in range(n)])  # noqa: E731
+        return _Case(lambda a: comm.all_gather(outs, x, algorithm=a), fill, lambda: mismatches(flat, want()))
+
+    if collective == "reduce_scatter":
+        flat = _pattern(r, n * numel, dtype)
+        ins = list(flat.chunk(n))
+        out = ins[r] if inplace else torch.zeros(numel, dtype=dtype)
+
+        def fill():
+            flat.copy_(_pattern(r, n * numel, dtype))
+            if not inplace:
+                out.zero_()
+
+        def want():
+            return sum(_pattern(q, n * numel, dtype) for q in range(n))[r * numel:(r + 1) * numel]
+
+        return _Case(lambda a: comm.reduce_scatter(out, ins, algorithm=a), fill, lambda: mismatches(out, want()))
+
+    if collective == "gather":
+        flat = torch.zeros(n * numel, dtype=dtype) if r == ROOT else None
+        outs = list(flat.chunk(n)) if r == ROOT else None
+        x = outs[ROOT] if (inplace and r == ROOT) else _pattern(r, numel, dtype)
+
+        def fill():
+            if flat is not None:
+                flat.zero_()
+            x.copy_(_pattern(r, numel, dtype))
+
+        def wrong():
+            if r != ROOT:
+                return 0
+            return mismatches(flat, torch.cat([_pattern(q, numel, dtype) for q in range(n)]))
+
+        return _Case(lambda a: comm.gather(x, outs, dst=ROOT, algorithm=a), fill, wrong)
+
+    if collective == "scatter":
+        flat = torch.cat([_pattern(q, numel, dtype) for q in range(n)]) if r == ROOT else None
+        ins = list(flat.chunk(n)) if r == ROOT else None
+        out = ins[ROOT] if (inplace and r == ROOT) else torch.zeros(numel, dtype=dtype)
+
+        def fill():
+            if flat is not None:
+                flat.copy_(torch.cat([_pattern(q, numel, dtype) for q in range(n)]))
+            if not (inplace and r == ROOT):
+                out.zero_()
+
+        return _Case(lambda a: comm.scatter(out, ins, src=ROOT, algorithm=a), fill,
+                     lambda: mismatches(out, _pattern(r, numel, dtype)))
+
+    raise ValueError(f"collective={collective!r} is not known: use one of {', '.join(COLLECTIVES)}")
+
+
+# ----------------------------------------------------------------------------------- the sweep
+
+def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=20, budget_bytes=16 << 20,
+          dtype="float32", progress=True) -> list[dict]:
+    """Run inside every rank of a launch; returns the rows (the same list on every rank).
+
+    ``algorithms``: ``{collective: [algorithm, ...]}``, ``native`` first. For each collective and
+    size, every (algorithm, placement) is warmed up, timed in ``trials`` interleaved trials and
+    checked once; times are the slowest rank's.
+    """
+    world = dist.get_world_size()
+    torch_dtype = DTYPES[dtype]
+    esize = torch.tensor([], dtype=torch_dtype).element_size()
+    plan = [(c, s) for c in collectives for s in sizes if counts(c, s, world, esize)[0] > 0]
+    rows = []
+    for step, (collective, nbytes) in enumerate(plan):
+        numel, reported = counts(collective, nbytes, world, esize)
+        n_iter = _common.scaled_iterations(reported, iters, budget_bytes)
+        n_warm = _common.scaled_iterations(reported, warmup, budget_bytes) if warmup else 0
+        cases = {p: _make_case(collective, numel, p, torch_dtype) for p in PLACEMENTS}
+        candidates = [f"{a}|{p}" for a in algorithms[collective] for p in PLACEMENTS]
+        for cand in candidates:  # warm-up: first calls pay for buffers, connections, pages
+            a, p = cand.split("|")
+            for _ in range(n_warm):
+                cases[p].call(a)
+
+        def measure(cand):
+            a, p = cand.split("|")
+            return _common.max_over_ranks(_common.timed(lambda: cases[p].call(a), n_iter))
+
+        samples = _common.interleaved_trials(candidates, trials, measure)
+        wrong = {}
+        for cand in candidates:  # the check, outside the timed loop
+            a, p = cand.split("|")
+            cases[p].fill()
+            dist.barrier()
+            cases[p].call(a)
+            wrong[cand] = int(_common.sum_over_ranks(cases[p].wrong()))
+        del cases
+        for a in algorithms[collective]:
+            row = {"collective": collective, "algorithm": a, "bytes": reported, "count": numel,
+                   "dtype": dtype, "world_size": world, "iters": n_iter}
+            for p in PLACEMENTS:
+                times = samples[f"{a}|{p}"]
+                t = _common.median(times)
+                algbw = reported / t if t > 0 else math.nan
+                row[p] = {"time_s": t, "trials_s": times, "algbw": algbw,
+                          "busbw": algbw * bus_factor(collective, world), "wrong": wrong[f"{a}|{p}"]}
+            rows.append(row)
+        group = rows[-len(algorithms[collective]):]
+        base = next((x for x in group if x["algorithm"] == "native"), None)  # no baseline: no ratio
+        for row in group:
+            for p in PLACEMENTS:
+                ok = base is not None and base[p]["busbw"] > 0
+                row[p]["ratio"] = row[p]["busbw"] / base[p]["busbw"] if ok else math.nan
+        if progress:
+            workbench.report(step=step, total=len(plan), collective=collective, bytes=reported)
+    return rows
+
+
+def _rank_main(config: dict) -> dict:
+    from workbench.comm import cost
+
+    out = {"rows": sweep(config["collectives"], config["algorithms"], config["sizes"],
+                         trials=config["trials"], warmup=config["warmup"], iters=config["iters"],
+                         budget_bytes=config["budget"], dtype=config["dtype"])}
+    if config["predict"]:
+        out["cost"] = cost.fit()
+    return out
+
+
+# -------------------------------------------------------------------------------------- report
+
+def table(rows: list[dict], collective: str, model=None) -> str:
+    """The nccl-tests-style table of one collective's rows."""
+    flat = []
+    for row in (r for r in rows if r["collective"] == collective):
+        cells = {"size": row["bytes"], "count": row["count"], "algorithm": row["algorithm"], "iters": row["iters"]}
+        for p, tag in zip(PLACEMENTS, ("o", "i")):
+            m = row[p]
+            cells.update({f"{tag}time": m["time_s"] * 1e6, f"{tag}algbw": m["algbw"] / 1e9,
+                          f"{tag}busbw": m["busbw"] / 1e9, f"{tag}wrong": m["wrong"],
+                          f"{tag}ratio": None if row["algorithm"] == "native" else m.get("ratio")})
+        if model is not None:
+            pred = model.predict(collective, row["algorithm"], row["bytes"], row["world_size"])
+            cells["pred"] = pred * 1e6
+            cells["err"] = 100 * (pred / row["in-place"]["time_s"] - 1)
+        flat.append(cells)
+    columns = [("size", "size(B)", "{:d}"), ("count", "count", "{:d}"), ("algorithm", "algorithm", "s"),
+               ("iters", "iters", "{:d}")]
+    for tag, name in (("o", "out"), ("i", "in")):
+        columns += [(f"{tag}time", f"{name}:time(us)", "{:.1f}"), (f"{tag}algbw", "algbw(GB/s)", "{:.3f}"),
+                    (f"{tag}busbw", "busbw(GB/s)", "{:.3f}"), (f"{tag}wrong", "#wrong", "{:d}"),
+                    (f"{tag}ratio", "x native", "{:.2f}")]
+    if model is not None:
+        columns += [("pred", "pred(us)", "{:.1f}"), ("err", "err%", "{:+.0f}")]
+    world = rows[0]["world_size"] if rows else 0
+    title = (f"{collective}  world size {world}  dtype {rows[0]['dtype'] if rows else ''}  "
+             f"busbw factor {bus_factor(collective, world):.3g}  median of trials; time = slowest rank")
+    return _common.format_table(flat, columns, title=title)
+
+
+def plot(rows: list[dict], path, placement: str = "in-place"):
+    """busbw against size (log x), one panel per collective, one line per algorithm."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    collectives = [c for c in COLLECTIVES if any(r["collective"] == c for r in rows)]
+    cols = min(len(collectives), 4) or 1
+    nrows = math.ceil(len(collectives) / cols) or 1
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, c in zip(axes.flat, collectives):
+        algs = list(dict.fromkeys(r["algorithm"] for r in rows if r["collective"] == c))
+        for a in algs:
+            pts = [(r["bytes"], r[placement]["busbw"] / 1e9) for r in rows
+                   if r["collective"] == c and r["algorithm"] == a]
+            ax.plot(*zip(*pts), marker="o", ms=3, lw=2.5 if a == "native" else 1.3,
+                    color="black" if a == "native" else None, label=a)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _common.format_bytes(v)))
+        ax.set_title(f"{c} ({rows[0]['world_size']} ranks)")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(collectives):]:
+        ax.axis("off")
+    fig.suptitle(f"busbw, {placement}, median of trials", fontsize=10)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def _names(values: list[str] | None) -> list[str] | None:
+    if values is None:
+        return None
+    return [v for item in values for v in item.split(",") if v]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n")[0]
+    parser.add_argument("--collectives", nargs="+", metavar="NAME",
+                        help=f"which collectives (default: all of {', '.join(COLLECTIVES)})")
+    parser.add_argument("--algorithms", nargs="+", metavar="NAME",
+                        help="which of our algorithms, by name (default: every one the collective has); "
+                             "native is always measured as the baseline")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--min-bytes", default="8", help="smallest size, e.g. 8, 1K (default 8)")
+    parser.add_argument("--max-bytes", default="64M", help="largest size (default 64M)")
+    parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows (default 4)")
+    parser.add_argument("--trials", type=int, default=5, help="interleaved trials per size, median shown (default 5)")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per algorithm and size (default 5)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per trial for small sizes (default 20)")
+    parser.add_argument("--budget", default="16M",
+                        help="bytes one trial may move: big sizes run budget/size iterations, at least 1 (default 16M)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="element type (default float32)")
+    parser.add_argument("--no-predict", dest="predict", action="store_false",
+                        help="skip fitting the alpha-beta cost model (pred/err columns)")
+    parser.add_argument("--out", default=None, help="folder for results.json and busbw.png "
+                                                    "(default runs/bench-collectives-<timestamp>/)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
+
+
+def configure(args: argparse.Namespace) -> dict:
+    """Validate the parsed arguments against ``comm.ALGORITHMS``; return the sweep's config."""
+    from workbench import comm
+
+    collectives = _names(args.collectives) or list(COLLECTIVES)
+    for c in collectives:
+        if c not in COLLECTIVES:
+            raise ValueError(f"--collectives {c!r} is not a collective: use any of {', '.join(COLLECTIVES)}")
+    wanted = _names(args.algorithms)
+    algorithms = {}
+    for c in collectives:
+        have = [a for a in comm.ALGORITHMS.get(c, ()) if a != "native"]
+        if wanted is None:
+            chosen = have
+        else:
+            chosen = [a for a in wanted if a in have and a != "native"]
+        algorithms[c] = ["native"] + chosen
+    if wanted is not None:
+        known = {a for c in collectives for a in comm.ALGORITHMS.get(c, ())}
+        unknown = [a for a in wanted if a not in known]
+        if unknown:
+            raise ValueError(f"--algorithms {' '.join(unknown)}: no such algorithm for "
+                             f"{', '.join(collectives)}; known: {', '.join(sorted(known))}")
+    if args.world_size < 2:
+        raise ValueError(f"--world-size {args.world_size}: a collective needs at least 2 ranks")
+    for name in ("trials", "iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup} must be >= 0")
+    sizes = _common.size_sweep(_common.parse_bytes(args.min_bytes), _common.parse_bytes(args.max_bytes), args.factor)
+    return {"collectives": collectives, "algorithms": algorithms, "sizes": sizes, "trials": args.trials,
+            "warmup": args.warmup, "iters": args.iters, "budget": _common.parse_bytes(args.budget),
+            "dtype": args.dtype, "world_size": args.world_size, "predict": args.predict}
+
+
+def run(config: dict, timeout: float = 1800.0) -> dict:
+    """Launch the sweep; returns ``{"config", "machine", "rows", "cost"?}``."""
+    start = time.time()
+    result = workbench.launch(_rank_main, config["world_size"], args=(config,), timeout=timeout)[0]
+    out = {"config": config, "machine": _common.machine_info(), "elapsed_s": time.time() - start,
+           "rows": result["rows"]}
+    if "cost" in result:
+        out["cost"] = dict(result["cost"])  # model, pingpong, exchange, reduction
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = configure(args)
+    except ValueError as e:
+        print(f"workbench bench collectives: error: {e}")
+        return 2
+    result = run(config, timeout=args.timeout)
+    if workbench.rank() != 0:  # under torchrun only rank 0 reports
+        return 0
+    model = result.get("cost", {}).get("model")
+    for c in config["collectives"]:
+        print(table(result["rows"], c, model))
+        print()
+    worst = sum(r[p]["wrong"] for r in result["rows"] for p in PLACEMENTS)
+    if model is not None:
+        print(f"# cost model: {model}")
+    print(f"# #wrong total: {worst}   elapsed {result['elapsed_s']:.0f} s   "
+          f"load average at end {result['machine'].get('load_average')}")
+    out = Path(args.out) if args.out else _common.default_out_dir("bench-collectives")
+    out.mkdir(parents=True, exist_ok=True)
+    data = dict(result)
+    if model is not None:
+        data["cost"] = dict(result["cost"], model=model.as_dict())
+    _common.write_json(out / "results.json", data)
+    import matplotlib.pyplot as plt
+
+    plt.close(plot(result["rows"], out / "busbw.png"))
+    print(f"# wrote {out / 'results.json'} and {out / 'busbw.png'}")
+    return 1 if worst else 0
