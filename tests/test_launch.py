@@ -244,3 +244,17 @@ def test_launches_from_two_processes_at_once_do_not_collide():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         assert out.strip() == "[1.0, 3.0, 5.0, 7.0, 9.0]"
+
+
+def _fail_alone_on_rank_one():
+    if workbench.rank() == 1:
+        raise ValueError("only rank 1 fails")
+    return "rank 0 is done"
+
+
+def test_the_failing_rank_is_named_even_when_its_exit_is_seen_before_its_message():
+    """Rank 0 returns, rank 1 raises and exits: the parent may see the exit code first."""
+    for _ in range(10):
+        with pytest.raises(RankFailed) as info:
+            workbench.launch(_fail_alone_on_rank_one, 2, timeout=60)
+        assert (info.value.rank, info.value.exc_type) == (1, "ValueError")

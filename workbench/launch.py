@@ -497,8 +497,9 @@ def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
                 first_trouble = first_trouble or now
                 settled = all(r in results or r in reported or procs[r].exitcode is not None
                               for r in range(world_size))
-                # wait a moment for the other ranks' errors and exits, to find the root cause
-                if settled or now - first_trouble > 1.0:
+                # wait a moment for the other ranks' errors and exits, to find the root cause (and
+                # for the message of a rank whose exit was seen first: it is in the queue's pipe)
+                if (settled and now - first_trouble > 0.25) or now - first_trouble > 1.0:
                     if errors or died:
                         failure = _root_cause(errors, died)
                         break
