@@ -288,8 +288,10 @@ plt.show()
 # full-duplex links, where sending and receiving at the same time is free. Two processes on a
 # shared CPU talking over loopback TCP are not: the CPU copies every byte on both ends. So we
 # also time an **exchange** (both ranks send and receive at once, one step of a ring) and use
-# its slope, β_duplex, for the bytes of exchange steps (ring, recursive doubling, Rabenseifner);
-# one-way steps (trees) keep β.
+# its slope, β_duplex, for the bytes of exchange steps (ring, recursive doubling, Rabenseifner),
+# and its intercept, α_duplex, for their latency: a large exchange pays about twice a
+# ping-pong's α here (gloo's receive-ready handshake before the data moves, and ranks that block
+# and wait for an idle virtual CPU to wake). One-way steps (trees) keep α and β.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -301,8 +303,8 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
 ax1.loglog(x, [v * 1e6 for v in t], "o", color="C0", label="ping-pong (half round trip)")
 ax1.loglog(x, [(model.alpha + n * model.beta) * 1e6 for n in x], "-", color="C0", label="fit: α + m β")
 ax1.loglog(xe, [v * 1e6 for v in te], "s", color="C1", label="exchange (both directions)")
-ax1.loglog(xe, [(model.alpha + n * model.beta_duplex) * 1e6 for n in xe], "-", color="C1",
-           label="α + m β_duplex")
+ax1.loglog(xe, [(model.alpha_duplex + n * model.beta_duplex) * 1e6 for n in xe], "-", color="C1",
+           label="α_duplex + m β_duplex")
 ax1.set_xlabel("message bytes")
 ax1.set_ylabel("time (µs)")
 ax1.legend()
@@ -352,7 +354,7 @@ for m in compared:
 # On 4 ranks recursive doubling needs 2 rounds but sends the whole vector twice; the ring needs
 # 6 rounds but sends only 1.5 vectors. Small messages are latency-bound, so fewer rounds win;
 # large ones are bandwidth-bound, so fewer bytes win. The model predicts where they cross,
-# `4α / (0.5β_duplex + 1.25γ)` bytes (`cost.crossover`); below, the measurement on 4 ranks.
+# `4α_duplex / (0.5β_duplex + 1.25γ)` bytes (`cost.crossover`); below, the measurement on 4 ranks.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -408,5 +410,5 @@ assert all(len(e["sent"]) == 2 * (P - 1) for e in ring_log)
 assert all(e["sent"][P - 1][0] == r and e["sent"][P - 1][1] == total for r, e in enumerate(ring_log)), \
     "the all-gather starts with rank r sending its finished block r"
 assert all(r[p]["wrong"] == 0 for r in two["rows"] + race for p in bench.PLACEMENTS)
-assert model.alpha >= 0 and model.beta > 0 and model.beta_duplex > 0 and model.gamma > 0
+assert model.alpha >= 0 and model.alpha_duplex >= 0 and model.beta > 0 and model.beta_duplex > 0 and model.gamma > 0
 print("all checks passed")

@@ -198,7 +198,7 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert data["config"]["sizes"] == [8, 128, 2048]
     assert {r["collective"] for r in data["rows"]} == {"all_reduce", "all_gather"}
     assert all(r[p]["wrong"] == 0 for r in data["rows"] for p in bc.PLACEMENTS)
-    assert set(data["cost"]["model"]) == {"alpha", "beta", "gamma", "beta_duplex"}
+    assert set(data["cost"]["model"]) == {"alpha", "beta", "gamma", "beta_duplex", "alpha_duplex"}
     assert (tmp_path / "busbw.png").stat().st_size > 10_000
 
 
@@ -241,6 +241,23 @@ def test_beta_duplex_prices_exchange_steps_only():
     for c, alg in (("broadcast", "binomial"), ("reduce", "flat"), ("gather", "binomial"),
                    ("all_reduce", "reduce_broadcast")):  # one-way trees keep beta
         assert d.predict(c, alg, n, p) == M.predict(c, alg, n, p)
+
+
+def test_alpha_duplex_prices_exchange_steps_only():
+    d = cost.CostModel(alpha=M.alpha, beta=M.beta, gamma=M.gamma, alpha_duplex=5 * M.alpha)
+    a, b, g, e = d.alpha, d.beta, d.gamma, d.alpha_duplex
+    n, p = 1 << 20, 4
+    assert d.predict("all_reduce", "ring", n, p) == pytest.approx(6 * e + 1.5 * n * b + 0.75 * n * g)
+    assert d.predict("all_reduce", "recursive_doubling", n, p) == pytest.approx(2 * (e + n * b + n * g))
+    assert d.predict("all_gather", "bruck", n, p) == pytest.approx(2 * e + 0.75 * n * b)
+    assert d.predict("broadcast", "scatter_allgather", n, p) == pytest.approx(2 * a + 3 * e + 1.5 * n * b)
+    # p = 3 folds: the fold-in and fold-out messages are one-way, the halving step an exchange
+    assert d.predict("reduce_scatter", "recursive_halving", 3 * n, 3) == pytest.approx(
+        e + 2 * n * (b + g) + 2 * a + 3 * n * (b + g))
+    for c, alg in (("broadcast", "binomial"), ("reduce", "flat"), ("all_reduce", "reduce_broadcast")):
+        assert d.predict(c, alg, n, p) == M.predict(c, alg, n, p)
+    with pytest.raises(ValueError, match="alpha_duplex"):
+        cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, alpha_duplex=-1.0)
 
 
 def test_every_algorithm_has_a_prediction():
@@ -301,7 +318,7 @@ def test_fit_on_ranks_and_compare():
     assert (model.alpha, model.beta) == cost.fit_line(a["pingpong"])
     assert model.gamma == cost.fit_line(a["reduction"])[1]
     assert [n for n, _ in a["exchange"]] == [1 << 12, 1 << 16]
-    assert model.beta_duplex == cost.fit_line(a["exchange"])[1]
+    assert (model.alpha_duplex, model.beta_duplex) == cost.fit_line(a["exchange"])
     rows = cost.compare(model, [{"collective": "all_reduce", "algorithm": "ring", "bytes": 1 << 20,
                                  "world_size": 2, "time_s": 1e-3}])
     pred = model.predict("all_reduce", "ring", 1 << 20, 2)

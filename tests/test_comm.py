@@ -337,6 +337,21 @@ def test_sync_call_without_thread_runs_inline():
     assert ran == [threading.current_thread().name]
 
 
+def test_scratch_buffer_is_reused_per_thread_and_dtype():
+    from workbench.comm import group as comm_group
+
+    a = comm_group.scratch(1000, torch.float32)
+    b = comm_group.scratch(10, torch.float32)
+    assert b.numel() == 10 and b.data_ptr() == a.data_ptr()  # no new allocation
+    assert comm_group.scratch(10, torch.int64).dtype == torch.int64  # one buffer per dtype
+    assert comm_group.scratch(5000, torch.float32).numel() == 5000  # grows on demand
+    other = []
+    t = threading.Thread(target=lambda: other.append(comm_group.scratch(10, torch.float32).data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != comm_group.scratch(10, torch.float32).data_ptr()  # the comm thread has its own
+
+
 # ------------------------------------------------------------------------------------- counters
 
 def _counters_rank() -> dict:

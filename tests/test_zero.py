@@ -20,24 +20,8 @@ from workbench.metrics import model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import ShardedOptimizer, zero
 
-ADAMW = dict(lr=1e-3, eps=1e-5, weight_decay=0.1)
-GLOBAL_BATCH = 6
-
-
-def _batches(steps: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 65, (GLOBAL_BATCH, 16), generator=g), torch.randint(0, 65, (GLOBAL_BATCH, 16), generator=g))
-            for _ in range(steps)]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    b = t.shape[0] // workbench.world_size()
-    return t[workbench.rank() * b:(workbench.rank() + 1) * b]
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+from sharded_common import ADAMW, GLOBAL_BATCH
+from sharded_common import batches as _batches, local as _local, max_diff as _max_diff
 
 
 def _params(model) -> dict:

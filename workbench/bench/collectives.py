@@ -30,6 +30,10 @@ All algorithms of a collective, ``native`` included, run in the same trials, in 
 rotates from trial to trial (``workbench.bench._common.interleaved_trials``), so machine noise
 falls on all of them alike; the ratio compares medians. Big messages run fewer iterations
 (at most ``--budget`` bytes per measurement, at least one): the ``iters`` column says how many.
+The defaults (50 calls, 64 MiB) are set by this 2-vCPU machine: a call there is either fast or,
+when a blocked rank's idle vCPU is slow to wake, milliseconds slower, at random, so a trial needs
+many calls; with 20 calls and 16 MiB the ratio at 1 MiB swung between 0.44 and 2.7 from one run
+to the next.
 
 Run it::
 
@@ -198,7 +202,7 @@ def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) 
 
 # ----------------------------------------------------------------------------------- the sweep
 
-def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=20, budget_bytes=16 << 20,
+def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=50, budget_bytes=64 << 20,
           dtype="float32", progress=True) -> list[dict]:
     """Run inside every rank of a launch; returns the rows (the same list on every rank).
 
@@ -351,9 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows (default 4)")
     parser.add_argument("--trials", type=int, default=5, help="interleaved trials per size, median shown (default 5)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per algorithm and size (default 5)")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per trial for small sizes (default 20)")
-    parser.add_argument("--budget", default="16M",
-                        help="bytes one trial may move: big sizes run budget/size iterations, at least 1 (default 16M)")
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per trial for small sizes (default 50)")
+    parser.add_argument("--budget", default="64M",
+                        help="bytes one trial may move: big sizes run budget/size iterations, at least 1 (default 64M)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="element type (default float32)")
     parser.add_argument("--no-predict", dest="predict", action="store_false",
                         help="skip fitting the alpha-beta cost model (pred/err columns)")

@@ -37,7 +37,7 @@ from workbench.comm import checks, ops
 from workbench.comm.all_gather import RingAllGather, doubling_all_gather
 from workbench.comm.broadcast import binomial as binomial_broadcast
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, Fold, block_bounds, resolve_group
+from workbench.comm.group import Comm, Fold, block_bounds, resolve_group, scratch
 from workbench.comm.reduce import binomial as binomial_reduce
 from workbench.comm.reduce_scatter import halving_reduce_scatter, ring_reduce_scatter
 
@@ -62,8 +62,9 @@ def ring(c: Comm, buf: torch.Tensor, op) -> None:
         all-gather:     after p-1 more steps every rank holds every block  (see all_gather.py)
 
     Each rank sends and receives ``2 (p-1)/p n`` bytes, the lower bound: the cost is
-    ``2 (p-1) alpha + 2 ((p-1)/p) n beta + ((p-1)/p) n gamma``. Blocks are cut into segments of
-    at most 1 MiB so that transfer and reduction overlap, as in gloo.
+    ``2 (p-1) alpha + 2 ((p-1)/p) n beta + ((p-1)/p) n gamma``. Blocks over 4 MiB are cut into
+    segments so that transfer and reduction overlap (gloo cuts at 1 MiB and at least 2 segments;
+    on this 2-vCPU machine fewer, bigger messages measured faster: see ``group.SEGMENT_BYTES``).
     """
     p, r = c.size, c.rank
     bounds = block_bounds(buf.numel(), p)
@@ -86,7 +87,7 @@ def recursive_doubling(c: Comm, buf: torch.Tensor, op) -> None:
     fold in (the even rank of each extra pair sends to the odd one) and out (the result goes back).
     """
     fold, r = Fold(c.size), c.rank
-    tmp = torch.empty_like(buf) if c.size > 1 else None
+    tmp = scratch(buf.numel(), buf.dtype) if c.size > 1 else None  # reused: no page faults per call
     _fold_in(c, buf, tmp, fold, op)
     me = fold.new_rank(r)
     if me is not None:

@@ -45,13 +45,19 @@ Fitting the three numbers (:func:`fit`, inside a launch)
   that the 8-byte and the 16-MiB points count alike.
 * gamma: the slope of a local ``a.add_(b)`` timed over sizes, on one thread like a rank.
 
-* beta_duplex: the same two ranks *exchange* messages (both send and receive at once), the
-  step every ring, recursive-doubling and Rabenseifner round is made of. The textbook assumes
-  full-duplex links, so an exchange costs no more than one message. Two processes on a shared
-  CPU talking over loopback TCP are not full duplex: every byte is copied by the CPU on both
-  ends, so when both directions run at once each goes slower. ``beta_duplex`` is the slope of
-  the exchange time; the formulas use it for the bytes of exchange steps and ``beta`` for
-  one-way steps (trees, flat, fold-in/out). ``beta_duplex=None`` is the textbook model.
+* alpha_duplex, beta_duplex: the same two ranks *exchange* messages (both send and receive at
+  once), the step every ring, recursive-doubling and Rabenseifner round is made of, over the
+  sizes collectives send (64 KiB up). The textbook assumes full-duplex links, so an exchange
+  costs no more than one message. Two processes on a shared CPU talking over loopback TCP are
+  not full duplex: every byte is copied by the CPU on both ends, so when both directions run at
+  once each goes slower (``beta_duplex``, the slope). And a large exchange pays more than a
+  ping-pong's latency per step (``alpha_duplex``, the intercept, about twice ``alpha`` here):
+  gloo's rendezvous (a receive-ready notice must reach the sender before the data moves, and a
+  message bigger than the socket buffer is handed over in pieces by gloo's I/O thread), and on
+  a 2-vCPU VM a rank that blocks waiting may find its idle vCPU slow to wake. The ping-pong, a
+  tight loop of small round trips, sees little of this. The formulas use ``alpha_duplex`` and
+  ``beta_duplex`` for exchange steps and ``alpha``, ``beta`` for one-way steps (trees, flat,
+  fold-in/out). ``None`` for either is the textbook model.
 
 The model is a straight line through a machine that is not a straight line (caches, TCP
 segmenting, another process on the core): :func:`compare` shows how far off it is, size by size.
@@ -107,22 +113,24 @@ def _fold(p: int) -> tuple[int, bool]:
 class CostModel:
     """Three numbers for a machine: ``alpha`` (s per message), ``beta`` (s per byte sent),
     ``gamma`` (s per byte reduced), and optionally ``beta_duplex`` (s per byte sent while also
-    receiving, in exchange steps; None: the same as ``beta``, as in the textbook).
+    receiving, in exchange steps; None: the same as ``beta``, as in the textbook) and
+    ``alpha_duplex`` (s per exchange step; None: the same as ``alpha``).
     ``predict`` turns them into a collective's time."""
 
     alpha: float
     beta: float
     gamma: float
     beta_duplex: float | None = None
+    alpha_duplex: float | None = None
 
     def __post_init__(self):
-        for name in ("alpha", "beta", "gamma", "beta_duplex"):
+        for name in ("alpha", "beta", "gamma", "beta_duplex", "alpha_duplex"):
             value = getattr(self, name)
-            if name == "beta_duplex" and value is None:
+            if name.endswith("_duplex") and value is None:
                 continue
             if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a non-negative number of seconds "
-                                 f"({'per message' if name == 'alpha' else 'per byte'})")
+                                 f"({'per message' if name.startswith('alpha') else 'per byte'})")
 
     def predict(self, collective: str, algorithm: str, nbytes: int, world_size: int) -> float:
         """Predicted seconds; see :func:`predict`."""
@@ -139,6 +147,8 @@ class CostModel:
     def __str__(self) -> str:
         text = (f"alpha = {self.alpha * 1e6:.1f} us, beta = {self.beta * 1e9:.3f} ns/B "
                 f"({self.bandwidth / 1e9:.2f} GB/s)")
+        if self.alpha_duplex is not None:
+            text += f", alpha_duplex = {self.alpha_duplex * 1e6:.1f} us"
         if self.beta_duplex is not None:
             text += f", beta_duplex = {self.beta_duplex * 1e9:.3f} ns/B"
         return text + (f", gamma = {self.gamma * 1e9:.3f} ns/B "
@@ -170,6 +180,7 @@ def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model
                          f"{known + ['native']}")
     a, b, g = model.alpha, model.beta, model.gamma
     x = model.beta if model.beta_duplex is None else model.beta_duplex  # bytes of exchange steps
+    e = model.alpha if model.alpha_duplex is None else model.alpha_duplex  # latency of exchange steps
     p, n = world_size, float(nbytes)
     if p == 1:
         return 0.0
@@ -180,32 +191,32 @@ def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model
     fold_in = (a + n * b + n * g) if odd else 0.0  # an extra rank hands its vector to a partner
     fold_out = (a + n * b) if odd else 0.0  # and gets the result back at the end
 
-    # exchange steps (ring, recursive doubling/halving, Rabenseifner, Bruck) move bytes at x,
-    # one-way steps (trees, flat, fold-in/out) at b
+    # exchange steps (ring, recursive doubling/halving, Rabenseifner, Bruck) cost e + bytes * x,
+    # one-way steps (trees, flat, fold-in/out) a + bytes * b
     if collective == "all_reduce":
         if algorithm == "ring":
-            return 2 * (p - 1) * a + 2 * share * x + share * g
+            return 2 * (p - 1) * e + 2 * share * x + share * g
         if algorithm == "recursive_doubling":
-            return fold_in + lgq * (a + n * x + n * g) + fold_out
+            return fold_in + lgq * (e + n * x + n * g) + fold_out
         if algorithm == "rabenseifner":
             sq = (q - 1) / q * n
-            return fold_in + 2 * lgq * a + 2 * sq * x + sq * g + fold_out
+            return fold_in + 2 * lgq * e + 2 * sq * x + sq * g + fold_out
         if algorithm == "reduce_broadcast":
             return lg * (2 * a + 2 * n * b + n * g)
     if collective == "all_gather":
         if algorithm == "ring":
-            return (p - 1) * a + share * x
-        return lg * a + share * x  # recursive_doubling, bruck
+            return (p - 1) * e + share * x
+        return lg * e + share * x  # recursive_doubling, bruck
     if collective == "reduce_scatter":
         if algorithm == "ring":
-            return (p - 1) * a + share * (x + g)
-        return (lg + (1 if odd else 0)) * a + share * (x + g) + ((n * b + n * g) if odd else 0.0)
+            return (p - 1) * e + share * (x + g)
+        return lgq * e + share * (x + g) + ((2 * a + n * b + n * g) if odd else 0.0)  # fold in and out
     if collective == "broadcast":
         if algorithm == "flat":
             return (p - 1) * (a + n * b)
         if algorithm == "binomial":
             return lg * (a + n * b)
-        return (lg + p - 1) * a + share * b + share * x  # scatter_allgather: tree scatter, ring all-gather
+        return lg * a + (p - 1) * e + share * b + share * x  # scatter_allgather: tree scatter, ring all-gather
     if collective == "reduce":
         if algorithm == "flat":
             return (p - 1) * (a + n * b + n * g)
@@ -270,7 +281,8 @@ def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
     """One-way message time ``(bytes, seconds)`` per size between ranks 0 and 1 (call on every rank).
 
     Rank 0 sends, rank 1 sends the same bytes back; half the round trip is one message. Each
-    size is timed ``repeats`` times and the median kept. Ranks other than 0 and 1 wait.
+    size is timed ``repeats`` times (after one warm-up round) and the median kept. Ranks other
+    than 0 and 1 wait.
     """
     import torch.distributed as dist
 
@@ -284,7 +296,7 @@ def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
         x = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
         iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
         samples = []
-        for _ in range(repeats):
+        for k in range(repeats + 1):  # the first round warms up (connections, pages) and is dropped
             dist.barrier(group=group)
             start = time.perf_counter()
             if peer is not None:
@@ -295,7 +307,8 @@ def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
                     else:
                         dist.recv(x, to_global(peer), group=group)
                         dist.send(x, to_global(peer), group=group)
-            samples.append((time.perf_counter() - start) / (2 * iters))
+            if k:
+                samples.append((time.perf_counter() - start) / (2 * iters))
         t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
         dist.broadcast(t, to_global(0), group=group)  # every rank returns rank 0's numbers
         out.append((nbytes, float(t.item())))
@@ -307,7 +320,7 @@ def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
     """Time ``(bytes, seconds)`` of ranks 0 and 1 swapping ``bytes`` at once (call on every rank).
 
     Both post a receive and a send, then wait for both: one step of a ring or of recursive
-    doubling on two ranks. Its slope is ``beta_duplex``.
+    doubling on two ranks. Its slope is ``beta_duplex``, its intercept ``alpha_duplex``.
     """
     import torch.distributed as dist
 
@@ -320,7 +333,7 @@ def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
         y = torch.empty_like(x)
         iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
         samples = []
-        for _ in range(repeats):
+        for k in range(repeats + 1):  # the first round warms up (connections, pages) and is dropped
             dist.barrier(group=group)
             start = time.perf_counter()
             if peer is not None:
@@ -329,7 +342,8 @@ def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
                     s = dist.isend(x, to_global(peer), group=group)
                     r.wait()
                     s.wait()
-            samples.append((time.perf_counter() - start) / iters)
+            if k:
+                samples.append((time.perf_counter() - start) / iters)
         t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
         dist.broadcast(t, to_global(0), group=group)
         out.append((nbytes, float(t.item())))
@@ -364,24 +378,28 @@ DEFAULT_EXCHANGE_SIZES = tuple(64 * 1024 * 4 ** k for k in range(5))  # 64 KiB .
 def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
         reduction_sizes: Sequence[int] = DEFAULT_REDUCTION_SIZES,
         exchange_sizes: Sequence[int] | None = DEFAULT_EXCHANGE_SIZES, *, group=None) -> dict:
-    """Fit alpha, beta, gamma (and beta_duplex) on this machine; call on every rank of a launch.
+    """Fit alpha, beta, gamma (and alpha_duplex, beta_duplex) on this machine; call on every rank.
 
     Returns ``{"model": CostModel, "pingpong": [(bytes, s)], "exchange": [(bytes, s)],
     "reduction": [(bytes, s)]}``, the same on every rank (rank 0's measurements, broadcast).
-    ``exchange_sizes=None`` skips the exchange and leaves ``beta_duplex=None`` (the textbook model).
+    ``exchange_sizes=None`` skips the exchange and leaves ``alpha_duplex`` and ``beta_duplex`` None
+    (the textbook model).
     """
     import torch.distributed as dist
 
-    pp = pingpong(pingpong_sizes, group=group)
+    # as many calls per size as the benchmark makes (50, 7 trials): on this VM a message is either
+    # fast or pays a wake-up penalty at random, and the fit must see both as often as a collective does
+    pp = pingpong(pingpong_sizes, iterations=50, repeats=7, group=group)
     alpha, beta = fit_line(pp)
-    ex = exchange(exchange_sizes, group=group) if exchange_sizes else []
-    beta_duplex = fit_line(ex)[1] if ex else None
+    ex = exchange(exchange_sizes, iterations=50, repeats=7, group=group) if exchange_sizes else []
+    alpha_duplex, beta_duplex = fit_line(ex) if ex else (None, None)
     red = reduction_time(reduction_sizes)
     t = torch.tensor([s for _, s in red], dtype=torch.float64)
     dist.broadcast(t, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     red = [(n, float(s)) for (n, _), s in zip(red, t.tolist())]
     _, gamma = fit_line(red)
-    return {"model": CostModel(alpha=alpha, beta=beta, gamma=gamma, beta_duplex=beta_duplex),
+    return {"model": CostModel(alpha=alpha, beta=beta, gamma=gamma, beta_duplex=beta_duplex,
+                               alpha_duplex=alpha_duplex),
             "pingpong": pp, "exchange": ex, "reduction": red}
 
 

@@ -9,17 +9,19 @@ size, so both skip the message).
 
 Also here, because several collectives share them: :func:`block_bounds` (split n elements into p
 near-equal blocks), :class:`Fold` (fold a non-power-of-two group onto a power of two, for
-recursive doubling and halving), and :func:`segment_count` / :func:`segment` (cut ring blocks into
-pipeline segments).
+recursive doubling and halving), :func:`segment_count` / :func:`segment` (cut ring blocks into
+pipeline segments), and :func:`scratch` (a receive buffer reused from call to call).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupView", "Comm", "resolve_group", "block_bounds", "Fold", "segment_count", "segment"]
+__all__ = ["GroupView", "Comm", "resolve_group", "block_bounds", "Fold", "segment_count", "segment",
+           "scratch"]
 
 
 @dataclass(frozen=True)
@@ -148,11 +150,16 @@ class Fold:
 
 
 # Gloo's ring cuts each rank's block into segments of at most 1 MiB, and at least two, so that
-# sending one overlaps reducing another; the ring algorithms here do the same, except that blocks
-# under PIPELINE_BYTES go in one message (there, latency costs more than the overlap saves).
-# Module variables: change them to experiment.
-SEGMENT_BYTES = 1 << 20
-MIN_SEGMENTS = 2
+# sending one overlaps reducing another. Measured on the 2-vCPU VM this workbench targets
+# (loopback TCP, 2 ranks), pipelining does not pay below a few MiB: every extra message is one
+# more time a rank blocks, and a blocked rank's idle vCPU often takes milliseconds to wake, which
+# costs far more than the overlap saves. So the ring algorithms here send each block as ONE message
+# up to SEGMENT_BYTES (4 MiB) and cut only larger blocks into segments of at most SEGMENT_BYTES
+# (1 MiB all-reduce: 2 ranks x one 512 KiB message per phase; 64 MiB: 8 segments of 4 MiB).
+# Module variables: change them to experiment (MIN_SEGMENTS=2, PIPELINE_BYTES=256K and
+# SEGMENT_BYTES=1M is gloo's policy).
+SEGMENT_BYTES = 4 << 20
+MIN_SEGMENTS = 1
 PIPELINE_BYTES = 256 << 10
 
 
@@ -173,3 +180,23 @@ def segment(block: torch.Tensor, nseg: int, j: int) -> torch.Tensor:
     """Segment ``j`` of ``nseg`` of a 1-D ``block`` (sizes differ by at most one element)."""
     n = block.numel()
     return block[j * n // nseg:(j + 1) * n // nseg]
+
+
+_scratch = threading.local()
+
+
+def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D receive buffer of ``numel`` elements of ``dtype``, reused from call to call.
+
+    Allocating a fresh multi-MiB buffer every call costs page faults (the allocator hands big
+    blocks back to the system), so each thread keeps one buffer per dtype and grows it when a
+    bigger one is asked for. Its contents are garbage; it is valid until the next ``scratch``
+    call on this thread, so a collective takes it once and must not hold on to it.
+    """
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]

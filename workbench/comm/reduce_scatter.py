@@ -11,7 +11,8 @@
 Algorithms (n = bytes of one rank's whole input, p ranks):
 
 * ``ring``: p-1 steps; each rank passes a partial sum to the right, which adds its own block and
-  passes it on. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``; pipelined in segments <= 1 MiB.
+  passes it on. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``; blocks over 4 MiB are pipelined in
+  segments (:func:`~workbench.comm.group.segment_count`).
 * ``recursive_halving``: lg p steps; partners ``rank xor 2^k`` swap half of what is left and
   each keeps (and reduces) the other half. ``lg p alpha + ((p-1)/p) n (beta + gamma)`` for a
   power of two; other sizes fold in and out (:class:`~workbench.comm.group.Fold`).
@@ -28,11 +29,11 @@ import torch.distributed as dist
 
 from workbench.comm import checks, ops
 from workbench.comm.dispatch import nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, Fold, resolve_group, segment, segment_count
+from workbench.comm.group import Comm, Fold, resolve_group, scratch, segment, segment_count
 
 ReduceOp = dist.ReduceOp
 
-# Receive rows in flight in the ring reduce-scatter (segments of at most 1 MiB each): gloo keeps 2.
+# Receive rows in flight in the ring reduce-scatter (segments of at most SEGMENT_BYTES each): gloo keeps 2.
 RECV_WINDOW = 4
 
 
@@ -48,11 +49,12 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
                step 1:  0 --a2+d2--> 1 --b3+a3--> 2 --c0+b0--> 3 --d1+c1--> 0
                step 2:  ... after p-1 steps rank i holds block i reduced over all ranks
 
-    Pipelining: each block is cut into segments (<= 1 MiB). Receives land in a small preallocated
-    ring of ``RECV_WINDOW`` rows (at most a few MiB, whatever the message size, and warm in
-    cache); as soon as a segment arrives it is reduced in place (``add_``) and sent on as the
-    next step's segment, and its row takes the next receive, while later segments are still in
-    flight: the network and the adder work at the same time. Other blocks of ``buf`` end up
+    Pipelining: blocks over ``SEGMENT_BYTES`` (4 MiB) are cut into segments. Receives land in a
+    small ring of ``RECV_WINDOW`` rows (at most a few segments, whatever the message size, reused
+    from call to call: :func:`~workbench.comm.group.scratch`); as soon as a segment arrives it is
+    reduced in place (``add_``) and sent on as the next step's segment, and its row takes the next
+    receive, while later segments are still in flight: the network and the adder work at the same
+    time. Other blocks of ``buf`` end up
     holding partial results. ``on_reduced(j)`` is called as soon as segment j of block ``me`` is
     final (ring all-reduce starts its all-gather there).
     """
@@ -61,7 +63,8 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
         return
     nseg = segment_count(blocks)
     rows = min(RECV_WINDOW, (p - 1) * nseg)
-    tmp = blocks[0].new_empty(rows, -(-max(b.numel() for b in blocks) // nseg))
+    width = -(-max(b.numel() for b in blocks) // nseg)
+    tmp = scratch(rows * width, blocks[0].dtype).view(rows, width)
     seg = lambda block, j: segment(blocks[block % p], nseg, j)  # noqa: E731
 
     # Receives, in the order the left neighbour sends them: (step s, segment j), s-major.
@@ -108,7 +111,7 @@ def halving_reduce_scatter(c: Comm, buf: torch.Tensor, units: list[int], op, me:
         keep, give = ((mid, hi), (lo, mid)) if me & mask else ((lo, mid), (mid, hi))
         k0, k1 = units[keep[0]], units[keep[1]]
         if tmp is None:  # the first kept half is the largest
-            tmp = buf.new_empty(max(units[mid] - units[lo], units[hi] - units[mid]))
+            tmp = scratch(max(units[mid] - units[lo], units[hi] - units[mid]), buf.dtype)
         incoming = tmp[:k1 - k0]
         c.sendrecv(buf[units[give[0]]:units[give[1]]], real(partner), incoming, real(partner))
         ops.reduce_into(buf[k0:k1], incoming, op)
