@@ -201,12 +201,10 @@ def _check(results, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_parity_with_torch_ddp_and_single_process(world):
-    # World 3: the sum of three values depends on the order gloo's ring adds them in, which depends
-    # on where a gradient sits in its bucket; PyTorch re-orders its buckets after the first step
-    # (we do not), so the sums may differ in the last bit. GPT + AdamW turns such bits into
-    # lr-sized steps (see _single_tolerance), so at world 3 the GPT runs with SGD.
+    # World 3 (where a sum of three depends on the order the ring adds in): a subset, to keep time.
     cases = CASES if world == 2 else [c for c in CASES if c[0] in (
-        "mlp-adamw", "gpt-sgd", "tied-adamw", "batchnorm-sgd", "mlp-no-sync-3-micro-batches", "frozen-adamw")]
+        "mlp-adamw", "gpt-sgd", "gpt-adamw-small-buckets", "tied-adamw", "batchnorm-sgd",
+        "mlp-no-sync-3-micro-batches", "frozen-adamw")]
     _check(workbench.launch(_parity, world_size=world, args=(cases, "native"), timeout=240), world)
 
 
