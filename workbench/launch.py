@@ -6,14 +6,17 @@ How a launch works
 
     parent (notebook kernel)                         rank r (a child process)
     ------------------------                         -------------------------
-    TCPStore server on a free port  ---- port ---->  one intra-op thread, own process group
+    a FileStore in a fresh temp dir ---- path ---->  one intra-op thread, own process group
     one pipe per rank for output    <--- stdout ---  fd 1 and 2 redirected into the pipe
     one queue for all ranks         <--- records --  workbench.report(step=..., loss=...)
                                     <--- result ---  fn's return value (or its traceback)
     SIGUSR1 on timeout              ---- signal -->  faulthandler writes every thread's stack
 
-* The parent owns the rendezvous: it opens a ``TCPStore`` on port 0, so the operating system
-  picks a free port and two launches (in a row, or from two notebooks) never collide.
+* The rendezvous is a ``FileStore`` in a temporary directory made for this launch: ranks meet
+  there to exchange the addresses gloo (or NCCL) connects through, on ports the operating system
+  picks. No server runs in the parent, so nothing half-alive is copied into a forked child, and
+  two launches (in a row, or from two notebooks) never collide. (A ``TCPStore`` served from the
+  parent made about one launch in a few hundred hang in gloo's connection phase.)
 * Children are forked by default, so a function defined in a notebook cell just works (spawn
   would have to pickle it by name, and a notebook's ``__main__`` cannot be imported). The first
   thing a child does is set one intra-op thread: a forked child of a parent that already ran
@@ -42,6 +45,7 @@ import pickle
 import select
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -53,7 +57,6 @@ import torch.distributed as dist
 
 from workbench import runtime
 
-_HOST = "127.0.0.1"
 
 
 class RankFailed(RuntimeError):
@@ -188,7 +191,7 @@ def _redirect_output(fd: int) -> None:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
 
 
-def _rank_main(rank, world_size, port, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout):
+def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout):
     runtime.limit_threads(1)  # before any tensor work (see module docstring)
     _die_with_parent()
     try:
@@ -199,8 +202,8 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, queue, out_con
     dump_file = os.fdopen(os.dup(dump_conn.fileno()), "w")
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
 
-    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     code = 0
     try:
         dev = torch.device("cpu")
@@ -210,7 +213,7 @@ def _rank_main(rank, world_size, port, backend, fn, args, kwargs, queue, out_con
         runtime._set_context(runtime._RankContext(
             rank=rank, world_size=world_size, local_rank=rank, backend=backend, device=dev,
             sink=lambda record: queue.put(("record", rank, record))))
-        store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=60))
+        store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         value = fn(*args, **kwargs)
@@ -373,7 +376,7 @@ def _print_output(outputs) -> None:
 
 
 def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwargs: dict | None = None,
-           backend: str | None = None, timeout: float = 300.0, start_method: str | None = None,
+           backend: str | None = None, timeout: float = 45.0, start_method: str | None = None,
            stream: bool = False) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks, each in an initialised process group.
 
@@ -395,7 +398,8 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     backend = runtime.check_backend(backend, world_size)
 
     ctx = mp.get_context(method)
-    store = dist.TCPStore(_HOST, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    rendezvous = tempfile.TemporaryDirectory(prefix="workbench-launch-")
+    store_path = os.path.join(rendezvous.name, "store")
     queue = ctx.Queue()
     procs, outputs, dumps, child_ends = [], [], [], []
     start = time.monotonic()
@@ -405,7 +409,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
             dump_read, dump_write = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main, name=f"workbench-rank-{r}",
-                args=(r, world_size, store.port, backend, fn, tuple(args), kwargs, queue,
+                args=(r, world_size, store_path, backend, fn, tuple(args), kwargs, queue,
                       out_write, dump_write, timeout + 60))
             proc.start()
             _live.add(proc)
@@ -431,7 +435,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
             out.conn.close()
         queue.close()
         queue.cancel_join_thread()
-        del store
+        rendezvous.cleanup()
 
 
 # A rank that dies breaks its peers' connections, and they fail too, a moment later, with errors
