@@ -322,3 +322,20 @@ def test_bad_arguments():
         DistributedDataParallel(model, overlap="yes")
     with pytest.raises(RuntimeError, match="process group"):
         DistributedDataParallel(model)  # not inside a rank
+
+
+def test_bench_ddp_command_writes_its_table_json_and_plot(tmp_path, capsys):
+    """`workbench bench ddp` end to end on a tiny run (the figures themselves are not asserted:
+    timings are measured by the command, not by tests)."""
+    import json
+
+    from workbench.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "ddp", "--models", "mlp", "--candidates", "ours,ours-ring", "--trials", "1",
+                 "--steps", "1", "--warmup", "1", "--out", str(out)]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "x torch" in text and "ours-ring" in text and "max |weight difference| = 0" in text
+    data = json.loads((out / "ddp.json").read_text())
+    assert "machine" in data and "results" in data
+    assert (out / "ddp.png").stat().st_size > 0

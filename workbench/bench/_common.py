@@ -234,3 +234,13 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
 
     path.write_text(json.dumps(clean(data), indent=1) + "\n")
     return path
+
+
+def save_outputs(out_dir, name: str, payload: dict, plot: Callable[[], Any] | None) -> None:
+    """Write ``<out_dir>/<name>.json`` (with the machine's description) and, if ``plot`` is
+    given, the figure it returns as ``<out_dir>/<name>.png``; say where."""
+    path = write_json(f"{out_dir}/{name}.json", {"machine": machine_info(), **payload})
+    print(f"wrote {path}")
+    if plot is not None:
+        plot().savefig(f"{out_dir}/{name}.png", dpi=120)
+        print(f"wrote {out_dir}/{name}.png")

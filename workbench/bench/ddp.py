@@ -177,13 +177,8 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(lines))
     out_dir = _common.default_out_dir("ddp") if args.out is None else args.out
     options = {k: v for k, v in vars(args).items() if not callable(v)}
-    path = _common.write_json(f"{out_dir}/ddp.json", {"machine": _common.machine_info(), "args": options,
-                                                     "results": results, "elapsed_s": time.time() - start})
-    print(f"wrote {path}")
-    if not args.no_plot:
-        fig = plot(results)
-        fig.savefig(f"{out_dir}/ddp.png", dpi=120)
-        print(f"wrote {out_dir}/ddp.png")
+    _common.save_outputs(out_dir, "ddp", {"args": options, "results": results, "elapsed_s": time.time() - start},
+                         None if args.no_plot else (lambda: plot(results)))
     return 0 if ok else 1
 
 

@@ -174,14 +174,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"# stage3 / torch-fsdp = {ratio:.3f}: {'meets' if ok else 'MISSES'} the target <= {TARGET_RATIO:.2f} "
           "(CPU timings are noisy while other processes run)")
     out_dir = _common.default_out_dir("zero") if args.out is None else args.out
-    path = _common.write_json(f"{out_dir}/zero.json", {
-        "machine": _common.machine_info(), "args": {k: v for k, v in vars(args).items() if not callable(v)},
-        "results": res, "elapsed_s": time.time() - start})
-    print(f"wrote {path}")
-    if not args.no_plot:
-        fig = plot(res)
-        fig.savefig(f"{out_dir}/zero.png", dpi=120)
-        print(f"wrote {out_dir}/zero.png")
+    options = {k: v for k, v in vars(args).items() if not callable(v)}
+    _common.save_outputs(out_dir, "zero", {"args": options, "results": res, "elapsed_s": time.time() - start},
+                         None if args.no_plot else (lambda: plot(res)))
     return 0 if ok else 1
 
 

@@ -276,51 +276,14 @@ def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
     return intercept, slope
 
 
-def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
-             repeats: int = 3, group=None) -> list[tuple[int, float]]:
-    """One-way message time ``(bytes, seconds)`` per size between ranks 0 and 1 (call on every rank).
+def _time_pair(sizes, step, messages: int, *, iterations: int, budget_bytes: int, repeats: int,
+               group) -> list[tuple[int, float]]:
+    """Seconds per message for ``step(x, y, peer)`` run by ranks 0 and 1 on ``bytes``-sized buffers.
 
-    Rank 0 sends, rank 1 sends the same bytes back; half the round trip is one message. Each
-    size is timed ``repeats`` times (after one warm-up round) and the median kept. Ranks other
-    than 0 and 1 wait.
-    """
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world < 2:
-        raise ValueError(f"pingpong needs at least 2 ranks, got world size {world}")
-    peer = {0: 1, 1: 0}.get(rank)
-    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    out = []
-    for nbytes in sizes:
-        x = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
-        iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
-        samples = []
-        for k in range(repeats + 1):  # the first round warms up (connections, pages) and is dropped
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            if peer is not None:
-                for _ in range(iters):
-                    if rank == 0:
-                        dist.send(x, to_global(peer), group=group)
-                        dist.recv(x, to_global(peer), group=group)
-                    else:
-                        dist.recv(x, to_global(peer), group=group)
-                        dist.send(x, to_global(peer), group=group)
-            if k:
-                samples.append((time.perf_counter() - start) / (2 * iters))
-        t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-        dist.broadcast(t, to_global(0), group=group)  # every rank returns rank 0's numbers
-        out.append((nbytes, float(t.item())))
-    return out
-
-
-def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
-             repeats: int = 3, group=None) -> list[tuple[int, float]]:
-    """Time ``(bytes, seconds)`` of ranks 0 and 1 swapping ``bytes`` at once (call on every rank).
-
-    Both post a receive and a send, then wait for both: one step of a ring or of recursive
-    doubling on two ranks. Its slope is ``beta_duplex``, its intercept ``alpha_duplex``.
+    ``step`` carries ``messages`` messages per call on each rank. Each size is timed ``repeats``
+    times after one warm-up round (connections, page faults), the median kept and broadcast from
+    rank 0, so every rank returns the same numbers. Ranks other than 0 and 1 only take part in the
+    barriers.
     """
     import torch.distributed as dist
 
@@ -333,21 +296,62 @@ def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
         y = torch.empty_like(x)
         iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
         samples = []
-        for k in range(repeats + 1):  # the first round warms up (connections, pages) and is dropped
+        for k in range(repeats + 1):  # the first round warms up and is dropped
             dist.barrier(group=group)
             start = time.perf_counter()
             if peer is not None:
                 for _ in range(iters):
-                    r = dist.irecv(y, to_global(peer), group=group)
-                    s = dist.isend(x, to_global(peer), group=group)
-                    r.wait()
-                    s.wait()
+                    step(x, y, to_global(peer))
             if k:
-                samples.append((time.perf_counter() - start) / iters)
+                samples.append((time.perf_counter() - start) / (messages * iters))
         t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
         dist.broadcast(t, to_global(0), group=group)
         out.append((nbytes, float(t.item())))
     return out
+
+
+def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
+             repeats: int = 3, group=None) -> list[tuple[int, float]]:
+    """One-way message time ``(bytes, seconds)`` per size between ranks 0 and 1 (call on every rank).
+
+    Rank 0 sends, rank 1 sends the same bytes back; half the round trip is one message.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world < 2:
+        raise ValueError(f"pingpong needs at least 2 ranks, got world size {world}")
+    first = dist.get_rank(group) == 0
+
+    def round_trip(x, y, peer):
+        if first:
+            dist.send(x, peer, group=group)
+            dist.recv(x, peer, group=group)
+        else:
+            dist.recv(x, peer, group=group)
+            dist.send(x, peer, group=group)
+
+    return _time_pair(sizes, round_trip, 2, iterations=iterations, budget_bytes=budget_bytes,
+                      repeats=repeats, group=group)
+
+
+def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
+             repeats: int = 3, group=None) -> list[tuple[int, float]]:
+    """Time ``(bytes, seconds)`` of ranks 0 and 1 swapping ``bytes`` at once (call on every rank).
+
+    Both post a receive and a send, then wait for both: one step of a ring or of recursive
+    doubling on two ranks. Its slope is ``beta_duplex``, its intercept ``alpha_duplex``.
+    """
+    import torch.distributed as dist
+
+    def swap(x, y, peer):
+        r = dist.irecv(y, peer, group=group)
+        s = dist.isend(x, peer, group=group)
+        r.wait()
+        s.wait()
+
+    return _time_pair(sizes, swap, 1, iterations=iterations, budget_bytes=budget_bytes,
+                      repeats=repeats, group=group)
 
 
 def reduction_time(sizes: Sequence[int], *, dtype: torch.dtype = torch.float32, iterations: int = 20,
