@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, Fold, resolve_group, segment, segment_count
+from workbench.comm.group import Comm, Fold, segment, segment_count
 
 
 class RingAllGather:
@@ -183,11 +183,8 @@ ALGORITHMS = {"native": None, "ring": ring, "recursive_doubling": recursive_doub
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
                async_op: bool = False, algorithm: str = "native"):
     """Like ``torch.distributed.all_gather``: ``tensor_list[i]`` receives rank i's ``tensor``."""
-    checks.check_algorithm("all_gather", algorithm, ALGORITHMS)
-    checks.check_tensor(tensor, "tensor")
-    view = resolve_group(group)
+    view = checks.enter("all_gather", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
-        checks.warn_not_in_group("all_gather")
         return None
     checks.check_list(tensor_list, "tensor_list", view.size, tensor, "tensor")
     if algorithm == "native":

@@ -37,7 +37,7 @@ from workbench.comm import checks, ops
 from workbench.comm.all_gather import RingAllGather, doubling_all_gather
 from workbench.comm.broadcast import binomial as binomial_broadcast
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, Fold, block_bounds, resolve_group, scratch
+from workbench.comm.group import Comm, Fold, block_bounds, scratch
 from workbench.comm.reduce import binomial as binomial_reduce
 from workbench.comm.reduce_scatter import halving_reduce_scatter, ring_reduce_scatter
 
@@ -146,13 +146,10 @@ ALGORITHMS = {"native": None, "reduce_broadcast": reduce_broadcast, "ring": ring
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
                algorithm: str = "native"):
     """Like ``torch.distributed.all_reduce`` (in place on ``tensor``), plus ``algorithm=``."""
-    checks.check_algorithm("all_reduce", algorithm, ALGORITHMS)
-    checks.check_tensor(tensor, "tensor")
-    checks.check_op("all_reduce", op, tensor.dtype, algorithm)
-    view = resolve_group(group)
+    view = checks.enter("all_reduce", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
-        checks.warn_not_in_group("all_reduce")
         return None
+    checks.check_op("all_reduce", op, tensor.dtype, algorithm)
     if algorithm == "native":
         p = view.size
         moved = 2 * (p - 1) * nbytes(tensor) // p

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, block_bounds, resolve_group
+from workbench.comm.group import Comm, block_bounds
 
 
 def flat(c: Comm, buf: torch.Tensor, root: int) -> None:
@@ -105,11 +105,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
               group_src: int | None = None, algorithm: str = "native"):
     """Like ``torch.distributed.broadcast`` (``src`` is a global rank, ``group_src`` a rank in
     ``group``), plus ``algorithm=`` (one of :data:`ALGORITHMS`). Returns a handle if ``async_op``."""
-    checks.check_algorithm("broadcast", algorithm, ALGORITHMS)
-    checks.check_tensor(tensor, "tensor")
-    view = resolve_group(group)
+    view = checks.enter("broadcast", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
-        checks.warn_not_in_group("broadcast")
         return None
     root = checks.check_root(view, src, group_src, "src", default_to_zero=False)
     if algorithm == "native":

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.comm import ops
-from workbench.comm.group import GroupView
+from workbench.comm.group import GroupView, resolve_group
 
 
 def check_algorithm(collective: str, algorithm, known) -> str:
@@ -89,7 +89,16 @@ def check_root(view: GroupView, rank, group_rank, name: str, default_to_zero: bo
                          f"(or pass {group_name}= in group numbering)") from None
 
 
-def warn_not_in_group(collective: str) -> None:
-    """Ranks outside the group do nothing and return None, as in torch.distributed."""
-    warnings.warn(f"Running {collective} on global rank {dist.get_rank()} which does not belong "
-                  "to the given group.", stacklevel=3)
+def enter(collective: str, algorithm, known, tensor, tensor_name: str, group) -> GroupView | None:
+    """The checks every collective starts with: a known ``algorithm``, a tensor, and the group.
+
+    Returns this rank's view of ``group``, or None (with torch's warning) if this rank is not in
+    it: such a rank does nothing and the collective returns None, as in torch.distributed.
+    """
+    check_algorithm(collective, algorithm, known)
+    check_tensor(tensor, tensor_name)
+    view = resolve_group(group)
+    if view is None:
+        warnings.warn(f"Running {collective} on global rank {dist.get_rank()} which does not belong "
+                      "to the given group.", stacklevel=3)
+    return view

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks, ops
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, resolve_group
+from workbench.comm.group import Comm
 
 ReduceOp = dist.ReduceOp
 
@@ -78,13 +78,10 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op=ReduceOp.SUM, group=
            async_op: bool = False, group_dst: int | None = None, algorithm: str = "native"):
     """Like ``torch.distributed.reduce`` (``dst`` global, ``group_dst`` in the group), plus
     ``algorithm=``. The result is in ``tensor`` on the destination rank."""
-    checks.check_algorithm("reduce", algorithm, ALGORITHMS)
-    checks.check_tensor(tensor, "tensor")
-    checks.check_op("reduce", op, tensor.dtype, algorithm)
-    view = resolve_group(group)
+    view = checks.enter("reduce", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
-        checks.warn_not_in_group("reduce")
         return None
+    checks.check_op("reduce", op, tensor.dtype, algorithm)
     root = checks.check_root(view, dst, group_dst, "dst", default_to_zero=False)
     is_root = view.rank == root
     if algorithm == "native":

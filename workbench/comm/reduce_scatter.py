@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks, ops
 from workbench.comm.dispatch import nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, Fold, resolve_group, scratch, segment, segment_count
+from workbench.comm.group import Comm, Fold, scratch, segment, segment_count
 
 ReduceOp = dist.ReduceOp
 
@@ -161,13 +161,10 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
                    async_op: bool = False, algorithm: str = "native"):
     """Like ``torch.distributed.reduce_scatter``: ``output`` on rank i receives
     ``op`` over every rank's ``input_list[i]``. ``input_list`` is not modified."""
-    checks.check_algorithm("reduce_scatter", algorithm, ALGORITHMS)
-    checks.check_tensor(output, "output")
-    checks.check_op("reduce_scatter", op, output.dtype, algorithm)
-    view = resolve_group(group)
+    view = checks.enter("reduce_scatter", algorithm, ALGORITHMS, output, "output", group)
     if view is None:
-        checks.warn_not_in_group("reduce_scatter")
         return None
+    checks.check_op("reduce_scatter", op, output.dtype, algorithm)
     checks.check_list(input_list, "input_list", view.size, output, "output")
     if algorithm == "native":
         moved = (view.size - 1) * nbytes(output)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, resolve_group
+from workbench.comm.group import Comm
 
 
 def scatter_flat(c: Comm, out: torch.Tensor, blocks: list[torch.Tensor] | None, root: int) -> None:
@@ -135,11 +135,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
             group=None, async_op: bool = False, group_src: int | None = None, algorithm: str = "native"):
     """Like ``torch.distributed.scatter``: rank i's ``tensor`` receives ``scatter_list[i]`` from the
     source (``src`` global, ``group_src`` in the group; default global rank 0)."""
-    checks.check_algorithm("scatter", algorithm, SCATTER_ALGORITHMS)
-    checks.check_tensor(tensor, "tensor")
-    view = resolve_group(group)
+    view = checks.enter("scatter", algorithm, SCATTER_ALGORITHMS, tensor, "tensor", group)
     if view is None:
-        checks.warn_not_in_group("scatter")
         return None
     root = checks.check_root(view, src, group_src, "src", default_to_zero=True)
     is_root = view.rank == root
@@ -166,11 +163,8 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
            group=None, async_op: bool = False, group_dst: int | None = None, algorithm: str = "native"):
     """Like ``torch.distributed.gather``: on the destination (``dst`` global, ``group_dst`` in the
     group; default global rank 0) ``gather_list[i]`` receives rank i's ``tensor``."""
-    checks.check_algorithm("gather", algorithm, GATHER_ALGORITHMS)
-    checks.check_tensor(tensor, "tensor")
-    view = resolve_group(group)
+    view = checks.enter("gather", algorithm, GATHER_ALGORITHMS, tensor, "tensor", group)
     if view is None:
-        checks.warn_not_in_group("gather")
         return None
     root = checks.check_root(view, dst, group_dst, "dst", default_to_zero=True)
     is_root = view.rank == root
