@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from workbench import runtime
+from workbench import gloo_threads, runtime
 
 
 
@@ -137,6 +137,7 @@ def _validate(fn, world_size, args, kwargs, timeout, start_method) -> str:
                            "pass start_method='spawn' with a function importable from a module.")
     if start_method != "fork":
         _check_picklable(fn, args, kwargs or {}, start_method)
+    gloo_threads.enabled()  # a bad WORKBENCH_GLOO_LOOP is refused here, before any rank starts
     return start_method
 
 
@@ -216,6 +217,7 @@ def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, o
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
+        gloo_threads.demote_loop_threads()  # see gloo_threads.py: no 4 ms stalls on a busy machine
         value = fn(*args, **kwargs)
         try:
             payload = pickle.dumps(value)
@@ -562,6 +564,7 @@ def _launch_in_process(fn, world_size, args, kwargs, backend, timeout) -> Launch
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout + 60))
             atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        gloo_threads.demote_loop_threads()
         backend = dist.get_backend()
         local = int(os.environ.get("LOCAL_RANK", 0))
         runtime._set_context(runtime._RankContext(

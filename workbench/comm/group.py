@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from workbench import gloo_threads
+
 __all__ = ["GroupView", "Comm", "resolve_group", "block_bounds", "Fold", "segment_count", "segment",
            "scratch"]
 
@@ -39,6 +41,9 @@ class GroupView:
         return dist.get_group_rank(self.pg, global_rank)
 
 
+_seen_groups: set[int] = set()  # ids of the groups already met (see gloo_threads.py)
+
+
 def resolve_group(group) -> GroupView | None:
     """The view of ``group`` (None = default group), or None if this rank is not in it."""
     if not dist.is_initialized():
@@ -51,6 +56,9 @@ def resolve_group(group) -> GroupView | None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group={group!r} is not a ProcessGroup: pass None (every rank) or a group "
                         "made by torch.distributed.new_group(ranks)")
+    if id(group) not in _seen_groups:  # a new gloo group has its own network thread: demote it too
+        _seen_groups.add(id(group))
+        gloo_threads.demote_loop_threads()
     return GroupView(group, dist.get_rank(group), dist.get_world_size(group))
 
 
