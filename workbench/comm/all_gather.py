@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm, Fold, segment, segment_count
+from workbench.comm.group import Comm, Fold, scratch, segment, segment_count
 
 
 class RingAllGather:
@@ -114,7 +114,7 @@ def ring(c: Comm, blocks: list[torch.Tensor]) -> None:
 def _in_one_buffer(blocks: list[torch.Tensor], rank: int) -> torch.Tensor:
     """The algorithms below send runs of adjacent blocks in one message: stage them in one buffer."""
     m = blocks[rank].numel()
-    full = blocks[rank].new_empty(len(blocks) * m)
+    full = scratch(len(blocks) * m, blocks[rank].dtype, "stage")
     full[rank * m:(rank + 1) * m].copy_(blocks[rank])
     return full
 
@@ -166,7 +166,7 @@ def bruck(c: Comm, blocks: list[torch.Tensor]) -> None:
     Then copy each block to its rank's place. ``ceil(lg p) alpha + ((p-1)/p) n beta``.
     """
     p, r, m = c.size, c.rank, blocks[c.rank].numel()
-    tmp = blocks[r].new_empty(p * m)
+    tmp = scratch(p * m, blocks[r].dtype, "stage")
     tmp[:m].copy_(blocks[r])
     d = 1
     while d < p:

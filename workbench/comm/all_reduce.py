@@ -125,7 +125,7 @@ def _fold_in(c: Comm, buf: torch.Tensor, tmp, fold: Fold, op) -> None:
         if r % 2 == 0:
             c.send(buf, r + 1)
         else:
-            tmp = torch.empty_like(buf) if tmp is None else tmp
+            tmp = scratch(buf.numel(), buf.dtype) if tmp is None else tmp
             c.recv(tmp, r - 1)
             ops.reduce_into(buf, tmp, op)
 

@@ -193,18 +193,24 @@ def segment(block: torch.Tensor, nseg: int, j: int) -> torch.Tensor:
 _scratch = threading.local()
 
 
-def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D receive buffer of ``numel`` elements of ``dtype``, reused from call to call.
+def scratch(numel: int, dtype: torch.dtype, slot: str = "recv") -> torch.Tensor:
+    """A 1-D work buffer of ``numel`` elements of ``dtype``, reused from call to call.
 
-    Allocating a fresh multi-MiB buffer every call costs page faults (the allocator hands big
-    blocks back to the system), so each thread keeps one buffer per dtype and grows it when a
-    bigger one is asked for. Its contents are garbage; it is valid until the next ``scratch``
-    call on this thread, so a collective takes it once and must not hold on to it.
+    A fresh multi-MiB buffer per call costs page faults: the allocator hands big blocks back to
+    the system, so every call would map and zero new pages (on this VM a 32 MiB reduce spent 3/4
+    of its time there, and gloo's own all_gather still does). So each thread keeps one buffer
+    per ``(slot, dtype)``, grown when a bigger one is asked for, and kept for the life of the
+    thread (at most the largest message it ever handled, per slot). Its contents are garbage.
+    It stays valid until the next ``scratch`` call with the same slot on this thread, so an
+    algorithm takes each slot once per call and must not hold on to it afterwards.
+
+    Slots in use: ``"recv"`` (incoming data about to be reduced), ``"stage"`` (a whole gathered
+    or scattered vector laid out in one piece), ``"input"`` (a private copy of the caller's input).
     """
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = {}
-    buf = buffers.get(dtype)
+    buf = buffers.get((slot, dtype))
     if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        buf = buffers[(slot, dtype)] = torch.empty(numel, dtype=dtype)
     return buf[:numel]

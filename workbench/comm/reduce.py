@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks, ops
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm
+from workbench.comm.group import Comm, scratch
 
 ReduceOp = dist.ReduceOp
 
@@ -39,7 +39,7 @@ def flat(c: Comm, buf: torch.Tensor, root: int, op) -> None:
     if c.rank != root:
         c.send(buf, root)
         return
-    tmp = torch.empty_like(buf)
+    tmp = scratch(buf.numel(), buf.dtype)
     for peer in range(c.size):
         if peer != root:
             c.recv(tmp, peer)
@@ -65,7 +65,7 @@ def binomial(c: Comm, buf: torch.Tensor, root: int, op) -> None:
             return
         if v + mask < p:
             if tmp is None:
-                tmp = torch.empty_like(buf)
+                tmp = scratch(buf.numel(), buf.dtype)
             c.recv(tmp, real(v + mask))
             ops.reduce_into(buf, tmp, op)
         mask <<= 1
@@ -96,7 +96,8 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op=ReduceOp.SUM, group=
         if is_root:
             buf, write_back = flat_buffer(tensor)
         else:
-            buf, write_back = tensor.clone(memory_format=torch.contiguous_format).view(-1), (lambda: None)
+            buf, write_back = scratch(tensor.numel(), tensor.dtype, "input"), (lambda: None)
+            buf.view(tensor.shape).copy_(tensor)  # a private copy: the tree clobbers it
         algo(c, buf, root, ops.combining_op(op))
         if is_root:
             ops.finish_avg(buf, op, c.size)

@@ -140,7 +140,7 @@ def recursive_halving(c: Comm, full: torch.Tensor, m: int, op) -> None:
         if r % 2 == 0:
             c.send(full, r + 1)
         else:
-            tmp = torch.empty_like(full)
+            tmp = scratch(full.numel(), full.dtype)
             c.recv(tmp, r - 1)
             ops.reduce_into(full, tmp, op)
     me = fold.new_rank(r)
@@ -174,7 +174,9 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
     algo, m = ALGORITHMS[algorithm], output.numel()
 
     def body(c: Comm) -> None:
-        full = torch.cat([t.reshape(-1) for t in input_list]) if m else output.new_empty(0)
+        full = scratch(c.size * m, output.dtype, "stage")  # the inputs are not to be modified
+        for i, t in enumerate(input_list):
+            full[i * m:(i + 1) * m].view(t.shape).copy_(t)
         algo(c, full, m, ops.combining_op(op))
         mine = full[c.rank * m:(c.rank + 1) * m]
         ops.finish_avg(mine, op, c.size)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from workbench.comm import checks
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
-from workbench.comm.group import Comm
+from workbench.comm.group import Comm, scratch
 
 
 def scatter_flat(c: Comm, out: torch.Tensor, blocks: list[torch.Tensor] | None, root: int) -> None:
@@ -58,12 +58,14 @@ def scatter_binomial(c: Comm, out: torch.Tensor, blocks: list[torch.Tensor] | No
     real = lambda rel: (rel + root) % p  # noqa: E731
     mask = 1
     if v == 0:  # lay the blocks out in relative order: held[k] is for relative rank k
-        held = torch.cat([blocks[real(k)].reshape(-1) for k in range(p)])
+        held = scratch(p * m, out.dtype, "stage")
+        for k in range(p):
+            held[k * m:(k + 1) * m].view(blocks[real(k)].shape).copy_(blocks[real(k)])
         mask = 1 << (p - 1).bit_length()
     else:
         while not v & mask:
             mask <<= 1
-        held = out.new_empty(min(mask, p - v) * m)  # my subtree's blocks [v, v + mask)
+        held = scratch(min(mask, p - v) * m, out.dtype, "stage")  # my subtree's blocks [v, v + mask)
         c.recv(held, real(v - mask))
     mask >>= 1
     while mask > 0:
@@ -102,7 +104,7 @@ def gather_binomial(c: Comm, inp: torch.Tensor, blocks: list[torch.Tensor] | Non
     while mask < p and not v & mask:
         mask <<= 1
     size = min(mask, p - v)  # my subtree: relative ranks [v, v + size)
-    held = inp.new_empty(size * m)
+    held = scratch(size * m, inp.dtype, "stage")
     held[:m].copy_(inp)
     child = 1
     while child < mask and v + child < p:  # children v + 1, v + 2, v + 4, ... in that order
