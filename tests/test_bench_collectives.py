@@ -198,7 +198,14 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert data["config"]["sizes"] == [8, 128, 2048]
     assert {r["collective"] for r in data["rows"]} == {"all_reduce", "all_gather"}
     assert all(r[p]["wrong"] == 0 for r in data["rows"] for p in bc.PLACEMENTS)
-    assert set(data["cost"]["model"]) == {"alpha", "beta", "gamma", "beta_duplex", "alpha_duplex"}
+    model = data["cost"]["model"]
+    assert set(model) == {"alpha", "beta", "gamma", "beta_duplex", "alpha_duplex", "delta", "tables", "overhead"}
+    assert set(model["tables"]) == {"one_way", "exchange", "reduction", "copy"}
+    # the probes timed inside the sweep (size/p and size of every swept size) are in the curves
+    probed = {m for m, _ in data["cost"]["probes"]["exchange"]}
+    assert probed == {4, 8, 64, 128, 1024, 2048}
+    assert probed <= {m for m, _ in model["tables"]["exchange"]}
+    assert cost.CostModel(**model).predict("all_reduce", "ring", 2048, 2) > 0
     assert (tmp_path / "busbw.png").stat().st_size > 10_000
 
 
@@ -253,11 +260,29 @@ def test_alpha_duplex_prices_exchange_steps_only():
     assert d.predict("broadcast", "scatter_allgather", n, p) == pytest.approx(2 * a + 3 * e + 1.5 * n * b)
     # p = 3 folds: the fold-in and fold-out messages are one-way, the halving step an exchange
     assert d.predict("reduce_scatter", "recursive_halving", 3 * n, 3) == pytest.approx(
-        e + 2 * n * (b + g) + 2 * a + 3 * n * (b + g))
+        e + 2 * n * (b + g) + (a + 3 * n * (b + g)) + (a + n * b))  # fold in: all 3n; fold out: one block
     for c, alg in (("broadcast", "binomial"), ("reduce", "flat"), ("all_reduce", "reduce_broadcast")):
         assert d.predict(c, alg, n, p) == M.predict(c, alg, n, p)
     with pytest.raises(ValueError, match="alpha_duplex"):
         cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, alpha_duplex=-1.0)
+
+
+def test_delta_prices_the_local_copies_of_each_algorithm():
+    d = cost.CostModel(alpha=M.alpha, beta=M.beta, gamma=M.gamma, delta=3e-10)
+    n, p = 1 << 20, 4
+    copied = {("all_gather", "recursive_doubling"): n + n / p, ("all_gather", "bruck"): n,
+              ("reduce_scatter", "ring"): n + n / p, ("reduce", "binomial"): n,
+              ("scatter", "flat"): n / p}
+    for (c, alg), nbytes in copied.items():
+        assert d.predict(c, alg, n, p) == pytest.approx(M.predict(c, alg, n, p) + 3e-10 * nbytes), (c, alg)
+    # no copies: the ring all-reduce and all-gather work in the caller's buffers; native is gloo's code
+    for c, alg in (("all_reduce", "ring"), ("all_gather", "ring"), ("broadcast", "binomial"),
+                   ("reduce_scatter", "native")):
+        assert d.predict(c, alg, n, p) == M.predict(c, alg, n, p), (c, alg)
+    assert d.predict("reduce", "flat", n, 1) == 0.0
+    assert "delta = 0.300 ns/B" in str(d)
+    with pytest.raises(ValueError, match="delta"):
+        cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, delta=-1.0)
 
 
 def test_every_algorithm_has_a_prediction():

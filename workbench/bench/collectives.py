@@ -203,13 +203,20 @@ def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) 
 # ----------------------------------------------------------------------------------- the sweep
 
 def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=50, budget_bytes=64 << 20,
-          dtype="float32", progress=True) -> list[dict]:
+          dtype="float32", progress=True, probes: dict | None = None) -> list[dict]:
     """Run inside every rank of a launch; returns the rows (the same list on every rank).
 
     ``algorithms``: ``{collective: [algorithm, ...]}``, ``native`` first. For each collective and
     size, every (algorithm, placement) is warmed up, timed in ``trials`` interleaved trials and
     checked once; times are the slowest rank's.
+
+    ``probes``: a dict to fill with the cost model's primitives timed in the same trials: for
+    each collective and size, an exchange and a one-way message (:class:`~workbench.comm.cost.Probe`)
+    of the sizes its algorithms send (size/p and size) join the candidates, and their medians are
+    added as ``probes["exchange"]`` and ``probes["one_way"]`` lists of ``(bytes, seconds)``.
     """
+    from workbench.comm import cost
+
     world = dist.get_world_size()
     torch_dtype = DTYPES[dtype]
     esize = torch.tensor([], dtype=torch_dtype).element_size()
@@ -221,24 +228,32 @@ def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=50, budge
         n_warm = _common.scaled_iterations(reported, warmup, budget_bytes) if warmup else 0
         cases = {p: _make_case(collective, numel, p, torch_dtype) for p in PLACEMENTS}
         candidates = [f"{a}|{p}" for a in algorithms[collective] for p in PLACEMENTS]
+        calls = {cand: (lambda a, p: lambda: cases[p].call(a))(*cand.split("|")) for cand in candidates}
+        if probes is not None:
+            for m in sorted({max(reported // world, 1), reported}):
+                for kind in cost.Probe.KINDS:
+                    calls[f"probe|{kind}|{m}"] = cost.Probe(kind, m)
+            candidates = list(calls)
         for cand in candidates:  # warm-up: first calls pay for buffers, connections, pages
-            a, p = cand.split("|")
             for _ in range(n_warm):
-                cases[p].call(a)
+                calls[cand]()
 
         def measure(cand):
-            a, p = cand.split("|")
-            return _common.max_over_ranks(_common.timed(lambda: cases[p].call(a), n_iter))
+            return _common.max_over_ranks(_common.timed(calls[cand], n_iter))
 
         samples = _common.interleaved_trials(candidates, trials, measure)
+        for cand in candidates:
+            if cand.startswith("probe|"):
+                _, kind, m = cand.split("|")
+                probes.setdefault(kind, []).append((int(m), _common.median(samples[cand])))
         wrong = {}
-        for cand in candidates:  # the check, outside the timed loop
+        for cand in (c for c in candidates if not c.startswith("probe|")):  # the check, outside the timed loop
             a, p = cand.split("|")
             cases[p].fill()
             dist.barrier()
             cases[p].call(a)
             wrong[cand] = int(_common.sum_over_ranks(cases[p].wrong()))
-        del cases
+        del cases, calls
         for a in algorithms[collective]:
             row = {"collective": collective, "algorithm": a, "bytes": reported, "count": numel,
                    "dtype": dtype, "world_size": world, "iters": n_iter}
@@ -263,11 +278,28 @@ def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=50, budge
 def _rank_main(config: dict) -> dict:
     from workbench.comm import cost
 
+    probes = {} if config["predict"] else None
     out = {"rows": sweep(config["collectives"], config["algorithms"], config["sizes"],
                          trials=config["trials"], warmup=config["warmup"], iters=config["iters"],
-                         budget_bytes=config["budget"], dtype=config["dtype"])}
+                         budget_bytes=config["budget"], dtype=config["dtype"], probes=probes)}
     if config["predict"]:
-        out["cost"] = cost.fit()
+        fitted = cost.fit()
+        # the primitives timed inside the sweep replace the fit's own at the same sizes: they were
+        # measured in the same trials as the collectives they predict
+        fitted["model"] = cost.with_curves(fitted["model"], **_medians(probes))
+        fitted["probes"] = probes
+        out["cost"] = fitted
+    return out
+
+
+def _medians(probes: dict) -> dict:
+    """One point per size: the median over every collective that probed it."""
+    out = {}
+    for kind, points in probes.items():
+        by_size: dict[int, list[float]] = {}
+        for m, t in points:
+            by_size.setdefault(m, []).append(t)
+        out[kind] = [(m, _common.median(ts)) for m, ts in sorted(by_size.items())]
     return out
 
 

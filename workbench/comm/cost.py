@@ -53,21 +53,55 @@ Fitting the three numbers (:func:`fit`, inside a launch)
   once each goes slower (``beta_duplex``, the slope). And a large exchange pays more than a
   ping-pong's latency per step (``alpha_duplex``, the intercept, about twice ``alpha`` here):
   gloo's rendezvous (a receive-ready notice must reach the sender before the data moves, and a
-  message bigger than the socket buffer is handed over in pieces by gloo's I/O thread), and on
-  a 2-vCPU VM a rank that blocks waiting may find its idle vCPU slow to wake. The ping-pong, a
-  tight loop of small round trips, sees little of this. The formulas use ``alpha_duplex`` and
+  message bigger than the socket buffer is handed over in pieces by gloo's I/O thread). The
+  ping-pong, a tight loop of small round trips whose receives are posted long before the data
+  comes, sees little of this. The formulas use ``alpha_duplex`` and
   ``beta_duplex`` for exchange steps and ``alpha``, ``beta`` for one-way steps (trees, flat,
   fold-in/out). ``None`` for either is the textbook model.
 
-The model is a straight line through a machine that is not a straight line (caches, TCP
-segmenting, another process on the core): :func:`compare` shows how far off it is, size by size.
+* delta: the slope of a local ``dst.copy_(src)`` timed over sizes up to 64 MiB. The textbook
+  algorithms move bytes only over the network, but an implementation behind torch's interface
+  also copies: a list of output tensors has to be laid out in one buffer for recursive doubling
+  and Bruck to send runs of blocks in one message, and back; reduce-scatter must not modify its
+  inputs, so it reduces a copy; a tree reduce works on a private copy of a non-root's input.
+  :data:`COPIES` lists the bytes each of these algorithms copies, and ``predict`` adds them at
+  ``delta`` per byte (``delta=None``: the textbook, no copies). At 64 MiB a copy costs about
+  3.5 ms here, as much as sending a quarter of it.
+
+Measured curves (``CostModel.tables``)
+--------------------------------------
+The lines above are the textbook model, and what :func:`crossover` and the lesson reason with.
+But a message's cost on this machine is not a straight line in its size: up to the socket
+buffer (about 256 KiB) an exchange costs a flat ~100 us, beyond it each byte costs more, and past
+the caches more again. A line fitted through 8 KiB .. 64 MiB misses some sizes by 40% or more.
+So :func:`fit` also keeps the measured points, one per size, by x2 steps (in the manner of PLogP,
+Kielmann et al. 2000, which measures LogP's parameters as functions of the message size), and
+``predict`` prices every step of an algorithm at the *measured* cost of a message of that
+step's size, interpolated between the two nearest sizes:
+
+* ``one_way``: a *stream* (:func:`stream`): rank 0 sends, rank 1 receives, back to back. Each
+  receive is posted only when the previous one is done, as in a tree, so each message pays
+  gloo's receive-ready notice and its data: about two ping-pong latencies.
+* ``exchange``: the exchange above. ``reduction`` and ``copy``: the local timings of gamma and delta.
+
+With curves the model has one more number, ``overhead`` (LogP's *o*): the Python a hand-written
+collective runs per call besides its messages (checks, group lookup, schedule, counters),
+measured as a ring all-reduce of an empty tensor (:func:`call_overhead`), about 25 us here.
+``workbench bench collectives`` goes one step further: it times the exchange and the stream at
+the sizes each swept size sends *inside the same interleaved trials* as the collectives
+(:class:`Probe`), so that the curves and the measurements they are compared with share the
+machine's mood of the moment (:func:`with_curves`).
+
+Still, no curve knows about caches filled by the collective's own buffers, nor about two
+messages overlapping inside one algorithm: :func:`compare` shows how far off the model is, size
+by size.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Sequence
 
 import torch
@@ -99,6 +133,36 @@ FORMULAS = {
 }
 
 
+# Bytes each hand-written algorithm copies locally on the slowest rank (n: nccl-tests bytes, p ranks;
+# see ``delta`` in the module docstring). Absent: no copy. ``native`` (gloo) is not listed: it is
+# torch's code, and its copies are not known here.
+COPIES = {
+    ("all_gather", "recursive_doubling"): lambda n, p: n + n / p,  # own block in, every block out
+    ("all_gather", "bruck"): lambda n, p: n,  # own block in, the p-1 others out
+    ("reduce_scatter", "ring"): lambda n, p: n + n / p,  # the inputs in, this rank's block out
+    ("reduce_scatter", "recursive_halving"): lambda n, p: n + n / p,
+    ("reduce", "flat"): lambda n, p: n,  # a non-root's private copy
+    ("reduce", "binomial"): lambda n, p: n,
+    ("gather", "binomial"): lambda n, p: n + n / p,  # own block into the subtree buffer, all out at the root
+    ("gather", "flat"): lambda n, p: n / p,  # the root's own block
+    ("scatter", "binomial"): lambda n, p: n + n / p,  # all blocks into one buffer at the root, own block out
+    ("scatter", "flat"): lambda n, p: n / p,
+}
+
+
+TABLES = ("one_way", "exchange", "reduction", "copy")
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (sorted by size); the end segments extend beyond them."""
+    i = 1
+    while i < len(points) - 1 and points[i][0] < x:
+        i += 1
+    (x0, t0), (x1, t1) = points[i - 1], points[i]
+    t = t0 + (t1 - t0) * (x - x0) / (x1 - x0) if x1 != x0 else t0
+    return max(t, 0.0)
+
+
 def _lg(p: int) -> int:
     return (p - 1).bit_length()  # ceil(log2 p); 0 for p = 1
 
@@ -114,7 +178,8 @@ class CostModel:
     """Three numbers for a machine: ``alpha`` (s per message), ``beta`` (s per byte sent),
     ``gamma`` (s per byte reduced), and optionally ``beta_duplex`` (s per byte sent while also
     receiving, in exchange steps; None: the same as ``beta``, as in the textbook) and
-    ``alpha_duplex`` (s per exchange step; None: the same as ``alpha``).
+    ``alpha_duplex`` (s per exchange step; None: the same as ``alpha``), and ``delta`` (s per
+    byte copied locally, for the copies in :data:`COPIES`; None: no copies, as in the textbook).
     ``predict`` turns them into a collective's time."""
 
     alpha: float
@@ -122,15 +187,60 @@ class CostModel:
     gamma: float
     beta_duplex: float | None = None
     alpha_duplex: float | None = None
+    delta: float | None = None
+    # measured (bytes, seconds) per primitive, interpolated between sizes (see "Measured curves")
+    tables: dict | None = None
+    # seconds of Python a hand-written collective spends per call besides its messages (LogP's o)
+    overhead: float | None = None
 
     def __post_init__(self):
-        for name in ("alpha", "beta", "gamma", "beta_duplex", "alpha_duplex"):
+        optional = ("beta_duplex", "alpha_duplex", "delta", "overhead")
+        if self.tables is not None:
+            unknown = set(self.tables) - set(TABLES)
+            if unknown:
+                raise ValueError(f"tables={sorted(unknown)} are not primitives: use any of {', '.join(TABLES)}")
+            for name, points in self.tables.items():
+                if len(points) < 2 or any(t < 0 or b < 0 for b, t in points):
+                    raise ValueError(f"tables[{name!r}] needs at least 2 (bytes, seconds) points, none negative")
+            # frozen dataclass: store sorted tuples so the model stays hashable-free but immutable
+            object.__setattr__(self, "tables", {k: [(float(b), float(t)) for b, t in sorted(v)]
+                                                for k, v in self.tables.items()})
+        for name in ("alpha", "beta", "gamma") + optional:
             value = getattr(self, name)
-            if name.endswith("_duplex") and value is None:
+            if name in optional and value is None:
                 continue
             if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a non-negative number of seconds "
                                  f"({'per message' if name.startswith('alpha') else 'per byte'})")
+
+    def one_way(self, nbytes: float) -> float:
+        """Seconds of one message of ``nbytes`` from one rank to another: ``alpha + nbytes beta``,
+        or the measured curve where there is one."""
+        return self._cost("one_way", nbytes, self.alpha, self.beta)
+
+    def exchange(self, nbytes: float) -> float:
+        """Seconds of one exchange step (send ``nbytes`` to a peer while receiving as many):
+        ``alpha_duplex + nbytes beta_duplex`` (the one-way line where those are None), or the
+        measured curve."""
+        e = self.alpha if self.alpha_duplex is None else self.alpha_duplex
+        x = self.beta if self.beta_duplex is None else self.beta_duplex
+        return self._cost("exchange", nbytes, e, x)
+
+    def reduction(self, nbytes: float) -> float:
+        """Seconds to reduce ``nbytes`` into a buffer: ``nbytes gamma``, or the measured curve."""
+        return self._cost("reduction", nbytes, 0.0, self.gamma) if nbytes > 0 else 0.0
+
+    def copy(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` locally: ``nbytes delta`` (0 when ``delta`` is None)."""
+        if self.delta is None or nbytes <= 0:
+            return 0.0
+        return self._cost("copy", nbytes, 0.0, self.delta)
+
+    def _cost(self, name: str, nbytes: float, intercept: float, slope: float) -> float:
+        points = (self.tables or {}).get(name)
+        if not points:
+            return intercept + nbytes * slope
+        return _interpolate(points, nbytes)
 
     def predict(self, collective: str, algorithm: str, nbytes: int, world_size: int) -> float:
         """Predicted seconds; see :func:`predict`."""
@@ -151,16 +261,36 @@ class CostModel:
             text += f", alpha_duplex = {self.alpha_duplex * 1e6:.1f} us"
         if self.beta_duplex is not None:
             text += f", beta_duplex = {self.beta_duplex * 1e9:.3f} ns/B"
-        return text + (f", gamma = {self.gamma * 1e9:.3f} ns/B "
-                       f"({(1 / self.gamma if self.gamma else math.inf) / 1e9:.2f} GB/s)")
+        text += (f", gamma = {self.gamma * 1e9:.3f} ns/B "
+                 f"({(1 / self.gamma if self.gamma else math.inf) / 1e9:.2f} GB/s)")
+        if self.delta is not None:
+            text += f", delta = {self.delta * 1e9:.3f} ns/B"
+        if self.overhead is not None:
+            text += f", overhead = {self.overhead * 1e6:.1f} us/call"
+        if self.tables:
+            text += f"; measured curves: {', '.join(self.tables)}"
+        return text
 
 
 def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel) -> float:
     """Seconds ``algorithm`` takes for ``collective`` of ``nbytes`` on ``world_size`` ranks.
 
     ``nbytes`` follows nccl-tests (the whole gathered buffer for all_gather, reduce_scatter,
-    gather and scatter). ``algorithm="native"`` is predicted as :data:`NATIVE_AS`.
+    gather and scatter). ``algorithm="native"`` is predicted as :data:`NATIVE_AS` (network terms
+    only: gloo's own copies are not known). With ``model.delta`` set, the local copies the
+    hand-written algorithm makes (:data:`COPIES`) are added at ``delta`` per byte.
     """
+    native = algorithm == "native"
+    t = _network_time(collective, algorithm, nbytes, world_size, model)
+    if not native and world_size > 1:
+        if (collective, algorithm) in COPIES:
+            t += model.copy(COPIES[(collective, algorithm)](float(nbytes), world_size))
+        t += model.overhead or 0.0
+    return t
+
+
+def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel) -> float:
+    """The alpha-beta-gamma terms of :func:`predict` (messages and reductions, no local copies)."""
     if not isinstance(model, CostModel):
         raise TypeError(f"model={model!r} must be a CostModel: fit one with cost.measure() or "
                         "build one with CostModel(alpha=..., beta=..., gamma=...)")
@@ -178,9 +308,8 @@ def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model
             raise ValueError(f"collective={collective!r} is not known: use one of {sorted(NATIVE_AS)}")
         raise ValueError(f"algorithm={algorithm!r} has no cost formula for {collective}: use one of "
                          f"{known + ['native']}")
-    a, b, g = model.alpha, model.beta, model.gamma
-    x = model.beta if model.beta_duplex is None else model.beta_duplex  # bytes of exchange steps
-    e = model.alpha if model.alpha_duplex is None else model.alpha_duplex  # latency of exchange steps
+    one, ex = model.one_way, model.exchange  # seconds of one message / one exchange step of m bytes
+    g = model.reduction  # seconds to reduce m bytes
     p, n = world_size, float(nbytes)
     if p == 1:
         return 0.0
@@ -188,43 +317,54 @@ def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model
     share = (p - 1) / p * n  # the bytes a bandwidth-optimal algorithm moves per rank
     q, odd = _fold(p)
     lgq = _lg(q)
-    fold_in = (a + n * b + n * g) if odd else 0.0  # an extra rank hands its vector to a partner
-    fold_out = (a + n * b) if odd else 0.0  # and gets the result back at the end
+    fold_in = (one(n) + g(n)) if odd else 0.0  # an extra rank hands its vector to a partner
+    fold_out = one(n) if odd else 0.0  # and gets the result back at the end
 
-    # exchange steps (ring, recursive doubling/halving, Rabenseifner, Bruck) cost e + bytes * x,
-    # one-way steps (trees, flat, fold-in/out) a + bytes * b
+    def halving(total: float, steps: int, step) -> float:
+        """``steps`` rounds whose messages halve each round and add up to ``total`` bytes
+        (n/2, n/4, ... n/p for a power of two)."""
+        return sum(step(total * 2 ** (steps - k) / (2 ** steps - 1)) for k in range(1, steps + 1))
+
+    # Every step is priced at the size of the message it sends: exchange steps (ring, recursive
+    # doubling/halving, Rabenseifner, Bruck) at ex(m), one-way steps (trees, flat, folds) at one(m).
+    # With straight lines these sums are exactly the textbook formulas of the module docstring.
     if collective == "all_reduce":
         if algorithm == "ring":
-            return 2 * (p - 1) * e + 2 * share * x + share * g
+            return 2 * (p - 1) * ex(n / p) + (p - 1) * g(n / p)
         if algorithm == "recursive_doubling":
-            return fold_in + lgq * (e + n * x + n * g) + fold_out
+            return fold_in + lgq * (ex(n) + g(n)) + fold_out
         if algorithm == "rabenseifner":
             sq = (q - 1) / q * n
-            return fold_in + 2 * lgq * e + 2 * sq * x + sq * g + fold_out
+            return fold_in + 2 * halving(sq, lgq, ex) + halving(sq, lgq, g) + fold_out
         if algorithm == "reduce_broadcast":
-            return lg * (2 * a + 2 * n * b + n * g)
+            return lg * (2 * one(n) + g(n))
     if collective == "all_gather":
         if algorithm == "ring":
-            return (p - 1) * e + share * x
-        return lg * e + share * x  # recursive_doubling, bruck
+            return (p - 1) * ex(n / p)
+        steps, d = 0.0, 1  # recursive_doubling, bruck: runs of 1, 2, 4, ... blocks
+        while d < p:
+            steps += ex(min(d, p - d) * n / p)
+            d <<= 1
+        return steps
     if collective == "reduce_scatter":
         if algorithm == "ring":
-            return (p - 1) * e + share * (x + g)
-        return lgq * e + share * (x + g) + ((2 * a + n * b + n * g) if odd else 0.0)  # fold in and out
+            return (p - 1) * (ex(n / p) + g(n / p))
+        folds = (one(n) + g(n) + one(n / p)) if odd else 0.0  # whole input in, one block back out
+        return halving(share, lgq, ex) + halving(share, lgq, g) + folds
     if collective == "broadcast":
         if algorithm == "flat":
-            return (p - 1) * (a + n * b)
+            return (p - 1) * one(n)
         if algorithm == "binomial":
-            return lg * (a + n * b)
-        return lg * a + (p - 1) * e + share * b + share * x  # scatter_allgather: tree scatter, ring all-gather
+            return lg * one(n)
+        return halving(share, lg, one) + (p - 1) * ex(n / p)  # scatter_allgather: tree scatter, ring all-gather
     if collective == "reduce":
         if algorithm == "flat":
-            return (p - 1) * (a + n * b + n * g)
-        return lg * (a + n * b + n * g)
+            return (p - 1) * (one(n) + g(n))
+        return lg * (one(n) + g(n))
     # scatter, gather
     if algorithm == "flat":
-        return (p - 1) * a + share * b
-    return lg * a + share * b
+        return (p - 1) * one(n / p)
+    return halving(share, lg, one)
 
 
 def crossover(collective: str, small: str, large: str, world_size: int, model: CostModel,
@@ -281,9 +421,9 @@ def _time_pair(sizes, step, messages: int, *, iterations: int, budget_bytes: int
     """Seconds per message for ``step(x, y, peer)`` run by ranks 0 and 1 on ``bytes``-sized buffers.
 
     ``step`` carries ``messages`` messages per call on each rank. Each size is timed ``repeats``
-    times after one warm-up round (connections, page faults), the median kept and broadcast from
-    rank 0, so every rank returns the same numbers. Ranks other than 0 and 1 only take part in the
-    barriers.
+    times after one warm-up round (connections, page faults); each of ranks 0 and 1 keeps its
+    median and the larger of the two is returned on every rank (a receiver finishes after its
+    sender). Ranks other than 0 and 1 only take part in the barriers and the maximum.
     """
     import torch.distributed as dist
 
@@ -304,8 +444,8 @@ def _time_pair(sizes, step, messages: int, *, iterations: int, budget_bytes: int
                     step(x, y, to_global(peer))
             if k:
                 samples.append((time.perf_counter() - start) / (messages * iters))
-        t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-        dist.broadcast(t, to_global(0), group=group)
+        t = torch.tensor([statistics.median(samples) if peer is not None else 0.0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         out.append((nbytes, float(t.item())))
     return out
 
@@ -335,6 +475,23 @@ def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
                       repeats=repeats, group=group)
 
 
+def stream(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
+           repeats: int = 3, group=None) -> list[tuple[int, float]]:
+    """Time ``(bytes, seconds)`` per message of rank 0 sending to rank 1 back to back (call on every rank).
+
+    Unlike the ping-pong, nobody waits for an answer, but each receive is posted only when the
+    previous one is done, as a tree's child posts its receive when its turn comes: with gloo's
+    rendezvous every message then pays a receive-ready notice on top of its data, and a stream
+    message costs about two ping-pong latencies. The one-way steps of trees and flat algorithms
+    (broadcast, reduce, scatter, gather, folds) are priced from this curve.
+    """
+    import torch.distributed as dist
+
+    first = dist.get_rank(group) == 0
+    return _time_pair(sizes, lambda x, y, peer: _one_way(first, x, peer, group), 1, iterations=iterations, budget_bytes=budget_bytes,
+                      repeats=repeats, group=group)
+
+
 def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
              repeats: int = 3, group=None) -> list[tuple[int, float]]:
     """Time ``(bytes, seconds)`` of ranks 0 and 1 swapping ``bytes`` at once (call on every rank).
@@ -342,69 +499,181 @@ def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
     Both post a receive and a send, then wait for both: one step of a ring or of recursive
     doubling on two ranks. Its slope is ``beta_duplex``, its intercept ``alpha_duplex``.
     """
+    return _time_pair(sizes, lambda x, y, peer: _swap(x, y, peer, group), 1, iterations=iterations, budget_bytes=budget_bytes,
+                      repeats=repeats, group=group)
+
+
+def _one_way(first: bool, x: torch.Tensor, peer: int, group) -> None:
     import torch.distributed as dist
 
-    def swap(x, y, peer):
-        r = dist.irecv(y, peer, group=group)
-        s = dist.isend(x, peer, group=group)
-        r.wait()
-        s.wait()
+    if first:
+        dist.send(x, peer, group=group)
+    else:
+        dist.recv(x, peer, group=group)
 
-    return _time_pair(sizes, swap, 1, iterations=iterations, budget_bytes=budget_bytes,
-                      repeats=repeats, group=group)
+
+def _swap(x: torch.Tensor, y: torch.Tensor, peer: int, group) -> None:
+    import torch.distributed as dist
+
+    r = dist.irecv(y, peer, group=group)
+    s = dist.isend(x, peer, group=group)
+    r.wait()
+    s.wait()
+
+
+class Probe:
+    """One primitive step of ``nbytes`` between ranks 0 and 1, to be called on every rank.
+
+    ``kind="exchange"``: both swap ``nbytes`` (a ring or recursive-doubling step);
+    ``kind="one_way"``: rank 0 sends, rank 1 receives (a stream message, a tree step). Other
+    ranks do nothing. ``workbench bench collectives`` times probes in the same interleaved trials
+    as the collectives, so the measured curves (``CostModel.tables``) it predicts them with were
+    taken under the same conditions, not a minute earlier or later.
+    """
+
+    KINDS = ("exchange", "one_way")
+
+    def __init__(self, kind: str, nbytes: int, group=None) -> None:
+        from workbench.comm.group import Comm, resolve_group
+
+        if kind not in self.KINDS:
+            raise ValueError(f"kind={kind!r} is not a probe: use one of {self.KINDS}")
+        self.kind, self.nbytes = kind, int(nbytes)
+        view = resolve_group(group)
+        self.peer = {0: 1, 1: 0}.get(view.rank) if view is not None else None
+        self.comm = Comm(view) if self.peer is not None else None  # the algorithms' own message layer
+        self.first = self.peer == 1
+        size = max(self.nbytes, 1) if self.peer is not None else 0
+        self.x = torch.zeros(size, dtype=torch.uint8)
+        self.y = torch.empty_like(self.x)
+
+    def __call__(self) -> None:
+        if self.peer is None:
+            return
+        if self.kind == "exchange":
+            self.comm.sendrecv(self.x, self.peer, self.y, self.peer)
+        elif self.first:
+            self.comm.send(self.x, self.peer)
+        else:
+            self.comm.recv(self.x, self.peer)
+
+
+def with_curves(model: CostModel, **points: Sequence[tuple[float, float]]) -> CostModel:
+    """``model`` with measured points added to its curves (``one_way=[(bytes, s), ...]``, ...):
+    a new point replaces the model's own at the same size."""
+    tables = {k: dict(v) for k, v in (model.tables or {}).items()}
+    for name, pts in points.items():
+        if pts:
+            tables.setdefault(name, {}).update({float(b): float(t) for b, t in pts})
+    return replace(model, tables={k: sorted(v.items()) for k, v in tables.items()})
+
+
+def call_overhead(*, calls: int = 200, repeats: int = 5, group=None) -> float:
+    """Seconds of a hand-written collective call that moves no data (call on every rank).
+
+    ``all_reduce`` of an empty tensor with the ring runs everything but the messages: the input
+    checks, the group lookup, building the schedule, the counters. The slowest rank's median.
+    """
+    import torch.distributed as dist
+
+    from workbench.comm.all_reduce import all_reduce
+
+    empty = torch.empty(0)
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            all_reduce(empty, group=group, algorithm="ring")
+        samples.append((time.perf_counter() - start) / calls)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
 
 
 def reduction_time(sizes: Sequence[int], *, dtype: torch.dtype = torch.float32, iterations: int = 20,
                    budget_bytes: int = 64 << 20, repeats: int = 3) -> list[tuple[int, float]]:
-    """Seconds of a local ``a.add_(b)`` on ``bytes`` of ``dtype`` (this thread only)."""
+    """Seconds of a local ``a.add_(b)`` on ``bytes`` of ``dtype`` (this thread only): gamma's points."""
+    return _local_time(sizes, lambda a, b: a.add_(b), dtype, iterations, budget_bytes, repeats)
+
+
+def copy_time(sizes: Sequence[int], *, dtype: torch.dtype = torch.float32, iterations: int = 20,
+              budget_bytes: int = 64 << 20, repeats: int = 3) -> list[tuple[int, float]]:
+    """Seconds of a local ``a.copy_(b)`` on ``bytes`` of ``dtype`` (this thread only): delta's points."""
+    return _local_time(sizes, lambda a, b: a.copy_(b), dtype, iterations, budget_bytes, repeats)
+
+
+def _local_time(sizes, step, dtype, iterations, budget_bytes, repeats) -> list[tuple[int, float]]:
     out = []
     esize = torch.tensor([], dtype=dtype).element_size()
     for nbytes in sizes:
         numel = max(nbytes // esize, 1)
         a, b = torch.ones(numel, dtype=dtype), torch.ones(numel, dtype=dtype)
         iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
-        a.add_(b)  # warm the pages
+        step(a, b)  # warm the pages
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(iters):
-                a.add_(b)
+                step(a, b)
             samples.append((time.perf_counter() - start) / iters)
         out.append((numel * esize, statistics.median(samples)))
     return out
 
 
-DEFAULT_PINGPONG_SIZES = tuple(8 * 4 ** k for k in range(12))  # 8 B .. 32 MiB
-DEFAULT_REDUCTION_SIZES = tuple(64 * 1024 * 4 ** k for k in range(5))  # 64 KiB .. 16 MiB
-DEFAULT_EXCHANGE_SIZES = tuple(64 * 1024 * 4 ** k for k in range(5))  # 64 KiB .. 16 MiB: the slope is what counts
+# by x2, so that the measured curves (``tables``) are interpolated over short steps
+DEFAULT_PINGPONG_SIZES = tuple(8 << k for k in range(24))  # 8 B .. 64 MiB
+DEFAULT_REDUCTION_SIZES = tuple(8192 << k for k in range(14))  # 8 KiB .. 64 MiB (also the copies')
+DEFAULT_EXCHANGE_SIZES = tuple(8192 << k for k in range(14))  # 8 KiB .. 64 MiB: the sizes collectives send
 
 
 def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
         reduction_sizes: Sequence[int] = DEFAULT_REDUCTION_SIZES,
-        exchange_sizes: Sequence[int] | None = DEFAULT_EXCHANGE_SIZES, *, group=None) -> dict:
-    """Fit alpha, beta, gamma (and alpha_duplex, beta_duplex) on this machine; call on every rank.
+        exchange_sizes: Sequence[int] | None = DEFAULT_EXCHANGE_SIZES, *, copies: bool = True,
+        curves: bool = True, group=None) -> dict:
+    """Fit alpha, beta, gamma (and alpha_duplex, beta_duplex, delta) on this machine; call on every rank.
 
     Returns ``{"model": CostModel, "pingpong": [(bytes, s)], "exchange": [(bytes, s)],
-    "reduction": [(bytes, s)]}``, the same on every rank (rank 0's measurements, broadcast).
-    ``exchange_sizes=None`` skips the exchange and leaves ``alpha_duplex`` and ``beta_duplex`` None
-    (the textbook model).
+    "reduction": [(bytes, s)], "copy": [(bytes, s)]}``, the same on every rank (rank 0's
+    measurements, broadcast). ``exchange_sizes=None`` leaves ``alpha_duplex`` and ``beta_duplex``
+    None, ``copies=False`` leaves ``delta`` None and ``curves=False`` keeps only the straight
+    lines (no measured curves): all three give the textbook model.
     """
     import torch.distributed as dist
 
-    # as many calls per size as the benchmark makes (50, 7 trials): on this VM a message is either
-    # fast or pays a wake-up penalty at random, and the fit must see both as often as a collective does
+    # as many calls per size as the benchmark makes (50 calls, 5+ trials), so the fit sees the
+    # machine's occasional slow call as often as a collective does
     pp = pingpong(pingpong_sizes, iterations=50, repeats=7, group=group)
     alpha, beta = fit_line(pp)
     ex = exchange(exchange_sizes, iterations=50, repeats=7, group=group) if exchange_sizes else []
     alpha_duplex, beta_duplex = fit_line(ex) if ex else (None, None)
-    red = reduction_time(reduction_sizes)
-    t = torch.tensor([s for _, s in red], dtype=torch.float64)
-    dist.broadcast(t, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    red = [(n, float(s)) for (n, _), s in zip(red, t.tolist())]
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    red = _from_rank0(reduction_time(reduction_sizes), root, group)
     _, gamma = fit_line(red)
-    return {"model": CostModel(alpha=alpha, beta=beta, gamma=gamma, beta_duplex=beta_duplex,
-                               alpha_duplex=alpha_duplex),
-            "pingpong": pp, "exchange": ex, "reduction": red}
+    cp = _from_rank0(copy_time(reduction_sizes), root, group) if copies else []
+    big_copies = [(n, t) for n, t in cp if n >= 1 << 20]  # the copies that matter are big, out of cache
+    delta = fit_line(big_copies if len(big_copies) >= 2 else cp)[1] if cp else None
+    tables, st = None, []
+    if curves:
+        st = stream(pingpong_sizes, iterations=50, repeats=7, group=group)
+        tables = {"one_way": st, "reduction": red}
+        if ex:
+            tables["exchange"] = ex
+        if cp:
+            tables["copy"] = cp
+    overhead = call_overhead(group=group) if curves else None
+    model = CostModel(alpha=alpha, beta=beta, gamma=gamma, alpha_duplex=alpha_duplex, beta_duplex=beta_duplex,
+                      delta=delta, tables=tables, overhead=overhead)
+    return {"model": model, "pingpong": pp, "stream": st, "exchange": ex, "reduction": red, "copy": cp}
+
+
+def _from_rank0(points: list[tuple[int, float]], root: int, group) -> list[tuple[int, float]]:
+    """Rank 0's local timings on every rank (each rank timed its own; one answer for all)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([s for _, s in points], dtype=torch.float64)
+    dist.broadcast(t, root, group=group)
+    return [(n, float(s)) for (n, _), s in zip(points, t.tolist())]
 
 
 def measure(world_size: int = 2, **kwargs) -> dict:
