@@ -344,7 +344,58 @@ def test_fit_on_ranks_and_compare():
     assert model.gamma == cost.fit_line(a["reduction"])[1]
     assert [n for n, _ in a["exchange"]] == [1 << 12, 1 << 16]
     assert (model.alpha_duplex, model.beta_duplex) == cost.fit_line(a["exchange"])
+    # the measured curves are the very points timed, and the stream covers the ping-pong's sizes
+    assert [n for n, _ in a["stream"]] == [8, 4096, 1 << 18] and all(t > 0 for _, t in a["stream"])
+    assert model.tables["one_way"] == [(float(n), t) for n, t in a["stream"]]
+    assert model.tables["exchange"] == [(float(n), t) for n, t in a["exchange"]]
+    assert model.tables["copy"] == [(float(n), t) for n, t in a["copy"]]
+    assert model.delta == cost.fit_line(a["copy"])[1]  # (fewer than 2 copies of 1 MiB or more: all of them)
+    assert 0 < model.overhead < 0.01
+    assert model.exchange(1 << 12) == pytest.approx(a["exchange"][0][1])
     rows = cost.compare(model, [{"collective": "all_reduce", "algorithm": "ring", "bytes": 1 << 20,
                                  "world_size": 2, "time_s": 1e-3}])
     pred = model.predict("all_reduce", "ring", 1 << 20, 2)
     assert rows[0]["predicted_s"] == pred and rows[0]["error"] == pytest.approx(pred / 1e-3 - 1)
+
+
+def test_measured_curves_price_each_step_at_the_size_it_sends():
+    ex = [(1000.0, 1e-4), (3000.0, 5e-4)]  # 2e-7 s per byte between the points
+    d = cost.CostModel(alpha=M.alpha, beta=M.beta, gamma=M.gamma,
+                       tables={"exchange": ex, "one_way": [(8, 1e-5), (1 << 30, 2.0)]}, overhead=3e-5)
+    assert d.exchange(2000) == pytest.approx(3e-4)  # between the points: interpolated
+    assert d.exchange(4000) == pytest.approx(7e-4)  # beyond them: the end segment continues
+    assert d.exchange(0) == 0.0  # never negative
+    # ring all-reduce on 2 ranks of 4000 B: two exchange steps of 2000 B, a reduction, the overhead
+    assert d.predict("all_reduce", "ring", 4000, 2) == pytest.approx(2 * 3e-4 + 2000 * M.gamma + 3e-5)
+    # recursive doubling sends the whole 4000 B once; torch's own code pays no workbench overhead
+    assert d.predict("all_reduce", "recursive_doubling", 4000, 2) == pytest.approx(7e-4 + 4000 * M.gamma + 3e-5)
+    assert d.predict("all_reduce", "native", 4000, 2) == pytest.approx(2 * 3e-4 + 2000 * M.gamma)
+    more = cost.with_curves(d, exchange=[(2000, 1e-3)])
+    assert more.exchange(2000) == pytest.approx(1e-3) and more.exchange(1000) == pytest.approx(1e-4)
+    assert d.exchange(2000) == pytest.approx(3e-4)  # the original is unchanged
+    with pytest.raises(ValueError, match="not primitives"):
+        cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, tables={"latency": ex})
+    with pytest.raises(ValueError, match="at least 2"):
+        cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, tables={"exchange": ex[:1]})
+    with pytest.raises(ValueError, match="overhead"):
+        cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, overhead=-1.0)
+
+
+def _probe_on_three_ranks():
+    out = {}
+    for kind in cost.Probe.KINDS:
+        probe = cost.Probe(kind, 4096)
+        probe()
+        out[kind] = (probe.peer, probe.comm.bytes_sent if probe.comm else 0, probe.comm.bytes_received if probe.comm else 0)
+    return out, cost.call_overhead(calls=5, repeats=2)
+
+
+def test_probe_runs_between_ranks_0_and_1_only():
+    res = workbench.launch(_probe_on_three_ranks, 3, timeout=120)
+    (r0, o0), (r1, o1), (r2, o2) = res
+    assert r0 == {"exchange": (1, 4096, 4096), "one_way": (1, 4096, 0)}
+    assert r1 == {"exchange": (0, 4096, 4096), "one_way": (0, 0, 4096)}
+    assert r2 == {"exchange": (None, 0, 0), "one_way": (None, 0, 0)}  # the third rank sends nothing
+    assert o0 == o1 == o2 > 0  # the slowest rank's overhead, on every rank
+    with pytest.raises(ValueError, match="kind='broadcast'"):
+        cost.Probe("broadcast", 8)

@@ -350,6 +350,9 @@ def test_scratch_buffer_is_reused_per_thread_and_dtype():
     t.start()
     t.join()
     assert other[0] != comm_group.scratch(10, torch.float32).data_ptr()  # the comm thread has its own
+    stage = comm_group.scratch(10, torch.float32, "stage")
+    assert stage.data_ptr() != comm_group.scratch(10, torch.float32).data_ptr()  # slots never alias
+    assert comm_group.scratch(10, torch.float32, "stage").data_ptr() == stage.data_ptr()
 
 
 # ------------------------------------------------------------------------------------- counters
