@@ -30,10 +30,17 @@ All algorithms of a collective, ``native`` included, run in the same trials, in 
 rotates from trial to trial (``workbench.bench._common.interleaved_trials``), so machine noise
 falls on all of them alike; the ratio compares medians. Big messages run fewer iterations
 (at most ``--budget`` bytes per measurement, at least one): the ``iters`` column says how many.
-The defaults (50 calls, 64 MiB) are set by this 2-vCPU machine: a call there is either fast or,
-when a blocked rank's idle vCPU is slow to wake, milliseconds slower, at random, so a trial needs
-many calls; with 20 calls and 16 MiB the ratio at 1 MiB swung between 0.44 and 2.7 from one run
-to the next.
+The defaults (50 calls, 64 MiB) are set by this 2-vCPU machine, where a call now and then takes
+a few milliseconds longer (a descheduled rank), so a trial needs many calls. Until gloo's network
+thread was demoted (``workbench/gloo_threads.py``) that happened to 30-60% of calls, and with 20
+calls and 16 MiB the ratio at 1 MiB swung between 0.44 and 2.7 from one run to the next.
+
+Predictions (``pred``, ``err%``)
+--------------------------------
+Unless ``--no-predict``, the cost model is fitted after the sweep (``comm.cost.fit``), and an
+exchange and a one-way message of size/p and size bytes are timed *inside* each size's trials as
+extra candidates (``comm.cost.Probe``), so the model's curves come from the same moments as the
+collectives they predict. ``err%`` = predicted / measured in-place time - 1.
 
 Run it::
 
@@ -286,13 +293,13 @@ def _rank_main(config: dict) -> dict:
         fitted = cost.fit()
         # the primitives timed inside the sweep replace the fit's own at the same sizes: they were
         # measured in the same trials as the collectives they predict
-        fitted["model"] = cost.with_curves(fitted["model"], **_medians(probes))
+        fitted["model"] = cost.with_curves(fitted["model"], **probe_curves(probes))
         fitted["probes"] = probes
         out["cost"] = fitted
     return out
 
 
-def _medians(probes: dict) -> dict:
+def probe_curves(probes: dict) -> dict:
     """One point per size: the median over every collective that probed it."""
     out = {}
     for kind, points in probes.items():
