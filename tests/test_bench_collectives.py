@@ -271,15 +271,17 @@ def test_delta_prices_the_local_copies_of_each_algorithm():
     d = cost.CostModel(alpha=M.alpha, beta=M.beta, gamma=M.gamma, delta=3e-10)
     n, p = 1 << 20, 4
     copied = {("all_gather", "recursive_doubling"): n + n / p, ("all_gather", "bruck"): n,
-              ("reduce_scatter", "ring"): n + n / p, ("reduce", "binomial"): n,
-              ("scatter", "flat"): n / p}
+              ("reduce_scatter", "recursive_halving"): n + n / p, ("reduce", "binomial"): n,
+              ("scatter", "flat"): n / p, ("scatter", "binomial"): 3 * n / p, ("gather", "binomial"): 3 * n / p}
     for (c, alg), nbytes in copied.items():
         assert d.predict(c, alg, n, p) == pytest.approx(M.predict(c, alg, n, p) + 3e-10 * nbytes), (c, alg)
     # no copies: the ring all-reduce and all-gather work in the caller's buffers; native is gloo's code
     for c, alg in (("all_reduce", "ring"), ("all_gather", "ring"), ("broadcast", "binomial"),
-                   ("reduce_scatter", "native")):
+                   ("reduce_scatter", "ring"), ("reduce_scatter", "native")):
         assert d.predict(c, alg, n, p) == M.predict(c, alg, n, p), (c, alg)
     assert d.predict("reduce", "flat", n, 1) == 0.0
+    assert d.predict("scatter", "binomial", n, 2) == pytest.approx(M.predict("scatter", "binomial", n, 2) + 3e-10 * n / 2)
+    assert [cost._runs_of_several(p) for p in (2, 3, 4, 5, 8)] == [0, 0, 2, 2, 6]
     assert "delta = 0.300 ns/B" in str(d)
     with pytest.raises(ValueError, match="delta"):
         cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, delta=-1.0)

@@ -139,15 +139,25 @@ FORMULAS = {
 COPIES = {
     ("all_gather", "recursive_doubling"): lambda n, p: n + n / p,  # own block in, every block out
     ("all_gather", "bruck"): lambda n, p: n,  # own block in, the p-1 others out
-    ("reduce_scatter", "ring"): lambda n, p: n + n / p,  # the inputs in, this rank's block out
-    ("reduce_scatter", "recursive_halving"): lambda n, p: n + n / p,
+    ("reduce_scatter", "recursive_halving"): lambda n, p: n + n / p,  # the inputs in, this rank's block out
     ("reduce", "flat"): lambda n, p: n,  # a non-root's private copy
     ("reduce", "binomial"): lambda n, p: n,
-    ("gather", "binomial"): lambda n, p: n + n / p,  # own block into the subtree buffer, all out at the root
-    ("gather", "flat"): lambda n, p: n / p,  # the root's own block
-    ("scatter", "binomial"): lambda n, p: n + n / p,  # all blocks into one buffer at the root, own block out
+    # the root's own block, and the runs of several blocks it lays out in (or takes out of) one message
+    ("gather", "binomial"): lambda n, p: (1 + _runs_of_several(p)) * n / p,
+    ("gather", "flat"): lambda n, p: n / p,
+    ("scatter", "binomial"): lambda n, p: (1 + _runs_of_several(p)) * n / p,
     ("scatter", "flat"): lambda n, p: n / p,
 }
+
+
+def _runs_of_several(p: int) -> int:
+    """Blocks a binomial tree's root sends (or receives) in runs of two or more: p = 2: 0, 4: 2, 8: 6."""
+    total, mask = 0, 1
+    while mask < p:
+        run = min(mask, p - mask)
+        total += run if run >= 2 else 0
+        mask <<= 1
+    return total
 
 
 TABLES = ("one_way", "exchange", "reduction", "copy")

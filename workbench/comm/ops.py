@@ -47,6 +47,22 @@ def reduce_into(acc: torch.Tensor, other: torch.Tensor, op) -> None:
         raise AssertionError(f"reduce_into: unexpected op {op!r}")
 
 
+def combine_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op) -> None:
+    """``out = a op b`` without touching ``a`` or ``b`` (``out`` may be ``a`` itself)."""
+    if out.numel() == 0:
+        return
+    if op == ReduceOp.SUM:
+        torch.add(a, b, out=out)
+    elif op == ReduceOp.PRODUCT:
+        torch.mul(a, b, out=out)
+    elif op == ReduceOp.MIN:
+        torch.minimum(a, b, out=out)
+    elif op == ReduceOp.MAX:
+        torch.maximum(a, b, out=out)
+    else:  # validated before anything is sent; reaching here is a bug
+        raise AssertionError(f"combine_into: unexpected op {op!r}")
+
+
 def finish_avg(tensor: torch.Tensor, op, group_size: int) -> None:
     """After a SUM that stood for AVG, divide by the group size in place."""
     if op == ReduceOp.AVG and tensor.numel():

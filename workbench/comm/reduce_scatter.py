@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.comm import checks, ops
-from workbench.comm.dispatch import nbytes, run_algorithm, run_native
+from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
 from workbench.comm.group import Comm, Fold, scratch, segment, segment_count
 
 ReduceOp = dist.ReduceOp
@@ -90,6 +90,53 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
         h.wait()
 
 
+def ring_reduce_scatter_into(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op, me: int,
+                             right: int, left: int) -> None:
+    """Ring reduce-scatter that leaves ``inputs`` untouched: ``out = op over ranks of inputs[me]``.
+
+    The same ring as :func:`ring_reduce_scatter`, but a partial sum is never written into an
+    input: step 0 sends straight from the caller's block, and each arriving partial is combined
+    with this rank's input block into a small accumulator (``acc = input op incoming``), which
+    the next step sends on; the last step combines straight into ``out``. Nothing is copied, and
+    the memory traffic is that of the in-place ring (read two operands, write one result).
+    Accumulator rows alternate between two steps; a row is reused only after its send is done.
+    """
+    p = len(inputs)
+    nseg = segment_count(inputs)
+    rows = min(RECV_WINDOW, (p - 1) * nseg)
+    width = -(-max(b.numel() for b in inputs) // nseg)
+    dtype = inputs[0].dtype
+    tmp = scratch(rows * width, dtype).view(rows, width)
+    acc = scratch(2 * nseg * width, dtype, "stage").view(2, nseg, width) if p > 2 else None
+    acc_sent: dict[tuple[int, int], object] = {}
+    order = [(s, j) for s in range(p - 1) for j in range(nseg)]
+
+    def post(k: int):
+        s, j = order[k]
+        return c.irecv(tmp[k % rows, :segment(inputs[(me - s - 2) % p], nseg, j).numel()], left)
+
+    recvs = [post(k) for k in range(rows)]
+    sends = [c.isend(segment(inputs[(me - 1) % p], nseg, j), right) for j in range(nseg)]
+    for k, (s, j) in enumerate(order):
+        recvs[k % rows].wait()
+        mine = segment(inputs[(me - s - 2) % p], nseg, j)
+        incoming = tmp[k % rows, :mine.numel()]
+        if s == p - 2:  # block ``me``: the result
+            ops.combine_into(segment(out, nseg, j), mine, incoming, op)
+        else:
+            row = (s % 2, j)
+            if row in acc_sent:  # this row went out two steps ago: its send must be done
+                acc_sent.pop(row).wait()
+            dst = acc[s % 2, j, :mine.numel()]
+            ops.combine_into(dst, mine, incoming, op)
+        if k + rows < len(order):
+            recvs[k % rows] = post(k + rows)
+        if s < p - 2:
+            acc_sent[row] = c.isend(dst, right)
+    for h in sends + list(acc_sent.values()):
+        h.wait()
+
+
 def halving_reduce_scatter(c: Comm, buf: torch.Tensor, units: list[int], op, me: int, real) -> None:
     """Recursive halving over ``len(units) - 1`` (a power of two) units of ``buf``.
 
@@ -119,14 +166,24 @@ def halving_reduce_scatter(c: Comm, buf: torch.Tensor, units: list[int], op, me:
         mask //= 2
 
 
-def ring(c: Comm, full: torch.Tensor, m: int, op) -> None:
-    """Ring: see :func:`ring_reduce_scatter`. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``."""
+def ring(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op) -> None:
+    """Ring: see :func:`ring_reduce_scatter_into`. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``."""
     p, r = c.size, c.rank
-    blocks = [full[i * m:(i + 1) * m] for i in range(p)]
-    ring_reduce_scatter(c, blocks, op, me=r, right=(r + 1) % p, left=(r - 1) % p)
+    ring_reduce_scatter_into(c, inputs, out, op, me=r, right=(r + 1) % p, left=(r - 1) % p)
 
 
-def recursive_halving(c: Comm, full: torch.Tensor, m: int, op) -> None:
+def recursive_halving(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op) -> None:
+    """Recursive halving swaps runs of adjacent blocks, and reduces into them: it works on a copy
+    of the inputs laid out in one buffer (see :func:`_recursive_halving`)."""
+    m = out.numel()
+    full = scratch(c.size * m, out.dtype, "stage")  # the inputs are not to be modified
+    for i, t in enumerate(inputs):
+        full[i * m:(i + 1) * m].copy_(t)
+    _recursive_halving(c, full, m, op)
+    out.copy_(full[c.rank * m:(c.rank + 1) * m])
+
+
+def _recursive_halving(c: Comm, full: torch.Tensor, m: int, op) -> None:
     """Recursive halving, folded for non-powers of two::
 
         p = 3:  fold in   0 --a0 a1 a2--> 1        (1 reduces it into its own input)
@@ -174,12 +231,12 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
     algo, m = ALGORITHMS[algorithm], output.numel()
 
     def body(c: Comm) -> None:
-        full = scratch(c.size * m, output.dtype, "stage")  # the inputs are not to be modified
-        for i, t in enumerate(input_list):
-            full[i * m:(i + 1) * m].view(t.shape).copy_(t)
-        algo(c, full, m, ops.combining_op(op))
-        mine = full[c.rank * m:(c.rank + 1) * m]
-        ops.finish_avg(mine, op, c.size)
-        output.copy_(mine.view(output.shape))
+        if m == 0:
+            return
+        inputs = [t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1) for t in input_list]
+        out, write_back = flat_buffer(output)
+        algo(c, inputs, out, ops.combining_op(op))
+        ops.finish_avg(out, op, c.size)
+        write_back()
 
     return run_algorithm("reduce_scatter", algorithm, view, body, async_op)

@@ -52,27 +52,40 @@ def scatter_binomial(c: Comm, out: torch.Tensor, blocks: list[torch.Tensor] | No
         round 2:  0 --a2 a3--> 2,  4 --a6 a7--> 6
         round 3:  0 --a1--> 1,  2 --a3--> 3,  4 --a5--> 5,  6 --a7--> 7
 
-    ``ceil(lg p) alpha + ((p-1)/p) n beta``.
+    ``ceil(lg p) alpha + ((p-1)/p) n beta``. Each subtree's blocks travel as one message. The
+    root sends a single block straight from the caller's tensor and lays out only runs of several
+    blocks in a buffer; a leaf receives straight into its output. (On 2 ranks nothing is copied.)
     """
     p, v, m = c.size, (c.rank - root) % c.size, out.numel()
     real = lambda rel: (rel + root) % p  # noqa: E731
     mask = 1
-    if v == 0:  # lay the blocks out in relative order: held[k] is for relative rank k
-        held = scratch(p * m, out.dtype, "stage")
-        for k in range(p):
-            held[k * m:(k + 1) * m].view(blocks[real(k)].shape).copy_(blocks[real(k)])
+    held = None  # my subtree's blocks [v, v + size), in one buffer (not at the root)
+    if v == 0:
         mask = 1 << (p - 1).bit_length()
     else:
         while not v & mask:
             mask <<= 1
-        held = scratch(min(mask, p - v) * m, out.dtype, "stage")  # my subtree's blocks [v, v + mask)
+        size = min(mask, p - v)
+        held = out if size == 1 else scratch(size * m, out.dtype, "stage")
         c.recv(held, real(v - mask))
     mask >>= 1
     while mask > 0:
         if v + mask < p:  # child v + mask owns [v + mask, v + 2 mask)
-            c.send(held[mask * m:min(2 * mask, p - v) * m], real(v + mask))
+            lo, hi = mask, min(2 * mask, p - v)
+            if held is not None:
+                run = held[lo * m:hi * m]
+            elif hi - lo == 1:
+                run = blocks[real(lo)]
+            else:  # the root lays several blocks out in one message (sent before the buffer is reused)
+                run = scratch((hi - lo) * m, out.dtype, "stage")
+                for k in range(lo, hi):
+                    run[(k - lo) * m:(k - lo + 1) * m].copy_(blocks[real(k)])
+            c.send(run, real(v + mask))
         mask >>= 1
-    out.copy_(held[:m])
+    if v == 0:
+        out.copy_(blocks[root])
+    elif held is not out:
+        out.copy_(held[:m])
 
 
 def gather_flat(c: Comm, inp: torch.Tensor, blocks: list[torch.Tensor] | None, root: int) -> None:
@@ -96,7 +109,8 @@ def gather_binomial(c: Comm, inp: torch.Tensor, blocks: list[torch.Tensor] | Non
         round 2:  2 --a2 a3--> 0,  6 --a6 a7--> 4
         round 3:  4 --a4..a7--> 0
 
-    ``ceil(lg p) alpha + ((p-1)/p) n beta``.
+    ``ceil(lg p) alpha + ((p-1)/p) n beta``. A leaf sends its input as it is; the root receives a
+    single block straight into the caller's tensor and only runs of several blocks into a buffer.
     """
     p, v, m = c.size, (c.rank - root) % c.size, inp.numel()
     real = lambda rel: (rel + root) % p  # noqa: E731
@@ -104,18 +118,29 @@ def gather_binomial(c: Comm, inp: torch.Tensor, blocks: list[torch.Tensor] | Non
     while mask < p and not v & mask:
         mask <<= 1
     size = min(mask, p - v)  # my subtree: relative ranks [v, v + size)
-    held = scratch(size * m, inp.dtype, "stage")
-    held[:m].copy_(inp)
+    if v != 0 and size == 1:  # a leaf
+        c.send(inp, real(v - mask))
+        return
+    held = None if v == 0 else scratch(size * m, inp.dtype, "stage")
+    if held is not None:
+        held[:m].copy_(inp)
+    else:
+        blocks[root].copy_(inp)
     child = 1
     while child < mask and v + child < p:  # children v + 1, v + 2, v + 4, ... in that order
         hi = min(2 * child, p - v)
-        c.recv(held[child * m:hi * m], real(v + child))
+        if held is not None:
+            c.recv(held[child * m:hi * m], real(v + child))
+        elif hi - child == 1:
+            c.recv(blocks[real(child)], real(v + child))
+        else:  # several blocks in one message: receive, then put each in its place
+            run = scratch((hi - child) * m, inp.dtype, "stage")
+            c.recv(run, real(v + child))
+            for k in range(child, hi):
+                blocks[real(k)].copy_(run[(k - child) * m:(k - child + 1) * m])
         child <<= 1
-    if v != 0:
+    if held is not None:
         c.send(held, real(v - mask))
-        return
-    for k in range(p):
-        blocks[real(k)].copy_(held[k * m:(k + 1) * m])
 
 
 SCATTER_ALGORITHMS = {"native": None, "flat": scatter_flat, "binomial": scatter_binomial}
