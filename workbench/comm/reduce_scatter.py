@@ -11,7 +11,7 @@
 Algorithms (n = bytes of one rank's whole input, p ranks):
 
 * ``ring``: p-1 steps; each rank passes a partial sum to the right, which adds its own block and
-  passes it on. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``; blocks over 4 MiB are pipelined in
+  passes it on. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``; blocks over 2 MiB are pipelined in
   segments (:func:`~workbench.comm.group.segment_count`).
 * ``recursive_halving``: lg p steps; partners ``rank xor 2^k`` swap half of what is left and
   each keeps (and reduces) the other half. ``lg p alpha + ((p-1)/p) n (beta + gamma)`` for a
@@ -33,8 +33,9 @@ from workbench.comm.group import Comm, Fold, scratch, segment, segment_count
 
 ReduceOp = dist.ReduceOp
 
-# Receive rows in flight in the ring reduce-scatter (segments of at most SEGMENT_BYTES each): gloo keeps 2.
-RECV_WINDOW = 4
+# Receive rows in flight in the ring reduce-scatter (segments of at most SEGMENT_BYTES each), as
+# gloo: 2 (4 measured 3-6% slower at 16 and 64 MiB: more buffer, more cache misses).
+RECV_WINDOW = 2
 
 
 def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right: int, left: int,
@@ -49,7 +50,7 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
                step 1:  0 --a2+d2--> 1 --b3+a3--> 2 --c0+b0--> 3 --d1+c1--> 0
                step 2:  ... after p-1 steps rank i holds block i reduced over all ranks
 
-    Pipelining: blocks over ``SEGMENT_BYTES`` (4 MiB) are cut into segments. Receives land in a
+    Pipelining: blocks over ``SEGMENT_BYTES`` (2 MiB) are cut into segments. Receives land in a
     small ring of ``RECV_WINDOW`` rows (at most a few segments, whatever the message size, reused
     from call to call: :func:`~workbench.comm.group.scratch`); as soon as a segment arrives it is
     reduced in place (``add_``) and sent on as the next step's segment, and its row takes the next
