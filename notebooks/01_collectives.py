@@ -263,7 +263,7 @@ def measure_two_ranks():
     fitted = cost.fit(pingpong_sizes=[8 << k for k in range(0, 21, 2)],  # 8 B .. 8 MiB
                       exchange_sizes=[8192 << k for k in range(0, 10)],  # 8 KiB .. 4 MiB
                       reduction_sizes=[8192 << k for k in range(0, 10)])
-    fitted["model"] = cost.with_curves(fitted["model"], **bench.probe_curves(probes))
+    fitted["models"] = bench.models_for(fitted["model"], probes)
     return {"rows": rows, "fit": fitted}
 
 
@@ -322,8 +322,10 @@ ax1.legend()
 ax1.grid(alpha=0.3, which="both")
 
 big = [r for r in two["rows"] if r["bytes"] >= 64 << 10 and r["algorithm"] != "native"]  # gloo's own: not modelled
-compared = cost.compare(model, [{"collective": r["collective"], "algorithm": r["algorithm"], "bytes": r["bytes"],
-                                 "world_size": r["world_size"], "time_s": r["in-place"]["time_s"]} for r in big])
+# each collective is predicted with the primitives probed in its own trials (bench.models_for)
+compared = [m for c in SWEEP for m in cost.compare(two["fit"]["models"][c], [
+    {"collective": c, "algorithm": r["algorithm"], "bytes": r["bytes"], "world_size": r["world_size"],
+     "time_s": r["in-place"]["time_s"]} for r in big if r["collective"] == c])]
 for c in SWEEP:
     pts = [(m["time_s"] * 1e3, m["predicted_s"] * 1e3) for m in compared if m["collective"] == c]
     ax2.loglog(*zip(*pts), "o", label=c, alpha=0.7)

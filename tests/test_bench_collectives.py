@@ -201,11 +201,15 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     model = data["cost"]["model"]
     assert set(model) == {"alpha", "beta", "gamma", "beta_duplex", "alpha_duplex", "delta", "tables", "overhead"}
     assert set(model["tables"]) == {"one_way", "exchange", "reduction", "copy"}
-    # the probes timed inside the sweep (size/p and size of every swept size) are in the curves
-    probed = {m for m, _ in data["cost"]["probes"]["exchange"]}
-    assert probed == {4, 8, 64, 128, 1024, 2048}
-    assert probed <= {m for m, _ in model["tables"]["exchange"]}
-    assert cost.CostModel(**model).predict("all_reduce", "ring", 2048, 2) > 0
+    # the probes timed inside each collective's trials (size/p and size of every swept size) go
+    # into that collective's curves
+    probes = data["cost"]["probes"]
+    assert set(probes) == {"all_reduce", "all_gather"}
+    probed = {m: t for m, t in probes["all_reduce"]["exchange"]}
+    assert set(probed) == {4, 8, 64, 128, 1024, 2048}
+    models = bc.models_for(cost.CostModel(**model), probes)
+    assert all(models["all_reduce"].exchange(m) == pytest.approx(t) for m, t in probed.items())
+    assert models["all_reduce"].predict("all_reduce", "ring", 2048, 2) > 0
     assert (tmp_path / "busbw.png").stat().st_size > 10_000
 
 

@@ -220,7 +220,8 @@ def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=50, budge
     ``probes``: a dict to fill with the cost model's primitives timed in the same trials: for
     each collective and size, an exchange and a one-way message (:class:`~workbench.comm.cost.Probe`)
     of the sizes its algorithms send (size/p and size) join the candidates, and their medians are
-    added as ``probes["exchange"]`` and ``probes["one_way"]`` lists of ``(bytes, seconds)``.
+    added as ``probes[collective]["exchange"]`` and ``probes[collective]["one_way"]``, lists of
+    ``(bytes, seconds)`` (see :func:`models_for`).
     """
     from workbench.comm import cost
 
@@ -252,7 +253,8 @@ def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=50, budge
         for cand in candidates:
             if cand.startswith("probe|"):
                 _, kind, m = cand.split("|")
-                probes.setdefault(kind, []).append((int(m), _common.median(samples[cand])))
+                probes.setdefault(collective, {}).setdefault(kind, []).append(
+                    (int(m), _common.median(samples[cand])))
         wrong = {}
         for cand in (c for c in candidates if not c.startswith("probe|")):  # the check, outside the timed loop
             a, p = cand.split("|")
@@ -291,29 +293,28 @@ def _rank_main(config: dict) -> dict:
                          budget_bytes=config["budget"], dtype=config["dtype"], probes=probes)}
     if config["predict"]:
         fitted = cost.fit()
-        # the primitives timed inside the sweep replace the fit's own at the same sizes: they were
-        # measured in the same trials as the collectives they predict
-        fitted["model"] = cost.with_curves(fitted["model"], **probe_curves(probes))
         fitted["probes"] = probes
         out["cost"] = fitted
     return out
 
 
-def probe_curves(probes: dict) -> dict:
-    """One point per size: the median over every collective that probed it."""
-    out = {}
-    for kind, points in probes.items():
-        by_size: dict[int, list[float]] = {}
-        for m, t in points:
-            by_size.setdefault(m, []).append(t)
-        out[kind] = [(m, _common.median(ts)) for m, ts in sorted(by_size.items())]
-    return out
+def models_for(model, probes: dict | None) -> dict:
+    """``{collective: model}``: ``model`` with the primitives probed in that collective's trials
+    put in its curves (they replace the fit's own points at the same sizes).
+
+    A message costs more while a big collective keeps the caches busy than in the fit's quiet
+    loop, so each collective is predicted from what its own trials measured.
+    """
+    from workbench.comm import cost
+
+    return {c: cost.with_curves(model, **kinds) for c, kinds in (probes or {}).items()}
 
 
 # -------------------------------------------------------------------------------------- report
 
 def table(rows: list[dict], collective: str, model=None) -> str:
-    """The nccl-tests-style table of one collective's rows."""
+    """The nccl-tests-style table of one collective's rows; ``model``: the cost model to predict
+    them with (the pred and err% columns; see :func:`models_for`), or None."""
     flat = []
     for row in (r for r in rows if r["collective"] == collective):
         cells = {"size": row["bytes"], "count": row["count"], "algorithm": row["algorithm"], "iters": row["iters"]}
@@ -462,8 +463,9 @@ def main(args: argparse.Namespace) -> int:
     if workbench.rank() != 0:  # under torchrun only rank 0 reports
         return 0
     model = result.get("cost", {}).get("model")
+    models = models_for(model, result.get("cost", {}).get("probes")) if model is not None else {}
     for c in config["collectives"]:
-        print(table(result["rows"], c, model))
+        print(table(result["rows"], c, models.get(c, model)))
         print()
     worst = sum(r[p]["wrong"] for r in result["rows"] for p in PLACEMENTS)
     if model is not None:
