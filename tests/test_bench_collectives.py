@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -199,7 +200,8 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert {r["collective"] for r in data["rows"]} == {"all_reduce", "all_gather"}
     assert all(r[p]["wrong"] == 0 for r in data["rows"] for p in bc.PLACEMENTS)
     model = data["cost"]["model"]
-    assert set(model) == {"alpha", "beta", "gamma", "beta_duplex", "alpha_duplex", "delta", "tables", "overhead"}
+    assert set(model) == {"alpha", "beta", "gamma", "beta_duplex", "alpha_duplex", "delta", "tables", "overhead",
+                          "overheads"}
     assert set(model["tables"]) == {"one_way", "exchange", "reduction", "copy"}
     # the probes timed inside each collective's trials (size/p and size of every swept size) go
     # into that collective's curves
@@ -356,7 +358,9 @@ def test_fit_on_ranks_and_compare():
     assert model.tables["exchange"] == [(float(n), t) for n, t in a["exchange"]]
     assert model.tables["copy"] == [(float(n), t) for n, t in a["copy"]]
     assert model.delta == cost.fit_line(a["copy"])[1]  # (fewer than 2 copies of 1 MiB or more: all of them)
-    assert 0 < model.overhead < 0.01
+    assert 0 < model.overhead < 0.01 and model.overhead == statistics.median(model.overheads.values())
+    assert model.predict("all_reduce", "ring", 1 << 16, 2) - model.overheads["all_reduce/ring"] == pytest.approx(
+        2 * model.exchange(1 << 15) + model.reduction(1 << 15))
     assert model.exchange(1 << 12) == pytest.approx(a["exchange"][0][1])
     rows = cost.compare(model, [{"collective": "all_reduce", "algorithm": "ring", "bytes": 1 << 20,
                                  "world_size": 2, "time_s": 1e-3}])
@@ -376,6 +380,12 @@ def test_measured_curves_price_each_step_at_the_size_it_sends():
     # recursive doubling sends the whole 4000 B once; torch's own code pays no workbench overhead
     assert d.predict("all_reduce", "recursive_doubling", 4000, 2) == pytest.approx(7e-4 + 4000 * M.gamma + 3e-5)
     assert d.predict("all_reduce", "native", 4000, 2) == pytest.approx(2 * 3e-4 + 2000 * M.gamma)
+    per = cost.CostModel(alpha=M.alpha, beta=M.beta, gamma=M.gamma, tables={"exchange": ex}, overhead=3e-5,
+                         overheads={"all_reduce/ring": 1e-3})
+    assert per.predict("all_reduce", "ring", 4000, 2) == pytest.approx(2 * 3e-4 + 2000 * M.gamma + 1e-3)
+    assert per.predict("all_reduce", "rabenseifner", 4000, 2) == pytest.approx(2 * 3e-4 + 2000 * M.gamma + 3e-5)
+    with pytest.raises(ValueError, match="overheads"):
+        cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0, overheads={"all_reduce/ring": -1.0})
     more = cost.with_curves(d, exchange=[(2000, 1e-3)])
     assert more.exchange(2000) == pytest.approx(1e-3) and more.exchange(1000) == pytest.approx(1e-4)
     assert d.exchange(2000) == pytest.approx(3e-4)  # the original is unchanged
@@ -393,7 +403,7 @@ def _probe_on_three_ranks():
         probe = cost.Probe(kind, 4096)
         probe()
         out[kind] = (probe.peer, probe.comm.bytes_sent if probe.comm else 0, probe.comm.bytes_received if probe.comm else 0)
-    return out, cost.call_overhead(calls=5, repeats=2)
+    return out, cost.call_overheads(calls=3, repeats=2)
 
 
 def test_probe_runs_between_ranks_0_and_1_only():
@@ -402,6 +412,8 @@ def test_probe_runs_between_ranks_0_and_1_only():
     assert r0 == {"exchange": (1, 4096, 4096), "one_way": (1, 4096, 0)}
     assert r1 == {"exchange": (0, 4096, 4096), "one_way": (0, 0, 4096)}
     assert r2 == {"exchange": (None, 0, 0), "one_way": (None, 0, 0)}  # the third rank sends nothing
-    assert o0 == o1 == o2 > 0  # the slowest rank's overhead, on every rank
+    assert o0 == o1 == o2  # the slowest rank's overheads, on every rank
+    assert set(o0) == {f"{c}/{a}" for c, algs in comm.ALGORITHMS.items() for a in algs if a != "native"}
+    assert all(0 < t < 0.01 for t in o0.values())
     with pytest.raises(ValueError, match="kind='broadcast'"):
         cost.Probe("broadcast", 8)

@@ -84,9 +84,9 @@ step's size, interpolated between the two nearest sizes:
   gloo's receive-ready notice and its data: about two ping-pong latencies.
 * ``exchange``: the exchange above. ``reduction`` and ``copy``: the local timings of gamma and delta.
 
-With curves the model has one more number, ``overhead`` (LogP's *o*): the Python a hand-written
+With curves the model has one more term, the ``overheads`` (LogP's *o*): the Python a hand-written
 collective runs per call besides its messages (checks, group lookup, schedule, counters),
-measured as a ring all-reduce of an empty tensor (:func:`call_overhead`), about 25 us here.
+measured per algorithm as a call on empty tensors (:func:`call_overheads`), 10-25 us here.
 ``workbench bench collectives`` goes one step further: it times the exchange and the stream at
 the sizes each swept size sends *inside the same interleaved trials* as the collectives
 (:class:`Probe`), so that the curves and the measurements they are compared with share the
@@ -200,11 +200,15 @@ class CostModel:
     delta: float | None = None
     # measured (bytes, seconds) per primitive, interpolated between sizes (see "Measured curves")
     tables: dict | None = None
-    # seconds of Python a hand-written collective spends per call besides its messages (LogP's o)
+    # seconds of Python a hand-written collective spends per call besides its messages (LogP's o):
+    # per "collective/algorithm" in ``overheads``, ``overhead`` for any other
     overhead: float | None = None
+    overheads: dict | None = None
 
     def __post_init__(self):
         optional = ("beta_duplex", "alpha_duplex", "delta", "overhead")
+        if self.overheads is not None and any(not isinstance(v, (int, float)) or v < 0 for v in self.overheads.values()):
+            raise ValueError(f"overheads={self.overheads!r}: every value must be a non-negative number of seconds")
         if self.tables is not None:
             unknown = set(self.tables) - set(TABLES)
             if unknown:
@@ -295,7 +299,7 @@ def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model
     if not native and world_size > 1:
         if (collective, algorithm) in COPIES:
             t += model.copy(COPIES[(collective, algorithm)](float(nbytes), world_size))
-        t += model.overhead or 0.0
+        t += (model.overheads or {}).get(f"{collective}/{algorithm}", model.overhead or 0.0)
     return t
 
 
@@ -578,27 +582,50 @@ def with_curves(model: CostModel, **points: Sequence[tuple[float, float]]) -> Co
     return replace(model, tables={k: sorted(v.items()) for k, v in tables.items()})
 
 
-def call_overhead(*, calls: int = 200, repeats: int = 5, group=None) -> float:
-    """Seconds of a hand-written collective call that moves no data (call on every rank).
+def call_overheads(*, calls: int = 100, repeats: int = 5, group=None) -> dict[str, float]:
+    """Seconds of a hand-written call that moves no data, per ``"collective/algorithm"`` (call on
+    every rank).
 
-    ``all_reduce`` of an empty tensor with the ring runs everything but the messages: the input
-    checks, the group lookup, building the schedule, the counters. The slowest rank's median.
+    A call on empty tensors runs everything but the messages: the input checks, the group
+    lookup, building the schedule (a ring's blocks, a tree's partners), the counters. From about
+    10 us (recursive doubling) to 25 us (the ring, which builds its all-gather up front) here.
+    The slowest rank's median; the same numbers on every rank.
     """
     import torch.distributed as dist
 
-    from workbench.comm.all_reduce import all_reduce
+    from workbench import comm as wcomm
 
-    empty = torch.empty(0)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        for _ in range(calls):
-            all_reduce(empty, group=group, algorithm="ring")
-        samples.append((time.perf_counter() - start) / calls)
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    p = dist.get_world_size(group)
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    is_root = dist.get_rank(group) == 0
+    e = torch.empty(0)
+    lst = [torch.empty(0) for _ in range(p)]
+    call = {
+        "all_reduce": lambda a: wcomm.all_reduce(e, group=group, algorithm=a),
+        "all_gather": lambda a: wcomm.all_gather(lst, e, group=group, algorithm=a),
+        "reduce_scatter": lambda a: wcomm.reduce_scatter(e, lst, group=group, algorithm=a),
+        "broadcast": lambda a: wcomm.broadcast(e, root, group=group, algorithm=a),
+        "reduce": lambda a: wcomm.reduce(e, root, group=group, algorithm=a),
+        "scatter": lambda a: wcomm.scatter(e, lst if is_root else None, src=root, group=group, algorithm=a),
+        "gather": lambda a: wcomm.gather(e, lst if is_root else None, dst=root, group=group, algorithm=a),
+    }
+    keys, times = [], []
+    for collective, algorithms in wcomm.ALGORITHMS.items():
+        for algorithm in algorithms:
+            if algorithm == "native" or collective not in call:
+                continue
+            samples = []
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call[collective](algorithm)
+                samples.append((time.perf_counter() - start) / calls)
+            keys.append(f"{collective}/{algorithm}")
+            times.append(statistics.median(samples))
+    t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return dict(zip(keys, t.tolist()))
 
 
 def reduction_time(sizes: Sequence[int], *, dtype: torch.dtype = torch.float32, iterations: int = 20,
@@ -671,9 +698,10 @@ def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
             tables["exchange"] = ex
         if cp:
             tables["copy"] = cp
-    overhead = call_overhead(group=group) if curves else None
+    overheads = call_overheads(group=group) if curves else None
+    overhead = statistics.median(overheads.values()) if overheads else None
     model = CostModel(alpha=alpha, beta=beta, gamma=gamma, alpha_duplex=alpha_duplex, beta_duplex=beta_duplex,
-                      delta=delta, tables=tables, overhead=overhead)
+                      delta=delta, tables=tables, overhead=overhead, overheads=overheads)
     return {"model": model, "pingpong": pp, "stream": st, "exchange": ex, "reduction": red, "copy": cp}
 
 
