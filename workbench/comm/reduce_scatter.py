@@ -232,8 +232,6 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
     algo, m = ALGORITHMS[algorithm], output.numel()
 
     def body(c: Comm) -> None:
-        if m == 0:
-            return
         inputs = [t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1) for t in input_list]
         out, write_back = flat_buffer(output)
         algo(c, inputs, out, ops.combining_op(op))
