@@ -32,7 +32,9 @@ falls on all of them alike; the ratio compares medians. Big messages run fewer i
 (at most ``--budget`` bytes per measurement, at least one): the ``iters`` column says how many.
 The defaults (50 calls, 256 MiB: 4 calls of 64 MiB) are set by this 2-vCPU machine, where a call
 now and then takes a few milliseconds longer (a descheduled rank), so a trial needs many calls;
-with one 64 MiB call per trial the ring's ratio there ranged from 0.84 to 1.15 over seven runs. Until gloo's network
+with one 64 MiB call per trial the ring's ratio there ranged from 0.84 to 1.15 over seven runs.
+Seven trials, not five: with five, about one full sweep in four had one ratio cell 0.05 below
+where the others put it. Until gloo's network
 thread was demoted (``workbench/gloo_threads.py``) that happened to 30-60% of calls, and with 20
 calls and 16 MiB the ratio at 1 MiB swung between 0.44 and 2.7 from one run to the next.
 
@@ -210,7 +212,7 @@ def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) 
 
 # ----------------------------------------------------------------------------------- the sweep
 
-def sweep(collectives, algorithms, sizes, *, trials=5, warmup=5, iters=50, budget_bytes=256 << 20,
+def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budget_bytes=256 << 20,
           dtype="float32", progress=True, probes: dict | None = None) -> list[dict]:
     """Run inside every rank of a launch; returns the rows (the same list on every rank).
 
@@ -394,7 +396,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-bytes", default="8", help="smallest size, e.g. 8, 1K (default 8)")
     parser.add_argument("--max-bytes", default="64M", help="largest size (default 64M)")
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows (default 4)")
-    parser.add_argument("--trials", type=int, default=5, help="interleaved trials per size, median shown (default 5)")
+    parser.add_argument("--trials", type=int, default=7, help="interleaved trials per size, median shown (default 7)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per algorithm and size (default 5)")
     parser.add_argument("--iters", type=int, default=50, help="timed calls per trial for small sizes (default 50)")
     parser.add_argument("--budget", default="256M",
