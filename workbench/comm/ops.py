@@ -33,22 +33,11 @@ def combining_op(op):
 
 def reduce_into(acc: torch.Tensor, other: torch.Tensor, op) -> None:
     """``acc = acc op other``, in place (``acc`` and ``other`` have the same shape)."""
-    if acc.numel() == 0:
-        return
-    if op == ReduceOp.SUM:
-        acc.add_(other)
-    elif op == ReduceOp.PRODUCT:
-        acc.mul_(other)
-    elif op == ReduceOp.MIN:
-        torch.minimum(acc, other, out=acc)
-    elif op == ReduceOp.MAX:
-        torch.maximum(acc, other, out=acc)
-    else:  # validated before anything is sent; reaching here is a bug
-        raise AssertionError(f"reduce_into: unexpected op {op!r}")
+    combine_into(acc, acc, other, op)
 
 
 def combine_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op) -> None:
-    """``out = a op b`` without touching ``a`` or ``b`` (``out`` may be ``a`` itself)."""
+    """``out = a op b``; ``a`` and ``b`` are only read (``out`` may be ``a``: then it is ``a op= b``)."""
     if out.numel() == 0:
         return
     if op == ReduceOp.SUM:
