@@ -383,13 +383,14 @@ def race_four_ranks():
 
 race = workbench.launch(race_four_ranks, world_size=WORLD, timeout=600)[0]
 p4 = race[0]["world_size"]
-predicted_cross = cost.crossover("all_reduce", "recursive_doubling", "ring", p4, model)
+ar_model = model  # the fit's own curves: steadier than the short probes of the sweep above
+predicted_cross = cost.crossover("all_reduce", "recursive_doubling", "ring", p4, ar_model)
 fig, ax = plt.subplots(figsize=(7, 3.8))
 for i, a in enumerate(["native"] + RACE):
     pts = [(r["bytes"], r["in-place"]["time_s"] * 1e6) for r in race if r["algorithm"] == a]
     ax.loglog(*zip(*pts), "o-", color=f"C{i}", label=f"{a} (measured)", lw=1)
     if a != "native":
-        ax.loglog([n for n, _ in pts], [model.predict("all_reduce", a, n, p4) * 1e6 for n, _ in pts], "--",
+        ax.loglog([n for n, _ in pts], [ar_model.predict("all_reduce", a, n, p4) * 1e6 for n, _ in pts], "--",
                   color=f"C{i}", lw=1, alpha=0.7)
 ax.axvline(predicted_cross, color="k", ls=":", lw=1)
 ax.set_xlabel("bytes")

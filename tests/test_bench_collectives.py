@@ -310,7 +310,17 @@ def test_crossover_recursive_doubling_to_ring():
     assert M.predict("all_reduce", "ring", above, 4) < M.predict("all_reduce", "recursive_doubling", above, 4)
     # at p = 2 both send the vector once; the ring wins only by reducing half of it: from 2a/g up
     assert cost.crossover("all_reduce", "recursive_doubling", "ring", 2, M) == pytest.approx(2 * a / g, abs=1)
-    assert cost.crossover("all_reduce", "ring", "recursive_doubling", 2, M) == 1.0  # never slower: lo
+    # recursive doubling is faster than the ring only below 2a/g: not from any size on
+    assert cost.crossover("all_reduce", "ring", "recursive_doubling", 2, M) == math.inf
+    assert cost.crossover("broadcast", "flat", "binomial", 4, M) == 1.0  # never slower: lo
+    # a jagged measured curve that dips below the crossing and back still gives the last crossing
+    jag = cost.CostModel(alpha=M.alpha, beta=M.beta, gamma=M.gamma, tables={"exchange": [
+        (1e3, 1e-4), (1e5, 1e-4), (2e5, 5e-5), (4e5, 4e-4), (1e7, 1e-2)]})
+    x = cost.crossover("all_reduce", "recursive_doubling", "ring", 4, jag)
+    sizes = [int(x * f) for f in (1.01, 2, 10, 100)]
+    assert all(jag.predict("all_reduce", "ring", n, 4) <= jag.predict("all_reduce", "recursive_doubling", n, 4)
+               for n in sizes)
+    assert jag.predict("all_reduce", "ring", int(x * 0.99), 4) > jag.predict("all_reduce", "recursive_doubling", int(x * 0.99), 4)
     assert cost.crossover("broadcast", "binomial", "flat", 4, M) == math.inf  # flat never catches up
 
 

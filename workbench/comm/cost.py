@@ -383,22 +383,31 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
 
 def crossover(collective: str, small: str, large: str, world_size: int, model: CostModel,
               lo: int = 1, hi: int = 1 << 34) -> float:
-    """Smallest size (bytes) from which ``large`` is predicted at least as fast as ``small``.
+    """Smallest size (bytes) from which ``large`` is predicted at least as fast as ``small``, for good.
 
-    ``math.inf`` if ``large`` never catches up below ``hi``; ``lo`` if it is never slower.
-    Found by bisection on sizes, since both costs are straight lines in ``n``.
+    ``math.inf`` if ``large`` is slower at ``hi``; ``lo`` if it is never slower. With straight
+    lines the two costs cross once; measured curves are a little jagged and may cross back and
+    forth around the crossing, so the sizes are scanned (8 steps per doubling) for the last one
+    where ``large`` is still slower, and the crossing is found by bisection just above it.
     """
     def faster(n):
         return predict(collective, large, n, world_size, model) <= predict(collective, small, n, world_size, model)
 
-    if faster(lo):
-        return float(lo)
     if not faster(hi):
         return math.inf
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if faster(mid) else (mid, hi)
-    return float(hi)
+    grid, k = [], 0
+    while lo * 2 ** (k / 8) < hi:
+        grid.append(int(lo * 2 ** (k / 8)))
+        k += 1
+    slower = [n for n in grid if not faster(n)]
+    if not slower:
+        return float(lo)
+    a = slower[-1]
+    b = next((n for n in grid if n > a), hi)
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (a, mid) if faster(mid) else (mid, b)
+    return float(b)
 
 
 # ------------------------------------------------------------------------------------- fitting
