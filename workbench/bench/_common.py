@@ -236,9 +236,13 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     return path
 
 
-def save_outputs(out_dir, name: str, payload: dict, plot: Callable[[], Any] | None) -> None:
-    """Write ``<out_dir>/<name>.json`` (with the machine's description) and, if ``plot`` is
-    given, the figure it returns as ``<out_dir>/<name>.png``; say where."""
+def save_outputs(args, name: str, payload: dict, plot: Callable[[], Any] | None) -> None:
+    """Write ``<out>/<name>.json`` (the command's options, the machine's description and
+    ``payload``) and, if ``plot`` is given, the figure it returns as ``<out>/<name>.png``; say
+    where. ``<out>`` is ``args.out``, or ``runs/<name>-<time>`` when that is None."""
+    out_dir = default_out_dir(name) if args.out is None else args.out
+    options = {k: v for k, v in vars(args).items() if not callable(v)}
+    payload = {"args": options, **payload}
     path = write_json(f"{out_dir}/{name}.json", {"machine": machine_info(), **payload})
     print(f"wrote {path}")
     if plot is not None:

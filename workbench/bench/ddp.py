@@ -175,9 +175,7 @@ def main(args: argparse.Namespace) -> int:
                          "(CPU timings are noisy while other processes run)")
         lines.append("")
     print("\n".join(lines))
-    out_dir = _common.default_out_dir("ddp") if args.out is None else args.out
-    options = {k: v for k, v in vars(args).items() if not callable(v)}
-    _common.save_outputs(out_dir, "ddp", {"args": options, "results": results, "elapsed_s": time.time() - start},
+    _common.save_outputs(args, "ddp", {"results": results, "elapsed_s": time.time() - start},
                          None if args.no_plot else (lambda: plot(results)))
     return 0 if ok else 1
 

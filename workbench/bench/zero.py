@@ -173,9 +173,7 @@ def main(args: argparse.Namespace) -> int:
     ok = ratio <= TARGET_RATIO
     print(f"# stage3 / torch-fsdp = {ratio:.3f}: {'meets' if ok else 'MISSES'} the target <= {TARGET_RATIO:.2f} "
           "(CPU timings are noisy while other processes run)")
-    out_dir = _common.default_out_dir("zero") if args.out is None else args.out
-    options = {k: v for k, v in vars(args).items() if not callable(v)}
-    _common.save_outputs(out_dir, "zero", {"args": options, "results": res, "elapsed_s": time.time() - start},
+    _common.save_outputs(args, "zero", {"results": res, "elapsed_s": time.time() - start},
                          None if args.no_plot else (lambda: plot(res)))
     return 0 if ok else 1
 
