@@ -439,35 +439,32 @@ def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
     return intercept, slope
 
 
-def _time_pair(sizes, step, messages: int, *, iterations: int, budget_bytes: int, repeats: int,
+def _time_pair(sizes, make, messages: int, *, iterations: int, budget_bytes: int, repeats: int,
                group) -> list[tuple[int, float]]:
-    """Seconds per message for ``step(x, y, peer)`` run by ranks 0 and 1 on ``bytes``-sized buffers.
+    """Seconds per message of ``make(bytes)()`` (a step between ranks 0 and 1, called on every rank).
 
-    ``step`` carries ``messages`` messages per call on each rank. Each size is timed ``repeats``
-    times after one warm-up round (connections, page faults); each of ranks 0 and 1 keeps its
-    median and the larger of the two is returned on every rank (a receiver finishes after its
-    sender). Ranks other than 0 and 1 only take part in the barriers and the maximum.
+    A step carries ``messages`` messages per call on each of ranks 0 and 1. Each size is timed
+    ``repeats`` times after one warm-up round (connections, page faults); each of ranks 0 and 1
+    keeps its median and the larger of the two is returned on every rank (a receiver finishes
+    after its sender). Other ranks only take part in the barriers and the maximum.
     """
     import torch.distributed as dist
 
-    rank = dist.get_rank(group)
-    peer = {0: 1, 1: 0}.get(rank)
-    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    active = dist.get_rank(group) in (0, 1)
     out = []
     for nbytes in sizes:
-        x = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
-        y = torch.empty_like(x)
+        step = make(nbytes)
         iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
         samples = []
         for k in range(repeats + 1):  # the first round warms up and is dropped
             dist.barrier(group=group)
             start = time.perf_counter()
-            if peer is not None:
+            if active:
                 for _ in range(iters):
-                    step(x, y, to_global(peer))
+                    step()
             if k:
                 samples.append((time.perf_counter() - start) / (messages * iters))
-        t = torch.tensor([statistics.median(samples) if peer is not None else 0.0], dtype=torch.float64)
+        t = torch.tensor([statistics.median(samples) if active else 0.0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         out.append((nbytes, float(t.item())))
     return out
@@ -484,17 +481,23 @@ def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
     world = dist.get_world_size(group)
     if world < 2:
         raise ValueError(f"pingpong needs at least 2 ranks, got world size {world}")
-    first = dist.get_rank(group) == 0
+    rank = dist.get_rank(group)
+    peer = {0: 1, 1: 0}.get(rank)
+    peer = dist.get_global_rank(group, peer) if group is not None and peer is not None else peer
 
-    def round_trip(x, y, peer):
-        if first:
-            dist.send(x, peer, group=group)
-            dist.recv(x, peer, group=group)
-        else:
-            dist.recv(x, peer, group=group)
-            dist.send(x, peer, group=group)
+    def make(nbytes):
+        x = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
 
-    return _time_pair(sizes, round_trip, 2, iterations=iterations, budget_bytes=budget_bytes,
+        def round_trip():
+            if rank == 0:
+                dist.send(x, peer, group=group)
+                dist.recv(x, peer, group=group)
+            else:
+                dist.recv(x, peer, group=group)
+                dist.send(x, peer, group=group)
+        return round_trip
+
+    return _time_pair(sizes, make, 2, iterations=iterations, budget_bytes=budget_bytes,
                       repeats=repeats, group=group)
 
 
@@ -506,13 +509,11 @@ def stream(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32
     previous one is done, as a tree's child posts its receive when its turn comes: with gloo's
     rendezvous every message then pays a receive-ready notice on top of its data, and a stream
     message costs about two ping-pong latencies. The one-way steps of trees and flat algorithms
-    (broadcast, reduce, scatter, gather, folds) are priced from this curve.
+    (broadcast, reduce, scatter, gather, folds) are priced from this curve. (:class:`Probe`
+    ``"one_way"``, timed on its own.)
     """
-    import torch.distributed as dist
-
-    first = dist.get_rank(group) == 0
-    return _time_pair(sizes, lambda x, y, peer: _one_way(first, x, peer, group), 1, iterations=iterations, budget_bytes=budget_bytes,
-                      repeats=repeats, group=group)
+    return _time_pair(sizes, lambda n: Probe("one_way", n, group), 1, iterations=iterations,
+                      budget_bytes=budget_bytes, repeats=repeats, group=group)
 
 
 def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
@@ -521,27 +522,10 @@ def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
 
     Both post a receive and a send, then wait for both: one step of a ring or of recursive
     doubling on two ranks. Its slope is ``beta_duplex``, its intercept ``alpha_duplex``.
+    (:class:`Probe` ``"exchange"``, timed on its own.)
     """
-    return _time_pair(sizes, lambda x, y, peer: _swap(x, y, peer, group), 1, iterations=iterations, budget_bytes=budget_bytes,
-                      repeats=repeats, group=group)
-
-
-def _one_way(first: bool, x: torch.Tensor, peer: int, group) -> None:
-    import torch.distributed as dist
-
-    if first:
-        dist.send(x, peer, group=group)
-    else:
-        dist.recv(x, peer, group=group)
-
-
-def _swap(x: torch.Tensor, y: torch.Tensor, peer: int, group) -> None:
-    import torch.distributed as dist
-
-    r = dist.irecv(y, peer, group=group)
-    s = dist.isend(x, peer, group=group)
-    r.wait()
-    s.wait()
+    return _time_pair(sizes, lambda n: Probe("exchange", n, group), 1, iterations=iterations,
+                      budget_bytes=budget_bytes, repeats=repeats, group=group)
 
 
 class Probe:
