@@ -30,13 +30,12 @@ All algorithms of a collective, ``native`` included, run in the same trials, in 
 rotates from trial to trial (``workbench.bench._common.interleaved_trials``), so machine noise
 falls on all of them alike; the ratio compares medians. Big messages run fewer iterations
 (at most ``--budget`` bytes per measurement, at least one): the ``iters`` column says how many.
-The defaults (50 calls, 256 MiB: 4 calls of 64 MiB) are set by this 2-vCPU machine, where a call
-now and then takes a few milliseconds longer (a descheduled rank), so a trial needs many calls;
-with one 64 MiB call per trial the ring's ratio there ranged from 0.84 to 1.15 over seven runs.
-Seven trials, not five: with five, about one full sweep in four had one ratio cell 0.05 below
-where the others put it. Until gloo's network
-thread was demoted (``workbench/gloo_threads.py``) that happened to 30-60% of calls, and with 20
-calls and 16 MiB the ratio at 1 MiB swung between 0.44 and 2.7 from one run to the next.
+The defaults (7 trials of 50 calls, at most 256 MiB per trial: 4 calls of 64 MiB) are set by this
+2-vCPU machine, where a call now and then takes a few milliseconds longer (a descheduled rank):
+with one 64 MiB call per trial the ring's ratio there ranged from 0.84 to 1.15 over seven runs,
+and with five trials about one full sweep in four had a ratio cell 0.05 below where the others
+put it. Until gloo's network thread was demoted (``workbench/gloo_threads.py``) slow calls were
+30-60% of all calls, and the ratio at 1 MiB swung between 0.44 and 2.7 from one run to the next.
 
 Predictions (``pred``, ``err%``)
 --------------------------------

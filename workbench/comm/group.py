@@ -15,6 +15,7 @@ pipeline segments), and :func:`scratch` (a receive buffer reused from call to ca
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ class GroupView:
         return dist.get_group_rank(self.pg, global_rank)
 
 
-_seen_groups: set[int] = set()  # ids of the groups already met (see gloo_threads.py)
+_seen_groups: weakref.WeakSet = weakref.WeakSet()  # the groups already met (see gloo_threads.py)
 
 
 def resolve_group(group) -> GroupView | None:
@@ -56,8 +57,8 @@ def resolve_group(group) -> GroupView | None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group={group!r} is not a ProcessGroup: pass None (every rank) or a group "
                         "made by torch.distributed.new_group(ranks)")
-    if id(group) not in _seen_groups:  # a new gloo group has its own network thread: demote it too
-        _seen_groups.add(id(group))
+    if group not in _seen_groups:  # a new gloo group has its own network thread: demote it too
+        _seen_groups.add(group)
         gloo_threads.demote_loop_threads()
     return GroupView(group, dist.get_rank(group), dist.get_world_size(group))
 

@@ -39,33 +39,45 @@ RECV_WINDOW = 2
 
 
 def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right: int, left: int,
-                        on_reduced: Callable[[int], None] | None = None) -> None:
-    """Ring reduce-scatter of ``blocks`` (1-D tensors, one per ring position, reduced in place);
-    block ``me`` ends fully reduced.
+                        on_reduced: Callable[[int], None] | None = None,
+                        out: torch.Tensor | None = None) -> None:
+    """Ring reduce-scatter of ``blocks`` (1-D tensors, one per ring position): block ``me``,
+    reduced over all ranks, ends in ``blocks[me]`` (``out=None``) or in ``out``.
 
     At step s the rank at position ``me`` sends its partial block ``me - s - 1`` to the right and
-    receives block ``me - s - 2`` from the left, which it reduces into its own copy::
+    receives block ``me - s - 2`` from the left, which it combines with its own copy::
 
         p = 4, step 0:  0 --a3--> 1 --b0--> 2 --c1--> 3 --d2--> 0
                step 1:  0 --a2+d2--> 1 --b3+a3--> 2 --c0+b0--> 3 --d1+c1--> 0
                step 2:  ... after p-1 steps rank i holds block i reduced over all ranks
 
     Pipelining: blocks over ``SEGMENT_BYTES`` (2 MiB) are cut into segments. Receives land in a
-    small ring of ``RECV_WINDOW`` rows (at most a few segments, whatever the message size, reused
-    from call to call: :func:`~workbench.comm.group.scratch`); as soon as a segment arrives it is
-    reduced in place (``add_``) and sent on as the next step's segment, and its row takes the next
-    receive, while later segments are still in flight: the network and the adder work at the same
-    time. Other blocks of ``buf`` end up
-    holding partial results. ``on_reduced(j)`` is called as soon as segment j of block ``me`` is
-    final (ring all-reduce starts its all-gather there).
+    small ring of ``RECV_WINDOW`` rows (reused from call to call:
+    :func:`~workbench.comm.group.scratch`); as soon as a segment arrives it is combined and sent
+    on as the next step's segment, and its row takes the next receive, while later segments are
+    still in flight: the network and the adder work at the same time. ``on_reduced(j)`` is
+    called as soon as segment j of the result is final (ring all-reduce starts its all-gather there).
+
+    Where the partial sums go:
+
+    * ``out=None`` (all-reduce): into the blocks themselves (``a += incoming``); the other blocks
+      of the buffer end up holding partial results.
+    * ``out`` given (reduce-scatter, whose inputs must not change): into a small accumulator
+      (``acc = a op incoming``; rows alternate between two steps, a row is reused only once its
+      send is done), and at the last step straight into ``out``. Step 0 sends from the caller's
+      block. Nothing is copied: the memory traffic is that of the in-place ring.
     """
     p = len(blocks)
     if p == 1:
+        if out is not None:
+            out.copy_(blocks[0])
         return
     nseg = segment_count(blocks)
     rows = min(RECV_WINDOW, (p - 1) * nseg)
     width = -(-max(b.numel() for b in blocks) // nseg)
-    tmp = scratch(rows * width, blocks[0].dtype).view(rows, width)
+    dtype = blocks[0].dtype
+    tmp = scratch(rows * width, dtype).view(rows, width)
+    acc = scratch(2 * nseg * width, dtype, "stage").view(2, nseg, width) if out is not None and p > 2 else None
     seg = lambda block, j: segment(blocks[block % p], nseg, j)  # noqa: E731
 
     # Receives, in the order the left neighbour sends them: (step s, segment j), s-major.
@@ -77,63 +89,29 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
 
     recvs = [post(k) for k in range(rows)]  # receives first: gloo sends once the receiver is ready
     sends = [c.isend(seg(me - 1, j), right) for j in range(nseg)]
+    acc_sent: dict[tuple[int, int], object] = {}  # accumulator row -> its send
     for k, (s, j) in enumerate(order):
         recvs[k % rows].wait()
-        piece = seg(me - s - 2, j)
-        ops.reduce_into(piece, tmp[k % rows, :piece.numel()], op)
+        mine = seg(me - s - 2, j)
+        if out is None:
+            dst = mine
+        elif s == p - 2:  # block ``me``: the result
+            dst = segment(out, nseg, j)
+        else:
+            if (s % 2, j) in acc_sent:  # this row went out two steps ago: its send must be done
+                acc_sent.pop((s % 2, j)).wait()
+            dst = acc[s % 2, j, :mine.numel()]
+        ops.combine_into(dst, mine, tmp[k % rows, :mine.numel()], op)
         if k + rows < len(order):
             recvs[k % rows] = post(k + rows)
         if s < p - 2:
-            sends.append(c.isend(piece, right))
+            h = c.isend(dst, right)
+            if out is None:
+                sends.append(h)
+            else:
+                acc_sent[(s % 2, j)] = h
         elif on_reduced is not None:
             on_reduced(j)
-    for h in sends:
-        h.wait()
-
-
-def ring_reduce_scatter_into(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op, me: int,
-                             right: int, left: int) -> None:
-    """Ring reduce-scatter that leaves ``inputs`` untouched: ``out = op over ranks of inputs[me]``.
-
-    The same ring as :func:`ring_reduce_scatter`, but a partial sum is never written into an
-    input: step 0 sends straight from the caller's block, and each arriving partial is combined
-    with this rank's input block into a small accumulator (``acc = input op incoming``), which
-    the next step sends on; the last step combines straight into ``out``. Nothing is copied, and
-    the memory traffic is that of the in-place ring (read two operands, write one result).
-    Accumulator rows alternate between two steps; a row is reused only after its send is done.
-    """
-    p = len(inputs)
-    nseg = segment_count(inputs)
-    rows = min(RECV_WINDOW, (p - 1) * nseg)
-    width = -(-max(b.numel() for b in inputs) // nseg)
-    dtype = inputs[0].dtype
-    tmp = scratch(rows * width, dtype).view(rows, width)
-    acc = scratch(2 * nseg * width, dtype, "stage").view(2, nseg, width) if p > 2 else None
-    acc_sent: dict[tuple[int, int], object] = {}
-    order = [(s, j) for s in range(p - 1) for j in range(nseg)]
-
-    def post(k: int):
-        s, j = order[k]
-        return c.irecv(tmp[k % rows, :segment(inputs[(me - s - 2) % p], nseg, j).numel()], left)
-
-    recvs = [post(k) for k in range(rows)]
-    sends = [c.isend(segment(inputs[(me - 1) % p], nseg, j), right) for j in range(nseg)]
-    for k, (s, j) in enumerate(order):
-        recvs[k % rows].wait()
-        mine = segment(inputs[(me - s - 2) % p], nseg, j)
-        incoming = tmp[k % rows, :mine.numel()]
-        if s == p - 2:  # block ``me``: the result
-            ops.combine_into(segment(out, nseg, j), mine, incoming, op)
-        else:
-            row = (s % 2, j)
-            if row in acc_sent:  # this row went out two steps ago: its send must be done
-                acc_sent.pop(row).wait()
-            dst = acc[s % 2, j, :mine.numel()]
-            ops.combine_into(dst, mine, incoming, op)
-        if k + rows < len(order):
-            recvs[k % rows] = post(k + rows)
-        if s < p - 2:
-            acc_sent[row] = c.isend(dst, right)
     for h in sends + list(acc_sent.values()):
         h.wait()
 
@@ -168,9 +146,9 @@ def halving_reduce_scatter(c: Comm, buf: torch.Tensor, units: list[int], op, me:
 
 
 def ring(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op) -> None:
-    """Ring: see :func:`ring_reduce_scatter_into`. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``."""
+    """Ring: see :func:`ring_reduce_scatter`. ``(p-1) alpha + ((p-1)/p) n (beta + gamma)``."""
     p, r = c.size, c.rank
-    ring_reduce_scatter_into(c, inputs, out, op, me=r, right=(r + 1) % p, left=(r - 1) % p)
+    ring_reduce_scatter(c, inputs, op, me=r, right=(r + 1) % p, left=(r - 1) % p, out=out)
 
 
 def recursive_halving(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op) -> None:
