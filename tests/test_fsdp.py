@@ -16,7 +16,7 @@ from torch import nn
 
 import workbench
 from workbench.models import GPT, GPTConfig, MLP
-from workbench.parallel import FullyShardedDataParallel
+from workbench.parallel import FullyShardedDataParallel, MixedPrecision
 
 from sharded_common import ADAMW, GLOBAL_BATCH
 from sharded_common import batches as _batches, local as _local, max_diff as _max_diff
@@ -119,7 +119,7 @@ def _parity_with_casting_reference(dtype):
     in float32 and steps the masters; FSDP with ``compute_dtype=dtype`` must do the same."""
     torch.manual_seed(0)
     master = GPT(GPTConfig.preset("tiny"))
-    model = FullyShardedDataParallel(copy.deepcopy(master), compute_dtype=dtype)
+    model = FullyShardedDataParallel(copy.deepcopy(master), mp_policy=MixedPrecision(param_dtype=dtype))
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     ref_opt = torch.optim.AdamW(master.parameters(), **ADAMW)
     n = workbench.world_size()

@@ -192,7 +192,7 @@ def _bad_arguments():
     for call in (lambda: zero(model, torch.optim.AdamW, 4),
                  lambda: zero(model, torch.optim.AdamW, "1"),
                  lambda: zero(model, torch.optim.AdamW, 3, compute_dtype=torch.int32),
-                 lambda: zero(model, torch.optim.AdamW, 1, compute_dtype=torch.bfloat16),
+                 lambda: zero(model, torch.optim.LBFGS, 1),
                  lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW(model.parameters())),
                  lambda: ShardedOptimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=-1)):
         try:
@@ -208,7 +208,7 @@ def test_bad_arguments_name_the_value_and_the_fix():
     assert errors[0].startswith("ValueError") and "stage=4" in errors[0] and "0, 1, 2, 3" in errors[0]
     assert errors[1].startswith("ValueError") and "stage='1'" in errors[1]
     assert errors[2].startswith("ValueError") and "torch.int32" in errors[2] and "bfloat16" in errors[2]
-    assert errors[3].startswith("ValueError") and "stage=3" in errors[3]
+    assert errors[3].startswith("ValueError") and "LBFGS" in errors[3] and "element-wise" in errors[3]
     assert errors[4].startswith("TypeError") and "not an instance" in errors[4]
     assert errors[5].startswith("ValueError") and "bucket_cap_mb=-1" in errors[5]
 

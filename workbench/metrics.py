@@ -35,8 +35,18 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     flat buffer is counted (it is held). A DTensor (FSDP2's sharded parameters) counts only
     its local shard. Buffers (e.g. running statistics) count as parameters. ``optimizer``:
     every tensor in its ``state`` (Adam: ``exp_avg``, ``exp_avg_sq`` and a 4-byte ``step``
-    per parameter tensor). A storage used by two categories is counted in the first of
-    params, grads, optimizer. ``total`` is the sum.
+    per parameter tensor), and the optimizer's own parameters (float32 master weights such as
+    ZeRO's mixed-precision chunks; the same storages as the model's when there are none).
+    Strategies hold more than ``.parameters()`` and ``.grad`` show: a module or optimizer with
+    an ``_extra_model_state()`` method (DDP's gradient buckets, which outlive ``zero_grad``, and
+    its 16-bit parameter copies; ZeRO's flat buffers and reduced gradient chunks) adds those
+    tensors too. A storage used by two categories is counted in the first of params, grads,
+    optimizer. A storage freed in place (``resize_(0)``, as mixed-precision copies are between
+    steps) counts 0. ``total`` is the sum.
+
+    With mixed precision and Adam (``psi`` parameters, ``N`` ranks) the ZeRO paper's
+    ``2 + 2 + 12`` bytes give DDP ``16 psi``, ZeRO-1 ``4 psi + 12 psi / N``, ZeRO-2
+    ``2 psi + 14 psi / N``, ZeRO-3 ``16 psi / N`` (see :mod:`workbench.parallel.mixed_precision`).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_state_bytes(model={type(model).__name__}): pass an nn.Module")
@@ -54,12 +64,19 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
                     n += s.nbytes()
         return n
 
+    holders = [m for m in model.modules() if hasattr(m, "_extra_model_state")]
+    if optimizer is not None and hasattr(optimizer, "_extra_model_state"):
+        holders.append(optimizer)
+    extra = {"params": [], "grads": []}
+    for h in holders:   # what a strategy holds outside .parameters()/.grad (buckets, 16-bit copies)
+        for key, tensors in h._extra_model_state().items():
+            extra[key].extend(tensors)
     params = list(model.parameters())
-    out = {"params": count(params + list(model.buffers())),
-           "grads": count(p.grad for p in params if p.grad is not None),
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    out = {"params": count(params + list(model.buffers()) + opt_params + extra["params"]),
+           "grads": count([p.grad for p in params + opt_params if p.grad is not None] + extra["grads"]),
            "optimizer": 0}
     if optimizer is not None:
-        out["grads"] += count(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
         out["optimizer"] = count(v for state in optimizer.state.values() for v in state.values()
                                  if isinstance(v, torch.Tensor))
     out["total"] = out["params"] + out["grads"] + out["optimizer"]

@@ -54,10 +54,18 @@ Memory per rank (float32 Adam): ``16 psi / N`` of model state (parameters, gradi
 two moments, each sharded), plus the gathered units: at most the root and two blocks (the one
 running and the one prefetched) at any moment.
 
-``compute_dtype`` (``torch.bfloat16``, ``torch.float16``): the shards stay float32 master
-weights and the optimizer steps them in float32, but each unit is cast before its all-gather, so
-the gather, the forward and backward compute, and the gradient reduce-scatter all run in the
-compute dtype (half the bytes on the wire); floating-point inputs are cast on the way in.
+``mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=None, output_dtype=None)``
+(FSDP2's names): the shards stay float32 master weights and the optimizer steps them in float32,
+but each unit is cast to ``param_dtype`` before its all-gather, so the gather and the forward
+and backward compute run in 16 bits (half the bytes on the wire); the gradient reduce-scatter
+runs in ``reduce_dtype`` (default ``param_dtype``) and the reduced shard is cast back to float32
+(``16 psi / N`` in all, as in float32). Floating-point inputs are cast on the way in, outputs to
+``output_dtype`` if given. The old ``compute_dtype=d`` still works (deprecated) and means
+``MixedPrecision(param_dtype=d)``.
+
+Frozen parameters (``requires_grad=False``) are sharded too, in a flat shard of their own per
+unit that is gathered and freed with the unit's trainable one: they get no gradient, no
+reduce-scatter and (their shard has no ``.grad``) no optimizer state.
 """
 from __future__ import annotations
 
@@ -70,6 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench import comm
+from workbench.parallel.mixed_precision import MixedPrecision, cast_floats, resolve_policy
 
 __all__ = ["FullyShardedDataParallel", "find_units"]
 
@@ -104,7 +113,8 @@ class _Unit:
     """
 
     def __init__(self, name: str, params: list[nn.Parameter], uses: list[list[tuple[nn.Module, str, str]]],
-                 rank: int, world: int, group, compute_dtype: torch.dtype | None):
+                 rank: int, world: int, group, compute_dtype: torch.dtype | None,
+                 reduce_dtype: torch.dtype | None = None):
         self.name = name
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
@@ -118,11 +128,15 @@ class _Unit:
         self.shard_numel = math.ceil(self.numel / world)
         self.padded_numel = self.shard_numel * world
         self.dtype = compute_dtype or params[0].dtype
+        self.reduce_dtype = reduce_dtype or self.dtype
+        self.frozen = not params[0].requires_grad
+        self.companion: "_Unit | None" = None   # the unit's frozen parameters, gathered with it
+        self.main: "_Unit | None" = None        # set on a companion: the unit it belongs to
         with torch.no_grad():
             flat = torch.zeros(self.padded_numel, dtype=params[0].dtype, device=params[0].device)
             torch.cat([p.detach().reshape(-1) for p in params], out=flat[:self.numel])
             lo = rank * self.shard_numel
-            self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone())
+            self.shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone(), requires_grad=not self.frozen)
         self.full: torch.Tensor | None = None      # the gathered flat buffer while unsharded
         self._gathering: tuple | None = None        # (buffer, work handle, start time) in flight
 
@@ -184,8 +198,10 @@ class FullyShardedDataParallel(nn.Module):
     and the head) cannot live in two flat shards and is refused with a ValueError; a weight
     tied inside one unit (GPT's embedding and head, both in the root) is fine.
 
-    ``compute_dtype``: floating dtype for communication and compute (``None``: the parameters'
-    own dtype). Master weights, gradients seen by the optimizer and its state stay float32.
+    ``mp_policy``: a :class:`~workbench.parallel.MixedPrecision` (``param_dtype`` for the
+    all-gathers and compute, ``reduce_dtype`` for the gradient reduce-scatters). Master
+    weights, gradients seen by the optimizer and its state stay float32. ``compute_dtype``
+    (deprecated) is ``mp_policy=MixedPrecision(param_dtype=compute_dtype)``.
 
     ``process_group``: the ranks to shard over (default: all).
 
@@ -194,7 +210,8 @@ class FullyShardedDataParallel(nn.Module):
     by hand and is safe to call again. :meth:`full_state_dict` gathers the full parameters.
     """
 
-    def __init__(self, module: nn.Module, *, compute_dtype: torch.dtype | None = None, process_group=None):
+    def __init__(self, module: nn.Module, *, mp_policy: MixedPrecision | None = None,
+                 compute_dtype: torch.dtype | None = None, process_group=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel(module={module!r}): pass an nn.Module")
@@ -203,6 +220,15 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"FullyShardedDataParallel: compute_dtype={compute_dtype!r} is not a floating-point "
                              "dtype; pass torch.bfloat16, torch.float16 or torch.float32, or None to compute in "
                              "the parameters' own dtype")
+        mp_policy = resolve_policy(mp_policy, "FullyShardedDataParallel")
+        if compute_dtype is not None:
+            if mp_policy is not None:
+                raise ValueError("FullyShardedDataParallel: pass mp_policy=MixedPrecision(...) or the deprecated "
+                                 "compute_dtype, not both")
+            import warnings
+            warnings.warn("FullyShardedDataParallel(compute_dtype=...) is deprecated: pass "
+                          "mp_policy=MixedPrecision(param_dtype=...)", DeprecationWarning, stacklevel=2)
+            mp_policy = MixedPrecision(param_dtype=compute_dtype)
         if not any(True for _ in module.parameters()):
             raise ValueError(f"FullyShardedDataParallel: {type(module).__name__} has no parameters to shard")
         if not dist.is_initialized():
@@ -211,7 +237,9 @@ class FullyShardedDataParallel(nn.Module):
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.compute_dtype = compute_dtype
+        self.mp_policy = mp_policy
+        self.compute_dtype = compute_dtype = mp_policy.param_dtype if mp_policy is not None else None
+        reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
         self.module = module
         self._param_names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
 
@@ -224,12 +252,20 @@ class FullyShardedDataParallel(nn.Module):
                     setattr(sub, attr, None)
 
         self.units: list[_Unit] = []
+        self._companions: list[_Unit] = []
         for unit_name in [""] + [name for name, _ in block_units]:
             params = unit_params[unit_name]
-            if params:
-                self.units.append(_Unit(unit_name or "root", params, [uses[id(p)] for p in params],
-                                        self.rank, self.world_size, process_group, compute_dtype))
-        self.flat_shards = nn.ParameterList([u.shard for u in self.units])
+            # trainable parameters first; frozen ones in a companion flat shard (or the unit itself)
+            parts = [[p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]]
+            made = [_Unit((unit_name or "root") + (" (frozen)" if k and parts[0] else ""), ps,
+                          [uses[id(p)] for p in ps], self.rank, self.world_size, process_group, compute_dtype,
+                          reduce_dtype) for k, ps in enumerate(parts) if ps]
+            if made:
+                self.units.append(made[0])
+            if len(made) == 2:
+                made[0].companion, made[1].main = made[1], made[0]
+                self._companions.append(made[1])
+        self.flat_shards = nn.ParameterList([u.shard for u in self.units + self._companions])
         self._root = self.units[0] if self.units and self.units[0].name == "root" else None
         self._blocks = [u for u in self.units if u is not self._root]
         # Backward meets the root first (the head), then the blocks last to first.
@@ -247,41 +283,66 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         self.finish_gradient_synchronization()
         if self.compute_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             if self._root is not None:
                 self._gather_for_forward(self._root)
             try:
                 if self._blocks:
                     self._blocks[0].start_all_gather()   # prefetch the first block
-                return self.module(*args, **kwargs)
+                return cast_floats(self.module(*args, **kwargs),
+                                   self.mp_policy.output_dtype if self.mp_policy is not None else None)
             finally:
                 if self._root is not None:
                     self._free(self._root)
 
     def _make_pre_forward(self, unit: _Unit):
         def hook(module, args):
-            self._gather_for_forward(unit)
+            if torch._C._current_graph_task_id() != -1:   # recomputed in backward (checkpointing)
+                self._gather_for_recompute(unit)
+            else:
+                self._gather_for_forward(unit)
             return None
+        hook.rerun_on_recompute = True   # workbench.parallel.recompute runs it again before recomputing
         return hook
 
     def _make_post_forward(self, unit: _Unit):
         def hook(module, args, output):
             self._free(unit)
             return None
+        hook.rerun_on_recompute = True
         return hook
+
+    def _gather_for_recompute(self, unit: _Unit) -> None:
+        """Activation recomputation re-runs a unit's forward inside backward: gather it as
+        backward would (prefetching in backward order) and point the parameters at it through a
+        fresh :class:`_GatherParams`, so the recomputed operators see the same autograd
+        structure as the first forward. That node's backward never runs: gradients flow
+        through the first forward's graph."""
+        full = self._gather_for_backward(unit)
+        self._by_storage[full.untyped_storage().data_ptr()] = unit
+        unit.set_views(_GatherParams.apply(unit.shard, full, unit, self) if not unit.frozen else full)
+        if unit.companion is not None:
+            unit.companion.set_views(self._gather_for_backward(unit.companion))
 
     def _gather_for_forward(self, unit: _Unit) -> None:
         full = unit.wait_all_gather(self)
         index = self._blocks.index(unit) if unit is not self._root else -1
         if 0 <= index < len(self._blocks) - 1:
             self._blocks[index + 1].start_all_gather()
-        flat = _GatherParams.apply(unit.shard, full, unit, self) if torch.is_grad_enabled() else full
+        flat = _GatherParams.apply(unit.shard, full, unit, self) \
+            if torch.is_grad_enabled() and not unit.frozen else full
         self._by_storage[full.untyped_storage().data_ptr()] = unit
         unit.set_views(flat)
         unit.forward_start = time.perf_counter()
+        if unit.companion is not None:   # the unit's frozen parameters: gathered, no gradient
+            frozen = unit.companion.wait_all_gather(self)
+            self._by_storage[frozen.untyped_storage().data_ptr()] = unit.companion
+            unit.companion.set_views(frozen)
 
     def _free(self, unit: _Unit) -> None:
+        if unit.companion is not None:
+            self._free(unit.companion)
         if unit.full is not None:
             self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
             if getattr(unit, "forward_start", None) is not None:
@@ -306,6 +367,9 @@ class FullyShardedDataParallel(nn.Module):
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
     def _gather_for_backward(self, unit: _Unit) -> torch.Tensor:
+        if unit.main is not None:   # frozen companion: gathered on demand, freed with its unit
+            self._in_backward.add(id(unit))
+            return unit.wait_all_gather(self)
         first = id(unit) not in self._in_backward
         full = unit.wait_all_gather(self)
         if first:
@@ -324,8 +388,12 @@ class FullyShardedDataParallel(nn.Module):
             unit.backward_start = None
         unit.full = None
         self._in_backward.discard(id(unit))
-        grad = grad_full.to(unit.dtype).contiguous()
-        out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=grad.device)
+        if unit.companion is not None and unit.companion.full is not None:
+            self._by_storage.pop(unit.companion.full.untyped_storage().data_ptr(), None)
+            unit.companion.full = None
+            self._in_backward.discard(id(unit.companion))
+        grad = grad_full.to(unit.reduce_dtype).contiguous()
+        out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=grad.device)
         work = comm.reduce_scatter(out, list(grad.chunk(self.world_size)), group=self.process_group, async_op=True)
         self._pending.append((unit, out, work, time.perf_counter()))
         if not self._callback_queued:
@@ -348,7 +416,7 @@ class FullyShardedDataParallel(nn.Module):
                 unit.shard.grad = grad
             else:
                 unit.shard.grad.add_(grad)
-        for unit in self.units:
+        for unit in self.units + self._companions:
             if unit._gathering is not None:   # prefetched for a unit backward never reached
                 unit._gathering[1].wait()
                 unit._gathering = None
@@ -364,7 +432,7 @@ class FullyShardedDataParallel(nn.Module):
         module's buffers. ``reference.load_state_dict(model.full_state_dict())`` works."""
         self.finish_gradient_synchronization()
         out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
+        for unit in self.units + self._companions:
             full = torch.empty(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
             comm.all_gather(list(full.chunk(self.world_size)), unit.shard.detach(), group=self.process_group)
             for tensor, uses in zip(unit.unflatten(full), unit.uses):
@@ -385,7 +453,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, units={[u.name for u in self.units]}, "
-                f"compute_dtype={self.compute_dtype}")
+                f"mp_policy={self.mp_policy}")
 
 
 def _assign_parameters(module: nn.Module, block_units: list[tuple[str, nn.Module]]):
@@ -414,10 +482,6 @@ def _assign_parameters(module: nn.Module, block_units: list[tuple[str, nn.Module
                 raise ValueError(f"FullyShardedDataParallel: parameter '{full_name}' is the same tensor as one "
                                  f"of unit '{unit_name}'; a tensor shared by two units cannot be split into two "
                                  "flat shards. Untie it (one copy per unit) or move both uses into one unit")
-            if not p.requires_grad:
-                raise ValueError(f"FullyShardedDataParallel: parameter '{full_name}' has requires_grad=False; "
-                                 "frozen parameters are not supported: remove them from the module or "
-                                 "unfreeze them")
             if p.dtype != dtype or not p.is_floating_point():
                 raise ValueError(f"FullyShardedDataParallel: parameter '{full_name}' has dtype {p.dtype} but "
                                  "each unit is one flat tensor of one floating-point dtype: convert the module "
@@ -428,15 +492,3 @@ def _assign_parameters(module: nn.Module, block_units: list[tuple[str, nn.Module
             uses[id(p)].append((sub, attr, full_name))
     return unit_params, uses
 
-
-def _cast_floats(obj, dtype: torch.dtype):
-    """``obj`` with every floating-point tensor inside (tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return tuple(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, list):
-        return [_cast_floats(o, dtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj

@@ -45,7 +45,26 @@ Memory per rank (float32 Adam, ``K = 8`` bytes of state per parameter)::
     ZeRO-1   4 psi + 4 psi     + 8 psi / N   =  8 psi +  8 psi / N
     ZeRO-2   4 psi + 4 psi / N + 8 psi / N   =  4 psi + 12 psi / N
 
-plus at most ``N - 1`` padding elements per bucket. ZeRO-3 shards the parameters as well:
+plus at most ``N - 1`` padding elements per bucket.
+
+Mixed precision (``mp_policy=MixedPrecision(param_dtype=torch.bfloat16)``): the flat buffers,
+hence the model's parameters and the gradients autograd produces, are 16-bit; each rank keeps a
+float32 *master* copy of its chunk only, and the inner optimizer steps the masters::
+
+    step:  reduce-scatter the 16-bit gradients (in reduce_dtype) -> chunk gradient
+           cast it to float32 as the master's .grad (only for the duration of step)
+           inner optimizer steps the float32 master chunk
+           all-gather the master chunks cast to param_dtype into the 16-bit buffers
+
+    ZeRO-1   2 psi + 2 psi     + (4 + 8) psi / N   =  4 psi + 12 psi / N
+    ZeRO-2   2 psi + 2 psi / N + (4 + 8) psi / N   =  2 psi + 14 psi / N
+
+(the paper's mixed-precision formulas; with ``reduce_dtype=torch.float32`` ZeRO-2's gradient
+chunk is ``4 psi / N``). Wire bytes are half float32's.
+
+Only element-wise optimizers can step a chunk that starts in the middle of a tensor: the
+constructor refuses others (LBFGS's line search, Adafactor's row/column statistics, LAMB's
+per-tensor trust ratio), after a probe that steps a small matrix whole and in two flat halves. ZeRO-3 shards the parameters as well:
 :mod:`workbench.parallel.fsdp`. :func:`zero` builds any stage from one call.
 """
 from __future__ import annotations
@@ -61,6 +80,7 @@ from torch import nn
 
 from workbench import comm
 from workbench.parallel.buckets import assign_buckets
+from workbench.parallel.mixed_precision import MixedPrecision, cast_floats, resolve_policy
 
 __all__ = ["ShardedOptimizer", "zero"]
 
@@ -70,7 +90,7 @@ MB = 1024 * 1024
 class _FlatBucket:
     """Some parameters of one param group, living in one flat padded buffer; this rank's chunk."""
 
-    def __init__(self, params: list[nn.Parameter], rank: int, world: int):
+    def __init__(self, params: list[nn.Parameter], rank: int, world: int, dtype: torch.dtype | None = None):
         self.params = params
         self.numels = [p.numel() for p in params]
         self.offsets = [0]
@@ -81,14 +101,23 @@ class _FlatBucket:
         self.padded_numel = self.shard_numel * world
         self.world = world
         p0 = params[0]
-        self.buffer = torch.zeros(self.padded_numel, dtype=p0.dtype, device=p0.device)
+        lo = rank * self.shard_numel
+        self.master: nn.Parameter | None = None   # mixed precision: the float32 copy of this chunk
+        if dtype is not None and dtype != p0.dtype:
+            with torch.no_grad():
+                flat = torch.zeros(self.padded_numel, dtype=p0.dtype, device=p0.device)
+                torch.cat([p.detach().reshape(-1) for p in params], out=flat[:self.numel])
+                self.master = nn.Parameter(flat[lo:lo + self.shard_numel].clone())
+        self.buffer = torch.zeros(self.padded_numel, dtype=dtype or p0.dtype, device=p0.device)
         with torch.no_grad():
             for p, o, n in zip(params, self.offsets, self.numels):
                 view = self.buffer[o:o + n].view_as(p)
                 view.copy_(p.detach())
                 p.data = view                    # the parameter now lives in the flat buffer
-        lo = rank * self.shard_numel
         self.shard = nn.Parameter(self.buffer[lo:lo + self.shard_numel])   # an alias, not a copy
+        # what the inner optimizer steps: the float32 master (mixed precision) or the alias
+        self.opt_param = self.master if self.master is not None else self.shard
+        self.grad_shard: torch.Tensor | None = None   # mixed precision: the reduced chunk, reduce dtype
         # ZeRO-2 state of the current backward pass.
         self.grad_buffer: torch.Tensor | None = None
         self.ready = 0
@@ -127,10 +156,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``optimizer_cls`` on the original parameters would produce: call
     :meth:`consolidate_state_dict` on every rank first (PyTorch's ``ZeroRedundancyOptimizer``
     contract). ``load_state_dict`` takes such a full state dict on every rank and keeps its chunk.
+
+    ``mp_policy``: a :class:`~workbench.parallel.MixedPrecision`. The parameters handed in
+    become ``param_dtype`` (views of 16-bit flat buffers; frozen ones are cast too), this rank
+    keeps float32 masters of its chunks, which ``param_groups`` then hold, and gradients are
+    reduced in ``reduce_dtype`` (see the module docstring). Floating inputs of your model's
+    forward must be ``param_dtype`` too: :func:`zero` registers the casts for you.
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type, *, process_group=None,
-                 shard_gradients: bool = False, bucket_cap_mb: float = 5.0, **kwargs):
+                 shard_gradients: bool = False, bucket_cap_mb: float = 5.0, mp_policy=None, **kwargs):
         if isinstance(optimizer_cls, torch.optim.Optimizer) or not callable(optimizer_cls):
             raise TypeError(f"ShardedOptimizer(optimizer_cls={optimizer_cls!r}): pass an optimizer class such as "
                             "torch.optim.AdamW (not an instance), with its arguments as keywords (lr=1e-3), or a "
@@ -140,6 +175,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "(25 is DDP's default)")
         if not isinstance(shard_gradients, bool):
             raise TypeError(f"ShardedOptimizer(shard_gradients={shard_gradients!r}): pass True (ZeRO-2) or False (ZeRO-1)")
+        mp_policy = resolve_policy(mp_policy, "ShardedOptimizer")
+        _check_element_wise(optimizer_cls, kwargs)
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs an initialised process group: run it inside "
                                "workbench.launch(fn, world_size=N) or under torchrun")
@@ -150,6 +187,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size = dist.get_world_size(process_group)
         self.shard_gradients = shard_gradients
         self.optimizer_cls = optimizer_cls
+        self.mp_policy = mp_policy
+        self._reduced = False   # gradients already reduced into the chunks for the coming step
         self.events: list[dict] | None = None  # set to [] to record a timeline of this rank
 
         # The original groups, as a plain optimizer would hold them (kept for state_dict()).
@@ -159,11 +198,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         cap = int(bucket_cap_mb * MB)
         for group in self._original_groups:
             params = [p for p in group["params"] if p.requires_grad]
-            group_buckets = [_FlatBucket([params[i] for i in sorted(idx)], self.rank, self.world_size)
+            dtype = mp_policy.param_dtype if mp_policy is not None else None
+            group_buckets = [_FlatBucket([params[i] for i in sorted(idx)], self.rank, self.world_size, dtype)
                              for idx in assign_buckets(params, cap)] if params else []
+            if dtype is not None:
+                for p in group["params"]:
+                    if not p.requires_grad:   # frozen: computed with in param_dtype too
+                        p.data = p.data.to(dtype)
             self.buckets.extend(group_buckets)
             hyper = {k: v for k, v in group.items() if k != "params"}
-            inner_groups.append({"params": [b.shard for b in group_buckets], **hyper})
+            inner_groups.append({"params": [b.opt_param for b in group_buckets], **hyper})
             group["_buckets"] = group_buckets
         self.optim = optimizer_cls(inner_groups, **kwargs)
         if not isinstance(self.optim, torch.optim.Optimizer):
@@ -215,6 +259,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _launch_reduce_scatter(self, bucket: _FlatBucket) -> None:
         flat = bucket.grad_buffer if bucket.grad_buffer is not None else bucket.flat_grad()
+        if self.mp_policy is not None and self.mp_policy.reduce_dtype is not None:
+            flat = flat.to(self.mp_policy.reduce_dtype)
         out = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
         work = comm.reduce_scatter(out, bucket.chunks(flat), group=self.process_group, async_op=True)
         self._pending.append((bucket, out, work, time.perf_counter()))
@@ -240,7 +286,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             work.wait()
             self._event("reduce-scatter", self.buckets.index(bucket), start)
             out.div_(self.world_size)
-            if bucket.shard.grad is None:
+            if bucket.master is not None:   # mixed precision: keep the chunk until step() casts it
+                bucket.grad_shard = out if bucket.grad_shard is None else bucket.grad_shard.add_(out)
+            elif bucket.shard.grad is None:
                 bucket.shard.grad = out
             else:
                 bucket.shard.grad.add_(out)
@@ -254,6 +302,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._reduced:
+            self.reduce_gradients()
+        self._reduced = False
+        self.optim.step()
+        for bucket in self.buckets:
+            if bucket.master is not None:   # the float32 chunk gradient lives only for the step
+                bucket.master.grad = None
+                if not self.shard_gradients:   # ZeRO-2 keeps its gradient chunk until zero_grad, as in float32
+                    bucket.grad_shard = None
+            elif not self.shard_gradients:   # ZeRO-1 keeps full local gradients, not the reduced chunk
+                bucket.shard.grad = None
+        handles = []
+        for i, bucket in enumerate(self.buckets):
+            work = comm.all_gather(bucket.chunks(bucket.buffer), bucket.opt_param.detach().to(bucket.buffer.dtype),
+                                   group=self.process_group, async_op=True)
+            handles.append((i, work, time.perf_counter()))
+        for i, work, start in handles:
+            work.wait()
+            self._event("all-gather", i, start)
+        self._consolidated = None
+        return loss
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """The first half of :meth:`step`: reduce-scatter the gradients (ZeRO-1; ZeRO-2 did it in
+        backward) into this rank's chunks, and with mixed precision cast each chunk to float32
+        as its master's ``.grad``. A loss scaler calls it to unscale and check the chunks before
+        the update; ``step()`` then does not reduce again."""
+        if self._reduced:
+            return
         if self.shard_gradients:
             self.finish_gradient_synchronization()
         else:
@@ -264,20 +342,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if len(self._pending) > 1:
                     self._wait_reductions(keep=1)
             self._wait_reductions()
-        self.optim.step()
-        if not self.shard_gradients:   # ZeRO-1 keeps full local gradients, not the reduced chunk
-            for bucket in self.buckets:
-                bucket.shard.grad = None
-        handles = []
-        for i, bucket in enumerate(self.buckets):
-            work = comm.all_gather(bucket.chunks(bucket.buffer), bucket.shard.detach(),
-                                   group=self.process_group, async_op=True)
-            handles.append((i, work, time.perf_counter()))
-        for i, work, start in handles:
-            work.wait()
-            self._event("all-gather", i, start)
-        self._consolidated = None
-        return loss
+        for bucket in self.buckets:
+            if bucket.master is not None and bucket.grad_shard is not None:
+                bucket.master.grad = bucket.grad_shard.to(bucket.master.dtype)
+        self._reduced = True
+
+    def discard_gradients(self) -> None:
+        """Drop the reduced chunk gradients without stepping (a loss scaler's skipped step)."""
+        for bucket in self.buckets:
+            bucket.opt_param.grad = None
+            if not self.shard_gradients:
+                bucket.grad_shard = None
+        self._reduced = False
+
+    def _extra_model_state(self) -> dict[str, list[torch.Tensor]]:
+        """For ``model_state_bytes``: the flat parameter buffers and the reduced gradient chunks
+        waiting for ``step()`` (mixed precision keeps them outside any ``.grad``)."""
+        return {"params": [b.buffer for b in self.buckets],
+                "grads": [b.grad_shard for b in self.buckets if b.grad_shard is not None]}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the full gradients (ZeRO-1) and the gradient chunks (both stages)."""
@@ -289,6 +371,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.zero_()
         self.optim.zero_grad(set_to_none=set_to_none)
+        for bucket in self.buckets:
+            bucket.grad_shard = None
+        self._reduced = False
 
     # --------------------------------------------------------------- state dict
     @torch.no_grad()
@@ -303,7 +388,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             buckets = group["_buckets"]
             per_param = {}
             for bucket in buckets:
-                shard_state = self.optim.state.get(bucket.shard, {})
+                shard_state = self.optim.state.get(bucket.opt_param, {})
                 full_state: dict[str, list] = {}
                 for key in sorted(shard_state):
                     value = shard_state[key]
@@ -389,8 +474,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"buckets={len(self.buckets)}, local elements={sum(b.shard_numel for b in self.buckets)})")
 
 
-def zero(module: nn.Module, optimizer_cls: type, stage: int, *, compute_dtype: torch.dtype | None = None,
-         process_group=None, **optimizer_kwargs) -> tuple[nn.Module, torch.optim.Optimizer]:
+# Optimizers whose update of one element reads other elements of the same tensor, with the reason.
+_NOT_ELEMENT_WISE = {
+    "LBFGS": "it takes a line search and curvature pairs over the whole gradient vector (and needs a closure)",
+    "Adafactor": "its factored second moment keeps row and column statistics of each matrix; a flat chunk "
+                 "has no rows or columns",
+    "SparseAdam": "it updates sparse gradients of embedding rows, not flat dense chunks",
+    "Muon": "it orthogonalises each weight matrix as a whole",
+    "Lamb": "its trust ratio is the norm of a whole tensor",
+    "LAMB": "its trust ratio is the norm of a whole tensor",
+    "Shampoo": "its preconditioners are built from whole matrices",
+}
+
+
+def _check_element_wise(optimizer_cls, kwargs: dict) -> None:
+    """Refuse an optimizer whose update is not element-wise, naming it and the reason.
+
+    Known ones are refused by name; any other class is probed: two steps on a 4 x 6 matrix,
+    and the same two steps on its 24 elements cut into two flat chunks of 12, must agree, as
+    ZeRO's flat chunks (which may start mid-tensor) need. A probe that cannot run (the optimizer
+    wants arguments we do not have) is skipped."""
+    name = getattr(optimizer_cls, "__name__", type(optimizer_cls).__name__)
+    why = _NOT_ELEMENT_WISE.get(name)
+    if why is None:
+        try:
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                whole = nn.Parameter(torch.randn(4, 6))
+                halves = [nn.Parameter(t.clone()) for t in whole.detach().reshape(-1).chunk(2)]
+                grads = [torch.randn(4, 6) for _ in range(2)]
+            opt_whole = optimizer_cls([whole], **kwargs)
+            opt_halves = optimizer_cls(halves, **kwargs)
+            for g in grads:
+                whole.grad = g.clone()
+                for h, gh in zip(halves, g.reshape(-1).chunk(2)):
+                    h.grad = gh.clone()
+                opt_whole.step()
+                opt_halves.step()
+            diff = (whole.detach().reshape(-1) - torch.cat([h.detach() for h in halves])).abs().max().item()
+        except Exception:   # a probe we cannot run says nothing
+            return
+        if diff <= 1e-6 * max(1.0, whole.detach().abs().max().item()):
+            return
+        why = (f"one step on a 4 x 6 matrix differs from the same step on its elements in two flat chunks "
+               f"(by up to {diff:.2g}): its update of an element depends on other elements of the tensor")
+    raise ValueError(f"ShardedOptimizer(optimizer_cls={name}): {name} is not element-wise: {why}. ZeRO-1/2 step "
+                     "flat chunks of the parameters that may start in the middle of a tensor, so use an "
+                     "element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...), or shard with "
+                     "FullyShardedDataParallel and a per-tensor optimizer on the full parameters")
+
+
+def zero(module: nn.Module, optimizer_cls: type, stage: int, *, mp_policy: MixedPrecision | None = None,
+         compute_dtype: torch.dtype | None = None, process_group=None,
+         **optimizer_kwargs) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``(model, optimizer)`` for ZeRO stage 0 (plain DDP), 1, 2 or 3, so a sweep is one loop::
 
         for stage in range(4):
@@ -399,25 +535,38 @@ def zero(module: nn.Module, optimizer_cls: type, stage: int, *, compute_dtype: t
     stage 0: :class:`~workbench.parallel.ddp.DistributedDataParallel` and ``optimizer_cls``;
     1: the module and ``ShardedOptimizer``; 2: the same with ``shard_gradients=True``;
     3: :class:`~workbench.parallel.fsdp.FullyShardedDataParallel` and ``optimizer_cls`` on its
-    shards. ``compute_dtype`` (mixed precision with float32 master weights) is stage 3's.
+    shards. ``mp_policy``: a :class:`~workbench.parallel.MixedPrecision` for every stage (at
+    stages 1-2 forward hooks on ``module`` cast floating inputs to ``param_dtype`` and outputs
+    to ``output_dtype``). ``compute_dtype`` is deprecated: it means
+    ``mp_policy=MixedPrecision(param_dtype=compute_dtype)``.
     """
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ValueError(f"zero(stage={stage!r}): ZeRO stages are 0 (DDP), 1 (optimizer state sharded), "
                          "2 (+ gradients) and 3 (+ parameters); pass one of 0, 1, 2, 3")
-    if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point):
-        raise ValueError(f"zero(compute_dtype={compute_dtype!r}): pass a floating-point dtype such as "
-                         "torch.bfloat16, or None")
-    if compute_dtype is not None and stage != 3:
-        raise ValueError(f"zero(stage={stage}, compute_dtype={compute_dtype}): mixed precision with float32 master "
-                         "weights is implemented by FullyShardedDataParallel: use stage=3, or compute_dtype=None")
+    mp_policy = resolve_policy(mp_policy, "zero")
+    if compute_dtype is not None:
+        if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+            raise ValueError(f"zero(compute_dtype={compute_dtype!r}): pass a floating-point dtype such as "
+                             "torch.bfloat16, or None")
+        if mp_policy is not None:
+            raise ValueError("zero(): pass mp_policy=MixedPrecision(...) or the deprecated compute_dtype, not both")
+        import warnings
+        warnings.warn("zero(compute_dtype=...) is deprecated: pass mp_policy=MixedPrecision(param_dtype=...)",
+                      DeprecationWarning, stacklevel=2)
+        mp_policy = MixedPrecision(param_dtype=compute_dtype)
     if stage == 0:
         from workbench.parallel.ddp import DistributedDataParallel
-        model = DistributedDataParallel(module, process_group=process_group)
+        model = DistributedDataParallel(module, process_group=process_group, mp_policy=mp_policy)
         return model, optimizer_cls(model.parameters(), **optimizer_kwargs)
     if stage in (1, 2):
         optimizer = ShardedOptimizer(module.parameters(), optimizer_cls, process_group=process_group,
-                                     shard_gradients=stage == 2, **optimizer_kwargs)
+                                     shard_gradients=stage == 2, mp_policy=mp_policy, **optimizer_kwargs)
+        if mp_policy is not None:
+            module.register_forward_pre_hook(
+                lambda mod, args, kwargs: cast_floats((args, kwargs), mp_policy.param_dtype), with_kwargs=True)
+            if mp_policy.output_dtype is not None:
+                module.register_forward_hook(lambda mod, args, out: cast_floats(out, mp_policy.output_dtype))
         return module, optimizer
     from workbench.parallel.fsdp import FullyShardedDataParallel
-    model = FullyShardedDataParallel(module, compute_dtype=compute_dtype, process_group=process_group)
+    model = FullyShardedDataParallel(module, mp_policy=mp_policy, process_group=process_group)
     return model, optimizer_cls(model.parameters(), **optimizer_kwargs)
