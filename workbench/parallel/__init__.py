@@ -3,4 +3,5 @@ from workbench.parallel.dp import DataParallel
 from workbench.parallel.ddp import DistributedDataParallel
 from workbench.parallel.fsdp import FullyShardedDataParallel
 from workbench.parallel.mixed_precision import DynamicLossScaler, MixedPrecision
+from workbench.parallel.recompute import recompute
 from workbench.parallel.zero import ShardedOptimizer, zero

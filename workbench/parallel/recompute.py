@@ -1,0 +1,217 @@
+"""Activation recomputation: keep less of forward, recompute it in backward.
+
+Backward needs tensors from forward (a linear layer's input for its weight gradient, softmax's
+output for its own gradient); autograd keeps them from the forward of a layer until that layer's
+backward, so at the start of backward every layer's activations are alive at once. Recomputation
+(Chen et al. 2016, "checkpointing") keeps only some of them and runs the forward again, inside
+backward, to get the others back. Two policies (Korthikanti et al. 2022)::
+
+    recompute(model, policy="full")        each layer keeps only its input; backward re-runs
+                                           the whole layer first (one extra forward)
+    recompute(model, policy="selective")   each layer keeps everything except the attention
+                                           core (scores, softmax, dropout, scores x V), which
+                                           is large (a s^2 per sequence) but cheap to recompute
+
+Both use ``torch.utils.checkpoint`` (non-reentrant). ``full`` checkpoints each layer;
+``selective`` checkpoints, inside each layer, every call of
+``torch.nn.functional.scaled_dot_product_attention`` (found with a ``TorchFunctionMode`` while
+the layer runs, so any model that calls it is covered, a Hugging Face one included): the call
+keeps only its inputs q, k, v, which are views of the QKV projection that autograd keeps anyway.
+(PyTorch's operator-level selective checkpointing, ``create_selective_checkpoint_contexts``, was
+measured to keep *more* than no checkpointing here: a saved operator keeps its outputs whether
+or not backward needs them, views and sums included.)
+
+Memory: the derivation (float32, this repository's GPT)
+--------------------------------------------------------
+``s`` sequence length, ``b`` micro-batch, ``h`` width, ``a`` heads, ``L`` layers, ``V``
+vocabulary, 4 bytes per element. What autograd keeps of one pre-norm block
+``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (no dropout, so no masks), counting each
+storage once:
+
+===============================  ===============================================  ============
+operator                         tensors it keeps                                 elements
+===============================  ===============================================  ============
+ln_1                             its input x; mean and rstd                       sbh + 2sb
+c_attn (h -> 3h)                 its input ln_1(x)                                sbh
+attention core, fused kernel     q, k, v (views of c_attn's output)               3sbh
+                                 its output (a view of it is c_proj's input)      sbh
+                                 log-sum-exp                                      asb
+c_proj (h -> h)                  its input: the fused output, no new storage      0
+ln_2                             its input (the residual sum); mean and rstd      sbh + 2sb
+c_fc (h -> 4h)                   its input                                        sbh
+GELU                             its input (c_fc's output)                        4sbh
+mlp.c_proj (4h -> h)             its input (GELU's output)                        4sbh
+===============================  ===============================================  ============
+
+per layer, fused kernel: ``16 sbh + 4 sb + a s b`` elements, ``sbh (64 + 16/h + 4a/h)`` bytes.
+(The paper's half-precision ``34 sbh`` is the same table in 2 bytes, plus dropout masks.)
+
+The *math* kernel computes ``softmax(q k^T * scale + causal mask) v`` in separate operators:
+it keeps ``q * scale`` (``sbh``, a new tensor) and the softmax output (``a s^2 b``, used by
+softmax's backward and by the second matmul), has no log-sum-exp, and its output's head-merge
+is a copy that c_proj keeps (``sbh``) in place of the fused output: ``16 sbh + 4 sb + a s^2 b``
+elements per layer, the ``a s^2 b`` term being the paper's ``5 a s / h`` (softmax output,
+dropout mask and dropout output in half precision).
+
+* ``selective``: the attention call keeps only q, k, v. Fused: the log-sum-exp goes (the output
+  stays, c_proj keeps it); math: ``q * scale`` and the scores go, the head-merge copy stays.
+  Both: ``16 sbh + 4 sb`` per layer. With the fused kernel on the CPU this saves almost
+  nothing (``asb``); with the math kernel it saves the ``a s^2 b`` term.
+* ``full``: each layer keeps its input, ``sbh`` (the paper's ``2 sbh`` in half precision).
+
+Around the layers: ``ln_f`` keeps its input and statistics (``sbh + 2 sb``), the head its
+input (``sbh``), the loss the log-softmax (``s b V``), and the caller holds the logits
+(``s b V``). So what forward leaves for backward (``kept``)::
+
+    kept = L * layer + 2 sbh + 2 sb + 2 sbV          (layer: the per-layer term of the policy)
+
+The *peak* over forward and backward: without recomputation the kept activations plus
+backward's transient gradients (a few percent; measured, not modelled); with ``full`` the
+first recomputation in backward: every layer's input, one layer's full working set (the
+``none`` term), the gradient flowing into it (``sbh``) and the logits::
+
+    peak(full) = L sbh + layer(none) + sbh + sbV
+
+:func:`activation_bytes` evaluates these; ``tests/test_recompute.py`` and
+``workbench bench recompute`` compare them with :class:`~workbench.metrics.MemoryMeter`.
+
+Cost: ``full`` runs every block's forward twice (about 4/3 of the step's compute, the paper's
+33%); ``selective`` re-runs only the attention core (a few percent).
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["recompute", "find_layers", "activation_bytes", "POLICIES"]
+
+POLICIES = ("none", "selective", "full")
+
+
+
+def find_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers of ``model``: the children of ``model.blocks`` or ``model.layers``,
+    else of the first ``nn.ModuleList`` whose children all have one class (``transformer.h`` of a
+    Hugging Face GPT-2, ``model.layers`` of a Llama). A wrapper's ``.module`` is looked into."""
+    for attr in ("blocks", "layers"):
+        container = getattr(model, attr, None)
+        if isinstance(container, (nn.ModuleList, nn.Sequential)) and len(container):
+            return list(container)
+    for _, sub in model.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) and len({type(c) for c in sub}) == 1:
+            return list(sub)
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module) and inner is not model:
+        return find_layers(inner)
+    return []
+
+
+class _CheckpointAttention(TorchFunctionMode):
+    """While a layer runs: every ``F.scaled_dot_product_attention`` call goes through a
+    non-reentrant checkpoint, so its internals (scores, softmax, log-sum-exp, output) are not
+    kept but recomputed in backward from q, k, v."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _RerunHooks:
+    """Run ``layer``'s forward pre-hooks on entering and forward hooks on leaving, for the hooks
+    that ask for it (``hook.rerun_on_recompute = True``): a sharded strategy's hooks that gather
+    the layer's parameters before its forward and free them after, needed again when backward
+    recomputes the forward."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __enter__(self):
+        for hook in list(self.layer._forward_pre_hooks.values()):
+            if getattr(hook, "rerun_on_recompute", False):
+                hook(self.layer, ())
+        return self
+
+    def __exit__(self, *exc):
+        for hook in list(self.layer._forward_hooks.values()):
+            if getattr(hook, "rerun_on_recompute", False):
+                hook(self.layer, (), None)
+        return False
+
+
+def _contexts(layer: nn.Module):
+    return contextlib.nullcontext(), _RerunHooks(layer)
+
+
+def recompute(model: nn.Module, policy: str = "full") -> nn.Module:
+    """Checkpoint every repeated layer of ``model`` (see :func:`find_layers`) with ``policy``:
+    ``"full"`` (keep each layer's input, recompute the layer in backward), ``"selective"``
+    (recompute only the attention core) or ``"none"`` (undo). In place; returns ``model``.
+
+    Apply it to the bare model or to a wrapped one (DDP, FSDP, ZeRO) before or after
+    wrapping: it replaces each layer's ``forward`` on the instance, so parameter names, state
+    dicts and the strategies' hooks are unchanged. Gradients are identical to training without
+    it (recomputation repeats the same operators on the same values).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"recompute(policy={policy!r}): use 'full' (recompute each layer), 'selective' "
+                         "(recompute the attention core only) or 'none'")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"recompute(model={model!r}): pass an nn.Module")
+    layers = find_layers(model)
+    if not layers:
+        raise ValueError(f"recompute: found no repeated layers in {type(model).__name__}: the model needs "
+                         "model.blocks / model.layers, or an nn.ModuleList of layers of one class")
+    for layer in layers:
+        original = layer.__dict__.pop("_recompute_original_forward", None)
+        if original is not None:
+            layer.forward = original
+            if "forward" in layer.__dict__ and layer.__dict__["forward"] is original and \
+                    getattr(original, "__self__", None) is layer:
+                del layer.__dict__["forward"]    # back to the class's forward
+        if policy == "none":
+            continue
+        forward = layer.forward
+        layer._recompute_original_forward = forward
+
+        def checkpointed(*args, _forward=forward, _layer=layer, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=partial(_contexts, _layer), **kwargs)
+
+        def attention_checkpointed(*args, _forward=forward, **kwargs):
+            with _CheckpointAttention():
+                return _forward(*args, **kwargs)
+
+        layer.forward = checkpointed if policy == "full" else attention_checkpointed
+        layer._recompute_policy = policy
+    return model
+
+
+def activation_bytes(config, batch: int, seq: int | None = None, policy: str = "none",
+                     kernel: str = "fused", element_size: int = 4) -> dict[str, int]:
+    """The derived activation bytes of :class:`~workbench.models.GPT` (module docstring):
+    ``{"per_layer", "kept", "peak"}`` for ``policy`` and attention ``kernel`` ("fused" or
+    "math"), ``batch`` sequences of ``seq`` tokens (default ``config.block_size``), with the
+    logits held by the caller. ``kept``: what forward leaves for backward; ``peak``: ``kept``,
+    or with ``full`` the first recomputation (every layer's input plus one layer's working set).
+    """
+    s, b, h, a = seq or config.block_size, batch, config.n_embd, config.n_head
+    L, V = config.n_layer, config.vocab_size
+    sbh, sb = s * b * h, s * b
+    if kernel not in ("fused", "math"):
+        raise ValueError(f"activation_bytes(kernel={kernel!r}): use 'fused' or 'math'")
+    if policy not in POLICIES:
+        raise ValueError(f"activation_bytes(policy={policy!r}): use one of {POLICIES}")
+    full_layer = 16 * sbh + 4 * sb + (a * sb if kernel == "fused" else a * s * s * b)
+    layer = {"none": full_layer, "selective": 16 * sbh + 4 * sb, "full": sbh}[policy]
+    kept = L * layer + 2 * sbh + 2 * sb + 2 * sb * V
+    peak = L * sbh + full_layer + sbh + sb * V if policy == "full" else kept
+    return {"per_layer": layer * element_size, "kept": kept * element_size, "peak": peak * element_size}
