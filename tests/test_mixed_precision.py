@@ -165,10 +165,11 @@ def _state_bytes_and_wire_bytes():
             psi = module.num_parameters()
             policy = MixedPrecision(param_dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
             model, opt = zero(module, torch.optim.AdamW, stage, mp_policy=policy, lr=1e-3)
-            model(_local(x), _local(y))[1].backward()
-            opt.step()
-            opt.zero_grad()
-            with comm.counters() as c:   # the second step: optimizer state exists
+            for _ in range(2):   # optimizer state created; DDP rebuilt its buckets (a broadcast)
+                model(_local(x), _local(y))[1].backward()
+                opt.step()
+                opt.zero_grad()
+            with comm.counters() as c:   # the third step
                 model(_local(x), _local(y))[1].backward()
                 opt.step()
             sent[dtype] = c.total_bytes_sent

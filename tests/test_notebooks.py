@@ -16,8 +16,8 @@ import jupytext
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-SCRIPTS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+SCRIPTS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.py"))
 
 
 def _cells(notebook) -> list[tuple[str, str]]:
@@ -86,3 +86,12 @@ def test_lesson_00_script_across_two_nodes_on_localhost():
     for node, (agent, out) in enumerate(zip(agents, outputs)):
         assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
         assert "all checks passed" in out
+
+
+def test_lesson_04b_script_under_torchrun_standalone():
+    """The memory-levers lesson runs unchanged as a script under torchrun (2 processes)."""
+    script = REPO / "notebooks" / "04b_memory_levers.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_torchrun_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("check passed") == 2

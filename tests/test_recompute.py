@@ -27,10 +27,11 @@ KERNELS = {"fused": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
 
 @pytest.mark.parametrize("kernel", ["fused", "math"])
-def test_identical_gradients_and_activation_bytes_match_the_formulas(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_identical_gradients_and_activation_bytes_match_the_formulas(kernel, dtype):
     torch.manual_seed(0)
     config = GPTConfig.preset("tiny", n_embd=128)
-    base = GPT(config)
+    base = GPT(config).to(dtype)
     batch = 4
     x, y = (torch.randint(0, 65, (batch, config.block_size)) for _ in range(2))
     reference = None
@@ -48,12 +49,12 @@ def test_identical_gradients_and_activation_bytes_match_the_formulas(kernel):
         if reference is None:
             reference = grads
         assert all(torch.equal(g, r) for g, r in zip(grads, reference)), policy
-        formula = activation_bytes(config, batch, policy=policy, kernel=kernel)
+        formula = activation_bytes(config, batch, policy=policy, kernel=kernel, dtype=dtype)
         assert 1.0 <= kept / formula["kept"] <= 1.10, (policy, kept, formula)
         peak = step.peak_by_category["activations"]
         assert 1.0 <= peak / formula["peak"] <= 1.10, (policy, peak, formula)
     # the policies order as the formulas say: selective saves the scores only with the math kernel
-    none, sel, full = (activation_bytes(config, batch, policy=p, kernel=kernel)["kept"]
+    none, sel, full = (activation_bytes(config, batch, policy=p, kernel=kernel, dtype=dtype)["kept"]
                        for p in ("none", "selective", "full"))
     assert full < sel < none
     assert (none - sel) / none < 0.01 if kernel == "fused" else (none - sel) / none > 0.05

@@ -12,10 +12,15 @@ ours-1MB ... 100MB bucket cap sweep (``bucket_cap_mb`` = 1, 5, 100; 25 is ``ours
 ours-no-overlap    every bucket all-reduced after backward (``overlap=False``)
 ours-per-param     one all-reduce per parameter (``bucket_cap_mb=0``)
 ours-ring          the hand-written ring all-reduce of ``workbench.comm`` (``algorithm="ring"``)
+ours-no-rebuild    ``ours`` keeping its first buckets (reverse parameter order) instead of
+                   rebuilding them after the first step in the order gradients became ready
 =================  ===========================================================================
 
 on the ``MLP`` (8 x Linear(1024, 1024), batch 64 per rank) and the GPT ``small`` preset (batch 8
-of 128 tokens per rank), world size 2. Discipline (``workbench.bench._common``): candidates take
+of 128 tokens per rank), world size 2. ``--models mlp-reversed`` adds the same MLP with its
+layers *defined* in the reverse of the order they run in: reverse parameter order is then the
+opposite of the order gradients become ready, the first bucket is ready last, and only the
+bucket rebuild (compare ``ours`` with ``ours-no-rebuild``, column "hidden") restores overlap. Discipline (``workbench.bench._common``): candidates take
 turns inside every trial in rotating order; a trial's number is the slowest rank's mean step
 time; the report gives the median over trials and the ratio to ``torch`` measured in the same
 run. Each candidate owns its own copy of the model and optimizer; since all of them see the same
@@ -40,13 +45,15 @@ from torch import nn
 from workbench.bench import _common
 
 CANDIDATES = ("torch", "ours", "ours-1MB", "ours-5MB", "ours-100MB", "ours-no-overlap", "ours-per-param",
-              "ours-ring")
-MODELS = ("mlp", "gpt")
+              "ours-ring", "ours-no-rebuild")
+MODELS = ("mlp", "gpt", "mlp-reversed")
+DEFAULT_MODELS = ("mlp", "gpt")
 TARGET_RATIO = 1.10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: mlp, gpt (default: both)")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help="comma-separated: mlp, gpt, mlp-reversed (default: mlp,gpt)")
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help=f"comma-separated subset of {', '.join(CANDIDATES)} (torch is always included)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
@@ -67,6 +74,19 @@ def _parse_list(text: str, allowed, what: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- in a rank
 
+class _DefinedBackwards(nn.Module):
+    """Linear layers defined in the reverse of the order forward calls them."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for i, layer in enumerate(reversed(self.layers)):
+            x = layer(x) if i == len(self.layers) - 1 else torch.relu(layer(x))
+        return x
+
+
 def _model_and_batch(name: str, rank: int):
     from workbench.data import synthetic_batch
     from workbench.models import GPT, MLP, GPTConfig
@@ -74,6 +94,10 @@ def _model_and_batch(name: str, rank: int):
     torch.manual_seed(0)
     if name == "mlp":
         model = MLP(width=1024, depth=8)
+        x, y = synthetic_batch(64, features=1024, seed=rank)
+        return model, (lambda m: nn.functional.mse_loss(m(x), y))
+    if name == "mlp-reversed":
+        model = _DefinedBackwards(1024, 8)
         x, y = synthetic_batch(64, features=1024, seed=rank)
         return model, (lambda m: nn.functional.mse_loss(m(x), y))
     config = GPTConfig.preset("small")
@@ -91,8 +115,12 @@ def _wrap(candidate: str, model: nn.Module):
         return TorchDDP(model)
     options = {"ours": {}, "ours-1MB": {"bucket_cap_mb": 1}, "ours-5MB": {"bucket_cap_mb": 5},
                "ours-100MB": {"bucket_cap_mb": 100}, "ours-no-overlap": {"overlap": False},
-               "ours-per-param": {"bucket_cap_mb": 0}, "ours-ring": {"algorithm": "ring"}}[candidate]
-    return DistributedDataParallel(model, **options)
+               "ours-per-param": {"bucket_cap_mb": 0}, "ours-ring": {"algorithm": "ring"},
+               "ours-no-rebuild": {}}[candidate]
+    ddp = DistributedDataParallel(model, **options)
+    if candidate == "ours-no-rebuild":
+        ddp._rebuild_pending = False
+    return ddp
 
 
 def _run(models: list[str], candidates: list[str], trials: int, steps: int, warmup: int) -> dict:

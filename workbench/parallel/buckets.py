@@ -17,6 +17,12 @@ ready, that is after backward, so none of it hides behind compute. DDP takes the
   (PyTorch's rule), so a bucket can exceed the cap by one tensor and ``bucket_cap_mb=0`` gives
   one bucket per parameter.
 * **One dtype and device per bucket**, since a bucket is one flat tensor.
+* **Rebuilt after the first step.** Reverse parameter order is only a guess at the order
+  backward produces gradients (a module defined first but called last breaks it). PyTorch's
+  Reducer records the order gradients actually became ready during the first backward and,
+  before the second forward, re-assigns the buckets in that order (rank 0's order, broadcast
+  so that every rank agrees), with the same caps; ``assign_buckets(..., order=...)`` does that
+  here, and :class:`~workbench.parallel.DistributedDataParallel` calls it.
 
 Each :class:`Bucket` owns a flat ``buffer`` holding all its gradients back to back, and each of
 its parameters gets ``param.grad`` as a *view* into that buffer (PyTorch's
@@ -43,10 +49,12 @@ FIRST_BUCKET_BYTES = 1 * MB  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int,
-                   first_cap_bytes: int | None = FIRST_BUCKET_BYTES) -> list[list[int]]:
+                   first_cap_bytes: int | None = FIRST_BUCKET_BYTES,
+                   order: list[int] | None = None) -> list[list[int]]:
     """Group ``params`` (in ``module.parameters()`` order) into buckets; return index lists.
 
-    Parameters are visited in reverse order. A bucket is closed as soon as its size reaches
+    Parameters are visited in reverse order, or in ``order`` (indices into ``params``: the
+    order their gradients became ready, for a rebuild). A bucket is closed as soon as its size reaches
     its cap: ``min(first_cap_bytes, cap_bytes)`` for the first bucket, ``cap_bytes`` for the
     rest. Parameters of different dtype or device go to different buckets. Within a bucket the
     indices are in the order they were added (reverse parameter order).
@@ -55,7 +63,10 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int,
     open_buckets: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
     closed: list[list[int]] = []
-    for i in reversed(range(len(params))):
+    visit = reversed(range(len(params))) if order is None else order
+    if order is not None and sorted(order) != list(range(len(params))):
+        raise ValueError(f"assign_buckets(order=...): must list each of the {len(params)} parameter indices once")
+    for i in visit:
         p = params[i]
         key = (p.dtype, p.device)
         bucket = open_buckets.setdefault(key, [])

@@ -52,9 +52,16 @@ Features and their PyTorch names
                           Held between steps: 4 + 4 + 8 = 16 psi bytes with Adam (the 16-bit
                           buckets are freed once their gradients reach the masters).
 
-Differences from PyTorch's C++ ``Reducer``: buckets are not rebuilt after the first iteration
-from the observed gradient order, and a bucket holding a locally unused parameter waits for the
-end of backward (PyTorch finds unused parameters by walking the graph after forward).
+Bucket rebuild: as PyTorch's Reducer, the first synchronising backward records the order in
+which gradients became ready, and the next forward re-assigns the buckets in that order (rank
+0's order, broadcast), so that the bucket launched first is the one ready first even when the
+module defines its layers in another order than it calls them. Like PyTorch, this happens once,
+and not with ``find_unused_parameters=True`` (the order may change from step to step).
+``rebuilt_bucket_sizes`` and ``rebuilt_per_bucket_param_indices`` report it in the terms of
+PyTorch's ``_get_ddp_logging_data()``.
+
+Differences from PyTorch's C++ ``Reducer``: a bucket holding a locally unused parameter waits
+for the end of backward (PyTorch finds unused parameters by walking the graph after forward).
 """
 from __future__ import annotations
 
@@ -166,6 +173,9 @@ class DistributedDataParallel(nn.Module):
         self._next_bucket = 0
         self._inflight: list = []            # (handle, event record) of unfinished all-reduces
         self._step = 0
+        self._ready_order: list[int] = []    # first synchronising backward: gradient-ready order
+        self._rebuild_pending = not find_unused_parameters
+        self.rebuilt_per_bucket_param_indices: list[list[int]] | None = None
         self._current: dict | None = None
         self.events: deque[dict] = deque(maxlen=64)  # the last steps' bucket timings
 
@@ -273,7 +283,33 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------------ forward
 
+    def _rebuild_buckets(self) -> None:
+        """Re-assign the buckets in the order gradients became ready in the first backward
+        (rank 0's order, broadcast), keeping any gradient already in them. Once, as PyTorch."""
+        self._rebuild_pending = False
+        order = torch.tensor(self._ready_order, dtype=torch.int64)
+        if self.world_size > 1:
+            comm.broadcast(order, src=self._src, group=self.process_group)
+        order = order.tolist()
+        assignment = assign_buckets(self._params, int(self.bucket_cap_mb * MB), FIRST_BUCKET_BYTES, order=order)
+        self.buckets, self._slot = [], {}
+        for b, indices in enumerate(assignment):
+            bucket = Bucket(b, [self._params[i] for i in indices], [self._param_names[i] for i in indices])
+            self.buckets.append(bucket)
+            for s, i in enumerate(indices):
+                self._slot[id(self._params[i])] = (b, s, i)
+                if self._params[i].grad is not None:
+                    bucket.adopt_grad(s)
+        self.rebuilt_per_bucket_param_indices = assignment
+
+    @property
+    def rebuilt_bucket_sizes(self) -> list[int] | None:
+        """Bytes per bucket after the rebuild (None before it), as PyTorch logs them."""
+        return None if self.rebuilt_per_bucket_param_indices is None else [b.nbytes for b in self.buckets]
+
     def forward(self, *inputs, **kwargs):
+        if self._rebuild_pending and len(self._ready_order) == len(self._params) and torch.is_grad_enabled():
+            self._rebuild_buckets()
         if self.broadcast_buffers and self._require_forward_buffer_sync and self._module_buffers:
             self._sync_module_states([b for b in self.module.buffers()])
         syncing = torch.is_grad_enabled() and self._sync_enabled
@@ -326,6 +362,8 @@ class DistributedDataParallel(nn.Module):
                                "gradient in one backward (backward through the same forward twice?). "
                                "Run forward again before each backward.")
         self._ready[i] = True
+        if self._rebuild_pending and len(self._ready_order) < len(self._params):
+            self._ready_order.append(i)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._current["buckets"][b]["ready"] = _now()

@@ -66,11 +66,21 @@ input (``sbh``), the loss the log-softmax (``s b V``), and the caller holds the 
     kept = L * layer + 2 sbh + 2 sb + 2 sbV          (layer: the per-layer term of the policy)
 
 The *peak* over forward and backward: without recomputation the kept activations plus
-backward's transient gradients (a few percent; measured, not modelled); with ``full`` the
+backward's transient gradients (a few percent; measured, not modelled). With ``full``, the
 first recomputation in backward: every layer's input, one layer's full working set (the
-``none`` term), the gradient flowing into it (``sbh``) and the logits::
+``none`` term), the gradient flowing into it (``sbh``) and the logits. With ``selective``, the
+last layer's attention recomputed (its core, ``core = layer(none) - layer(selective) + sbh``)
+beside every layer's kept tensors, two gradients (``2 sbh``) and the logits, the head's own
+tensors being freed by then::
 
-    peak(full) = L sbh + layer(none) + sbh + sbV
+    peak(none)      = kept
+    peak(full)      = L sbh + layer(none) + sbh + sbV
+    peak(selective) = max(kept, L layer(selective) + core + 2 sbh + sbV)
+
+In 16 bits (mixed precision) every term halves except the attention kernels' float32 parts:
+the fused kernel's log-sum-exp, and the math kernel, which by default computes bfloat16 and
+float16 attention in float32, so its copies of q, k, v and its softmax stay 4 bytes: the
+math layer is ``2 (13 sbh + 4 sb) + 4 (3 sbh + a s^2 b)`` bytes.
 
 :func:`activation_bytes` evaluates these; ``tests/test_recompute.py`` and
 ``workbench bench recompute`` compare them with :class:`~workbench.metrics.MemoryMeter`.
@@ -196,22 +206,37 @@ def recompute(model: nn.Module, policy: str = "full") -> nn.Module:
 
 
 def activation_bytes(config, batch: int, seq: int | None = None, policy: str = "none",
-                     kernel: str = "fused", element_size: int = 4) -> dict[str, int]:
+                     kernel: str = "fused", dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """The derived activation bytes of :class:`~workbench.models.GPT` (module docstring):
-    ``{"per_layer", "kept", "peak"}`` for ``policy`` and attention ``kernel`` ("fused" or
-    "math"), ``batch`` sequences of ``seq`` tokens (default ``config.block_size``), with the
-    logits held by the caller. ``kept``: what forward leaves for backward; ``peak``: ``kept``,
-    or with ``full`` the first recomputation (every layer's input plus one layer's working set).
+    ``{"per_layer", "kept", "peak"}`` for ``policy``, attention ``kernel`` ("fused" or "math")
+    and compute ``dtype`` (float32, or bfloat16/float16 under mixed precision), ``batch``
+    sequences of ``seq`` tokens (default ``config.block_size``), with the logits held by the
+    caller. ``kept``: what forward leaves for backward; ``peak``: ``kept``, or with ``full``
+    the first recomputation (every layer's input plus one layer's working set).
+
+    In 16 bits every term halves except the attention kernels' float32 parts: the fused
+    kernel's log-sum-exp, and the math kernel, which computes half-precision attention in
+    float32 (PyTorch's default), so that its q, k, v copies and its softmax stay 4 bytes.
     """
-    s, b, h, a = seq or config.block_size, batch, config.n_embd, config.n_head
-    L, V = config.n_layer, config.vocab_size
-    sbh, sb = s * b * h, s * b
     if kernel not in ("fused", "math"):
         raise ValueError(f"activation_bytes(kernel={kernel!r}): use 'fused' or 'math'")
     if policy not in POLICIES:
         raise ValueError(f"activation_bytes(policy={policy!r}): use one of {POLICIES}")
-    full_layer = 16 * sbh + 4 * sb + (a * sb if kernel == "fused" else a * s * s * b)
-    layer = {"none": full_layer, "selective": 16 * sbh + 4 * sb, "full": sbh}[policy]
-    kept = L * layer + 2 * sbh + 2 * sb + 2 * sb * V
-    peak = L * sbh + full_layer + sbh + sb * V if policy == "full" else kept
-    return {"per_layer": layer * element_size, "kept": kept * element_size, "peak": peak * element_size}
+    s, b, h, a = seq or config.block_size, batch, config.n_embd, config.n_head
+    L, V = config.n_layer, config.vocab_size
+    sbh, sb = s * b * h, s * b
+    e = torch.empty((), dtype=dtype).element_size()
+    if kernel == "fused":
+        full_layer = e * (16 * sbh + 4 * sb) + 4 * a * sb
+    else:   # float32 q, k, v and softmax; 13 sbh in the compute dtype (the other rows of the table)
+        full_layer = e * (13 * sbh + 4 * sb) + 4 * (3 * sbh + a * s * s * b)
+    layer = {"none": full_layer, "selective": e * (16 * sbh + 4 * sb), "full": e * sbh}[policy]
+    kept = L * layer + e * (2 * sbh + 2 * sb + 2 * sb * V)
+    if policy == "full":
+        peak = L * e * sbh + full_layer + e * (sbh + sb * V)
+    elif policy == "selective":   # the last layer's attention recomputed, the head's tensors freed
+        core = full_layer - layer + e * sbh
+        peak = max(kept, L * layer + core + e * (2 * sbh + sb * V))
+    else:
+        peak = kept
+    return {"per_layer": layer, "kept": kept, "peak": peak}
