@@ -241,3 +241,55 @@ def test_bad_input_names_the_value_and_the_fix():
     assert errors["probe"].startswith("ValueError") and "_PerTensorNormalised" in errors["probe"] \
         and "not element-wise" in errors["probe"]
     assert errors["both"].startswith("ValueError") and "not both" in errors["both"]
+
+
+def _against_fully_shard_bf16():
+    """Ours in bfloat16 against PyTorch's own mixed precision, FSDP2 with MixedPrecisionPolicy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig.preset("tiny"))
+    theirs = copy.deepcopy(base)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in theirs.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(theirs, mp_policy=policy)
+    their_opt = torch.optim.AdamW(theirs.parameters(), **ADAMW)
+    out = {}
+    for stage in (0, 3):
+        ours, our_opt = zero(copy.deepcopy(base), torch.optim.AdamW, stage,
+                             mp_policy=MixedPrecision(param_dtype=torch.bfloat16), **ADAMW)
+        pairs = ((ours, our_opt),) if stage else ((ours, our_opt), (theirs, their_opt))
+        for x, y in _batches(5):
+            for model, opt in pairs:
+                model(_local(x), _local(y))[1].backward()
+                opt.step()
+                opt.zero_grad()
+        if stage == 0:
+            mine = {k: v.detach() for k, v in ours.module.state_dict().items()}
+        else:
+            mine = ours.full_state_dict()
+        their_full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+        out[stage] = max((mine[k] - their_full[k]).abs().max().item() for k in their_full)
+    return out
+
+
+def test_bf16_ddp_and_fsdp_match_torch_fully_shard_with_mixed_precision():
+    for out in workbench.launch(_against_fully_shard_bf16, world_size=2, timeout=180):
+        assert out[3] <= 1e-6, out   # same casts, same order: FSDP2's own bf16 path
+        assert out[0] <= 1e-6, out   # DDP pre-divides by N=2: exact in bfloat16, so the same sums
+
+
+def test_compare_runs_in_bf16_with_recomputation():
+    from workbench import compare
+    from workbench.train import TrainConfig
+
+    config = TrainConfig(model="tiny", steps=3, batch_size=4, precision="bf16", recompute="selective",
+                         memory_step=None)
+    rows = compare.run(config, ["torch-fsdp", "ddp", "zero2"], world_size=2, log=lambda *a: None)
+    losses = [r["losses"] for r in rows]
+    assert losses[1] == losses[0] and losses[2] == losses[0], losses   # ours == FSDP2, bit for bit
+    with pytest.raises(ValueError, match="torch-ddp cannot train in mixed precision on cpu"):
+        compare.run(config, ["torch-ddp"], world_size=2, log=lambda *a: None)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        TrainConfig(precision="fp16")

@@ -2,6 +2,7 @@
 
     workbench compare [--model tiny|small|medium] [--world-size 2] [--steps N]
                       [--strategies single torch-ddp ...] [--out DIR]
+                      [--precision fp32|bf16] [--recompute none|selective|full]
 
 For each strategy the common loop (:func:`workbench.train.train`) runs in fresh ranks started by
 :func:`workbench.launch` -- one process for a non-distributed strategy, ``--world-size`` for the
@@ -55,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
                         help="strategies to run, space- or comma-separated (default: every registered one)")
     parser.add_argument("--out", default=None, help="report directory (default: runs/<timestamp>)")
+    parser.add_argument("--precision", default=d.precision, choices=["fp32", "bf16"],
+                        help="fp32, or bf16: MixedPrecision(param_dtype=bfloat16) for every strategy, float32 "
+                             f"master weights (default: {d.precision})")
+    parser.add_argument("--recompute", default=d.recompute, choices=["none", "selective", "full"],
+                        help=f"activation recomputation for every strategy (default: {d.recompute})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy (default: 600)")
 
 
@@ -92,6 +98,17 @@ def run(config: TrainConfig, names: list[str] | None = None, world_size: int = 2
         raise ValueError(f"--world-size {world_size!r} must be a whole number >= 1")
     chosen = _selected(names)
     config.check_world_size(world_size)
+    if config.precision != "fp32":
+        from workbench import runtime
+
+        device_type = "cuda" if runtime.default_backend(world_size) == "nccl" else "cpu"
+        unable = [s for s in chosen if not strategies.supports_mixed_precision(s, device_type)]
+        if unable and names:   # asked for by name: say why it cannot run
+            raise ValueError(f"--precision {config.precision}: {', '.join(s.name for s in unable)} cannot train in "
+                             f"mixed precision on {device_type}; leave it out of --strategies")
+        for s in unable:       # the default set: run the others, say which were left out
+            log(f"skipping {s.name}: no mixed precision on {device_type} (PyTorch DDP's needs CUDA events)")
+        chosen = [s for s in chosen if s not in unable]
     chosen.sort(key=lambda s: s.name != REFERENCE)  # stable: the reference first, the rest in order
     preload()  # imports and the tokenized corpus, inherited by every forked rank
     rows, reference = [], None
@@ -146,7 +163,7 @@ def write_report(rows: list[dict], out: Path, config: TrainConfig, world_size: i
         "",
         f"Model: GPT `{config.model}` ({params:,} parameters, context {T}); global batch {config.batch_size} x {T} "
         f"tokens; {config.steps} steps of AdamW (lr {config.lr}); seed {config.seed}; distributed strategies on "
-        f"{world_size} ranks. Throughput leaves out the first {config.warmup} steps and the memory-measuring "
+        f"{world_size} ranks; precision {config.precision}, activation recomputation {config.recompute}. Throughput leaves out the first {config.warmup} steps and the memory-measuring "
         f"step {config.memory_step}; memory is the peak of live tensors during step {config.memory_step}.",
         "",
         format_table(rows),
@@ -185,7 +202,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         _load_strategy_modules()
         config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                             seed=args.seed)
+                             seed=args.seed, precision=getattr(args, "precision", "fp32"),
+                             recompute=getattr(args, "recompute", "none"))
         rows = run(config, args.strategies, args.world_size, timeout=args.timeout)
     except ValueError as e:
         print(f"workbench compare: error: {e}", file=sys.stderr)

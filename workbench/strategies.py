@@ -37,6 +37,11 @@ Adding a strategy is one call, typically at the end of the module that implement
 
 Built in: ``single`` (the reference), and PyTorch's own ``torch-ddp`` and ``torch-fsdp``, so
 every strategy of ours is measured beside PyTorch's in the same table.
+
+Mixed precision (``workbench compare --precision bf16``): a strategy that accepts it takes a
+keyword ``mp_policy`` (a :class:`workbench.parallel.MixedPrecision`) in ``wrap``; the loop
+passes it only when the precision is not float32, and refuses a strategy whose ``wrap`` has
+no such argument (:func:`supports_mixed_precision`).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = ["Strategy", "OptimizerFactory", "register", "get", "names", "all_strategies",
-           "shard_rows", "whole_batch", "data_parallel_step", "mean_over_ranks"]
+           "shard_rows", "whole_batch", "data_parallel_step", "mean_over_ranks", "supports_mixed_precision"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -134,6 +139,19 @@ class Strategy:
         return self.world_size or requested
 
 
+def supports_mixed_precision(strategy: Strategy, device_type: str = "cpu") -> bool:
+    """Whether ``strategy.wrap`` takes ``mp_policy=`` (see the module docstring) on devices of
+    ``device_type``; a wrap function may narrow that with a ``mixed_precision_devices`` attribute."""
+    import inspect
+
+    try:
+        accepts = "mp_policy" in inspect.signature(strategy.wrap).parameters
+    except (TypeError, ValueError):
+        return False
+    devices = getattr(strategy.wrap, "mixed_precision_devices", None)
+    return accepts and (devices is None or device_type in devices)
+
+
 _REGISTRY: dict[str, Strategy] = {}
 
 
@@ -168,25 +186,42 @@ def all_strategies() -> list[Strategy]:
 
 # ------------------------------------------------------------------------------------ built-ins
 
-def _wrap_single(model: nn.Module, make_optimizer: OptimizerFactory):
-    """Nothing to wrap: one process, whole batch. The reference every other strategy must match."""
+def _wrap_single(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):
+    """Nothing to wrap: one process, whole batch. The reference every other strategy must match.
+    With ``mp_policy``: our DDP on this one rank, which applies the policy (16-bit compute on
+    copies of float32 masters) and communicates nothing but one-rank reductions."""
+    if mp_policy is not None:
+        from workbench.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, mp_policy=mp_policy)
+        return ddp, make_optimizer(ddp.parameters())
     return model, make_optimizer(model.parameters())
 
 
-def _wrap_torch_ddp(model: nn.Module, make_optimizer: OptimizerFactory):
+def _wrap_torch_ddp(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):
     """PyTorch's DistributedDataParallel: replicas, gradients all-reduced (averaged) in buckets
-    during backward. Memory per rank: the full model state (16 psi bytes with Adam)."""
+    during backward. Memory per rank: the full model state (16 psi bytes with Adam). With
+    ``mp_policy``: DDP's own ``mixed_precision`` (``_MixedPrecision``, the same three dtypes)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from workbench import runtime
 
     dev = runtime.device()
     model = model.to(dev)
-    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    extra = {}
+    if mp_policy is not None:
+        from torch.nn.parallel.distributed import _MixedPrecision
+
+        extra["mixed_precision"] = _MixedPrecision(param_dtype=mp_policy.param_dtype,
+                                                   reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype)
+    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, **extra)
     return ddp, make_optimizer(ddp.parameters())
 
 
-def _wrap_torch_fsdp(model: nn.Module, make_optimizer: OptimizerFactory):
+_wrap_torch_ddp.mixed_precision_devices = ("cuda",)  # its mixed_precision records CUDA events
+
+
+def _wrap_torch_fsdp(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):
     """PyTorch's FSDP2 (``fully_shard``): each transformer block is a unit whose parameters,
     gradients and optimizer state are sharded over ranks (ZeRO-3), all-gathered for its forward
     and backward and reduce-scattered after. The root unit takes the embeddings and head."""
@@ -195,10 +230,17 @@ def _wrap_torch_fsdp(model: nn.Module, make_optimizer: OptimizerFactory):
     from workbench import runtime
 
     model = model.to(runtime.device())
+    extra = {}
+    if mp_policy is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype,
+                                                  reduce_dtype=mp_policy.reduce_dtype,
+                                                  output_dtype=mp_policy.output_dtype)
     for block in getattr(model, "blocks", None) or getattr(model, "layers", None) or []:
         if any(True for _ in block.parameters()):
-            fully_shard(block)
-    fully_shard(model)
+            fully_shard(block, **extra)
+    fully_shard(model, **extra)
     return model, make_optimizer(model.parameters())
 
 
@@ -209,13 +251,13 @@ register(Strategy("torch-fsdp", "PyTorch FSDP2 fully_shard per block: parameters
                   "state sharded (ZeRO-3)", True, _wrap_torch_fsdp))
 
 
-def _wrap_ddp(model: nn.Module, make_optimizer: OptimizerFactory):
+def _wrap_ddp(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):
     """Ours (workbench.parallel.DistributedDataParallel): the same algorithm as torch-ddp, in Python,
     talking through workbench.comm. Memory per rank: the full model state, as torch-ddp."""
     from workbench import runtime
     from workbench.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model.to(runtime.device()))
+    ddp = DistributedDataParallel(model.to(runtime.device()), mp_policy=mp_policy)
     return ddp, make_optimizer(ddp.parameters())
 
 
@@ -226,15 +268,16 @@ register(Strategy("ddp", "ours: DistributedDataParallel from scratch (buckets, o
 def _wrap_zero(stage: int):
     """Ours (workbench.parallel.zero): ZeRO stage 1 or 2 (ShardedOptimizer around the optimizer
     make_optimizer builds), or 3 (FullyShardedDataParallel, optimizer on the local shards)."""
-    def wrap(model: nn.Module, make_optimizer: OptimizerFactory):
+    def wrap(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):
         from workbench import runtime
         from workbench.parallel import FullyShardedDataParallel, ShardedOptimizer
 
         model = model.to(runtime.device())
         if stage == 3:
-            model = FullyShardedDataParallel(model)
+            model = FullyShardedDataParallel(model, mp_policy=mp_policy)
             return model, make_optimizer(model.parameters())
-        return model, ShardedOptimizer(model.parameters(), make_optimizer, shard_gradients=stage == 2)
+        return model, ShardedOptimizer(model.parameters(), make_optimizer, shard_gradients=stage == 2,
+                                       mp_policy=mp_policy)
     return wrap
 
 

@@ -22,6 +22,11 @@ data-parallel strategy, whatever ``Strategy.wrap`` did)::
     _, loss = model(x, y); loss.backward(); optimizer.step()
 
 then the loop zeroes the gradients.
+
+Memory levers, the same for every strategy: ``precision="bf16"`` passes
+``MixedPrecision(param_dtype=torch.bfloat16)`` to the strategy's ``wrap`` (float32 master
+weights and optimizer state, 16-bit compute and communication); ``recompute="selective"`` or
+``"full"`` applies :func:`workbench.parallel.recompute` to the model before it is wrapped.
 """
 from __future__ import annotations
 
@@ -36,7 +41,9 @@ from workbench.data import get_batch
 from workbench.metrics import MemoryMeter, Throughput, model_state_bytes
 from workbench.models import GPT, GPTConfig
 
-__all__ = ["TrainConfig", "train", "summarize", "make_optimizer", "preload"]
+__all__ = ["TrainConfig", "train", "summarize", "make_optimizer", "preload", "PRECISIONS"]
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -51,6 +58,8 @@ class TrainConfig:
     seed: int = 0
     warmup: int = 2  # first steps left out of the throughput (allocator and cache warm-up)
     memory_step: int | None = 1  # the step measured by MemoryMeter (None: no memory measurement)
+    precision: str = "fp32"  # "fp32", or "bf16": MixedPrecision(param_dtype=torch.bfloat16)
+    recompute: str = "none"  # activation recomputation: "none", "selective" or "full"
 
     def __post_init__(self) -> None:
         if self.model not in GPTConfig.PRESETS:
@@ -67,6 +76,12 @@ class TrainConfig:
                              f"context ({limit} tokens): use block_size <= {limit} or a larger preset")
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr={self.lr!r} must be > 0")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TrainConfig.precision={self.precision!r}: use one of {', '.join(PRECISIONS)} "
+                             "(float16 needs a loss scaler, which the shared loop does not run)")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"TrainConfig.recompute={self.recompute!r}: use 'none', 'selective' (the attention "
+                             "core) or 'full' (every block)")
         if self.memory_step is not None and not 0 <= self.memory_step < self.steps:
             self.memory_step = min(1, self.steps - 1)
 
@@ -127,7 +142,19 @@ def train(strategy: str | strategies.Strategy, config: TrainConfig | None = None
     torch.manual_seed(config.seed)
     model = GPT(config.gpt_config()).to(device)
     n_params = model.num_parameters()
-    model, optimizer = strategy.wrap(model, functools.partial(make_optimizer, lr=config.lr))
+    if config.recompute != "none":
+        from workbench.parallel import recompute
+
+        recompute(model, config.recompute)
+    extra = {}
+    if PRECISIONS[config.precision] is not None:
+        from workbench.parallel import MixedPrecision
+
+        if not strategies.supports_mixed_precision(strategy, device.type):
+            raise ValueError(f"strategy {strategy.name!r} cannot train with precision={config.precision!r} on "
+                             f"{device.type} (its wrap takes no mp_policy= there): leave it out, or use fp32")
+        extra["mp_policy"] = MixedPrecision(param_dtype=PRECISIONS[config.precision])
+    model, optimizer = strategy.wrap(model, functools.partial(make_optimizer, lr=config.lr), **extra)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     clock = Throughput(warmup=config.warmup, sync=sync)
