@@ -293,3 +293,44 @@ def test_compare_runs_in_bf16_with_recomputation():
         compare.run(config, ["torch-ddp"], world_size=2, log=lambda *a: None)
     with pytest.raises(ValueError, match="precision='fp16'"):
         TrainConfig(precision="fp16")
+
+
+def _ddp_bf16_no_sync():
+    """Two micro-batches per step, the first under no_sync: the bfloat16 gradients accumulate in
+    the buckets (as autograd accumulates them in one process), one all-reduce per step."""
+    torch.manual_seed(0)
+    base = GPT(GPTConfig.preset("tiny", n_layer=2))
+    model, opt = zero(copy.deepcopy(base), torch.optim.AdamW, 0, mp_policy=MixedPrecision(), **ADAMW)
+    master = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(master.parameters(), **ADAMW)
+    n, b = workbench.world_size(), GLOBAL_BATCH // workbench.world_size()
+    calls = []
+    for x, y in _batches(3):
+        with comm.counters() as c:
+            with model.no_sync():
+                model(_local(x), _local(y))[1].backward()
+            model(_local(y), _local(x))[1].backward()
+        calls.append(c.stats[("all_reduce", "native")].calls)
+        opt.step()
+        opt.zero_grad()
+        total = None
+        for r in range(n):
+            low = copy.deepcopy(master).to(torch.bfloat16)
+            sl = slice(r * b, (r + 1) * b)
+            low(x[sl], y[sl])[1].backward()
+            low(y[sl], x[sl])[1].backward()
+            grads = [p.grad * (1.0 / n) for p in low.parameters()]
+            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        for p, g in zip(master.parameters(), total):
+            p.grad = g.float()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    err = max((p.detach() - q.detach()).abs().max().item()
+              for p, q in zip(model.module.parameters(), master.parameters()))
+    return {"err": err, "calls": calls, "buckets": len(model.buckets)}
+
+
+def test_ddp_bf16_accumulates_under_no_sync_like_one_process():
+    for out in workbench.launch(_ddp_bf16_no_sync, world_size=2, timeout=120):
+        assert out["err"] <= 1e-6, out
+        assert out["calls"][-1] == out["buckets"], out   # one all-reduce per bucket per step

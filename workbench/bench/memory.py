@@ -111,6 +111,19 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
             del model, opt
         for row in state_rows[-2:]:
             row["wire_vs_fp32"] = sent[row["precision"]] / sent["fp32"]
+    # ZeRO-2 reducing bfloat16 gradients in float32: a 4 psi / N gradient shard, float32 on the wire
+    from workbench.parallel import MixedPrecision
+
+    model, opt = zero(copy.deepcopy(base), torch.optim.AdamW, 2, **ADAMW,
+                      mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    for _ in range(3):
+        model(x, y)[1].backward()
+        opt.step()
+    held = model_state_bytes(model, opt)
+    formula = 2 * psi + 16 * psi / n
+    state_rows.append({"stage": "ZeRO-2", "precision": "bf16/fp32-reduce", **held, "formula": formula,
+                       "ratio": held["total"] / formula, "wire_vs_fp32": float("nan")})
+    del model, opt
 
     activation_rows = []
     for precision in PRECISIONS:
@@ -184,13 +197,14 @@ def figure(results: dict, kernel: str = "fused"):
                        label=f"activations ({policy})" if stage == 0 else None)
                 ax.plot([x - 0.4, x + 0.4], [(s["formula"] + a["peak_formula"]) * mib] * 2, color="k", lw=1.5,
                         label="formula" if x == 0 else None)
-                labels.append(f"{STAGE_NAMES[stage]}\n{policy[:3]}")
+                labels.append({"none": "none", "selective": "sel.", "full": "full"}[policy])
                 x += 1
+            ax.text(x - 2, -0.11, STAGE_NAMES[stage], transform=ax.get_xaxis_transform(), ha="center", fontsize=9)
             x += 0.5
         ticks = [i + (i // 3) * 0.5 for i in range(len(labels))]
         ax.set_xticks(ticks, labels, fontsize=7)
-        ax.set_title(f"{precision}: GPT {results['preset']}, {results['parameters'] / 1e6:.1f} M parameters, "
-                     f"world {results['world_size']}, batch {results['batch_size']}x{results['sequence']}",
+        ax.set_title(f"{precision}: GPT {results['preset']}, {results['parameters'] / 1e6:.1f} M parameters, world "
+                     f"{results['world_size']}, batch {results['batch_size']}x{results['sequence']}, {kernel} attention",
                      fontsize=9)
         ax.set_ylabel("MiB per rank")
     axes[-1].legend(fontsize=7, loc="upper right")
