@@ -90,6 +90,7 @@ class Bucket:
     views: list[torch.Tensor] = field(init=False)
     pending: int = field(init=False, default=0)  # gradients still to arrive in this backward
     handle: object = field(init=False, default=None)  # the all-reduce in flight, if any
+    reduce_buffer: object = field(init=False, default=None)  # what is all-reduced: buffer, or a reduce_dtype copy
 
     def __post_init__(self) -> None:
         p0 = self.params[0]

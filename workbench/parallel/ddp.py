@@ -147,7 +147,7 @@ class DistributedDataParallel(nn.Module):
         self._mp_named: list[tuple[str, nn.Parameter]] = []   # mixed precision: (name, float32 master)
         self._masters: list[nn.Parameter] = []
         if self.mp_policy is not None:
-            self._setup_mixed_precision(named, trainable)
+            self._setup_mixed_precision(named)
         self._param_names = [n for n, _ in trainable]
         cap = int(self.bucket_cap_mb * MB)
         assignment = assign_buckets(self._params, cap, FIRST_BUCKET_BYTES)
@@ -190,7 +190,7 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------ construction
 
-    def _setup_mixed_precision(self, named, trainable) -> None:
+    def _setup_mixed_precision(self, named) -> None:
         """Give every trainable parameter a 16-bit *compute* twin: a leaf tensor of
         ``param_dtype`` (storage freed between steps) that forward runs on and autograd fills
         with a gradient. The buckets, hooks and unused-parameter logic work on the twins; the
@@ -463,7 +463,7 @@ class DistributedDataParallel(nn.Module):
         if self.mp_policy is not None:
             reduced = {}
             for bucket in self.buckets:
-                rb, offset = getattr(bucket, "reduce_buffer", None), 0
+                rb, offset = bucket.reduce_buffer, 0
                 for p in bucket.params:
                     if rb is not None and rb is not bucket.buffer:
                         reduced[self._slot[id(p)][2]] = rb[offset:offset + p.numel()].view_as(p)
