@@ -1,7 +1,7 @@
 """ZeRO-3: ``FullyShardedDataParallel`` on gloo with 2 and 3 ranks.
 
 Parity against one process training on the global batch (AdamW and SGD, gradients too),
-against PyTorch's FSDP2 ``fully_shard`` (same units), and, with ``compute_dtype``, against one
+against PyTorch's FSDP2 ``fully_shard`` (same units), and, with ``mp_policy``, against one
 process that casts its weights the same way. Also: the optimizer sees exactly the local flat
 shards (padded when the world size does not divide a unit), nothing stays gathered after a step,
 ``full_state_dict()`` is keyed like the original module, and bad input is refused clearly.
@@ -116,7 +116,7 @@ def test_matches_torch_fully_shard():
 def _parity_with_casting_reference(dtype):
     """One process keeps float32 master weights, casts them to ``dtype`` for each rank's slice
     of the batch, adds the per-rank gradients in ``dtype`` (as the reduce-scatter does), divides
-    in float32 and steps the masters; FSDP with ``compute_dtype=dtype`` must do the same."""
+    in float32 and steps the masters; FSDP with ``MixedPrecision(param_dtype=dtype)`` must do the same."""
     torch.manual_seed(0)
     master = GPT(GPTConfig.preset("tiny"))
     model = FullyShardedDataParallel(copy.deepcopy(master), mp_policy=MixedPrecision(param_dtype=dtype))
@@ -149,7 +149,7 @@ def _parity_with_casting_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_compute_dtype_matches_a_model_cast_the_same_way(dtype):
+def test_mixed_precision_matches_a_model_cast_the_same_way(dtype):
     for out in workbench.launch(_parity_with_casting_reference, args=(dtype,), world_size=2):
         assert out["err"] <= 1e-6
         assert out["shard_dtypes"] == {torch.float32} and out["state_dtypes"] == {torch.float32}

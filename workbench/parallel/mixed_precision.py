@@ -76,13 +76,6 @@ class MixedPrecision:
                 raise ValueError(f"MixedPrecision({name}={value!r}): pass a floating-point torch.dtype such as "
                                  "torch.bfloat16, torch.float16 or torch.float32, or None")
 
-    def compute_dtype(self, default: torch.dtype) -> torch.dtype:
-        return self.param_dtype or default
-
-    def gradient_dtype(self, default: torch.dtype) -> torch.dtype:
-        """The dtype gradients are reduced in: ``reduce_dtype``, else ``param_dtype``, else ``default``."""
-        return self.reduce_dtype or self.param_dtype or default
-
 
 def resolve_policy(mp_policy, owner: str) -> MixedPrecision | None:
     """``mp_policy`` checked: a :class:`MixedPrecision` or ``None``."""
