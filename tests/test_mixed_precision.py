@@ -123,12 +123,12 @@ def _fp16_scaler_parity():
     base = GPT(GPTConfig.preset("tiny"))
     settings = dict(init_scale=2.0 ** 24, growth_factor=2.0, backoff_factor=2.0 ** -4, growth_interval=2)
     out = {}
-    for name in ("ddp", "zero2", "fsdp"):
+    for name in STRATEGIES:
         ref = _Reference(base, torch.float16, prediv=name == "ddp", scaler=torch.amp.GradScaler("cpu", **settings))
         model, opt = zero(copy.deepcopy(base), torch.optim.AdamW, STAGE[name],
                           mp_policy=MixedPrecision(param_dtype=torch.float16), **ADAMW)
         scaler = DynamicLossScaler(**settings)
-        for i, (x, y) in enumerate(_batches(8)):
+        for i, (x, y) in enumerate(_batches(6)):
             _, loss = model(_local(x), _local(y))
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -144,7 +144,7 @@ def test_fp16_loss_scaler_skips_the_same_steps_as_the_single_process_reference()
     for out in workbench.launch(_fp16_scaler_parity, world_size=2, timeout=180):
         for name, r in out.items():
             assert r["skipped"] == r["ref_skipped"], (name, r)
-            assert 0 < len(r["skipped"]) < 8, (name, r)   # some steps skipped, some taken
+            assert 0 < len(r["skipped"]) < 6, (name, r)   # some steps skipped, some taken
             assert r["scale"] == r["ref_scale"] and r["err"] <= 1e-6, (name, r)
 
 
