@@ -57,6 +57,7 @@ Usage::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ from workbench.parallel.tp_ops import (copy_to_parallel, group_rank, group_size,
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "ParallelSelfAttention", "SequenceParallelLayerNorm", "tensor_parallel", "full_state_dict",
-           "is_tensor_parallel", "activation_bytes_per_layer", "parameters_per_rank"]
+           "is_tensor_parallel", "activation_bytes_per_layer", "parameters_per_rank", "communication_per_layer"]
 
 SEQUENCE_DIM = 1  # tensors are (batch, sequence, hidden)
 
@@ -91,6 +92,30 @@ def _mark(p: nn.Parameter, dim: int | None, chunks: int = 1, vocab: int | None =
     blocks (q, k, v), with rows past ``vocab`` being padding. :func:`full_state_dict` reads it."""
     p._tp_dim, p._tp_chunks, p._tp_vocab = dim, chunks, vocab
     return p
+
+
+_SKIP_INIT: list[bool] = []  # non-empty inside from_linear/from_embedding: weights are copied in anyway
+
+
+def _linear_init(out_features, in_features, bias, device, dtype):
+    w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    b = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+    if not _SKIP_INIT:  # nn.Linear's kaiming-uniform(a=sqrt(5)): uniform(+-1/sqrt(in_features))
+        bound = 1 / math.sqrt(in_features)
+        w.uniform_(-bound, bound)
+        if b is not None:
+            b.uniform_(-bound, bound)
+    return w, b
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """Build a layer without drawing random numbers (its weights are about to be copied in)."""
+    _SKIP_INIT.append(True)
+    try:
+        yield
+    finally:
+        _SKIP_INIT.pop()
 
 
 def _shard_rows(w: torch.Tensor, t: int, r: int, chunks: int = 1) -> torch.Tensor:
@@ -125,11 +150,13 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group, self.algorithm = gather_output, group, algorithm
         self.sequence_parallel = sequence_parallel
-        bound = 1 / math.sqrt(in_features)  # nn.Linear's init for the full matrix
-        kw = dict(device=device, dtype=dtype)
-        self.weight = _mark(nn.Parameter(torch.empty(out_features // t, in_features, **kw).uniform_(-bound, bound)), 0)
+        # nn.Linear's init of the whole matrix, then this rank's rows (Megatron's master-weight init):
+        # every rank draws the same numbers, so the random stream stays in step across ranks
+        w, b = _linear_init(out_features, in_features, bias, device, dtype)
+        r = group_rank(group)
+        self.weight = _mark(nn.Parameter(w.chunk(t, 0)[r].clone()), 0)
         if bias:
-            self.bias = _mark(nn.Parameter(torch.empty(out_features // t, **kw).uniform_(-bound, bound)), 0)
+            self.bias = _mark(nn.Parameter(b.chunk(t, 0)[r].clone()), 0)
         else:
             self.register_parameter("bias", None)
 
@@ -147,9 +174,10 @@ class ColumnParallelLinear(nn.Module):
         if linear.out_features % (t * chunks):
             raise ValueError(f"ColumnParallelLinear.from_linear: out_features={linear.out_features} is not "
                              f"divisible by chunks x t = {chunks} x {t}")
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output=gather_output,
-                    group=group, sequence_parallel=sequence_parallel, algorithm=algorithm,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+        with _skip_init():
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                        gather_output=gather_output, group=group, sequence_parallel=sequence_parallel,
+                        algorithm=algorithm, device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(_shard_rows(linear.weight, t, r, chunks))
             if linear.bias is not None:
@@ -197,11 +225,10 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group, self.algorithm = input_is_parallel, group, algorithm
         self.sequence_parallel = sequence_parallel
-        bound = 1 / math.sqrt(in_features)
-        kw = dict(device=device, dtype=dtype)
-        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // t, **kw).uniform_(-bound, bound)), 1)
+        w, b = _linear_init(out_features, in_features, bias, device, dtype)
+        self.weight = _mark(nn.Parameter(w.chunk(t, 1)[group_rank(group)].clone()), 1)
         if bias:
-            self.bias = _mark(nn.Parameter(torch.empty(out_features, **kw).uniform_(-bound, bound)), None)
+            self.bias = _mark(nn.Parameter(b), None)
         else:
             self.register_parameter("bias", None)
 
@@ -212,9 +239,10 @@ class RowParallelLinear(nn.Module):
         t, r = group_size(group), group_rank(group)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"RowParallelLinear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    input_is_parallel=input_is_parallel, group=group, sequence_parallel=sequence_parallel,
-                    algorithm=algorithm, device=linear.weight.device, dtype=linear.weight.dtype)
+        with _skip_init():
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                        input_is_parallel=input_is_parallel, group=group, sequence_parallel=sequence_parallel,
+                        algorithm=algorithm, device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(t, 1)[r])
             if linear.bias is not None:
@@ -260,9 +288,10 @@ class VocabParallelEmbedding(nn.Module):
         self.padded_num_embeddings = -(-num_embeddings // t) * t
         n = self.padded_num_embeddings // t
         self.vocab_start, self.vocab_end = r * n, min((r + 1) * n, num_embeddings)
-        w = torch.zeros(n, embedding_dim, device=device, dtype=dtype)
-        nn.init.normal_(w[:max(0, self.vocab_end - self.vocab_start)])  # nn.Embedding's init
-        self.weight = _mark(nn.Parameter(w), 0, vocab=num_embeddings)
+        full = torch.zeros(self.padded_num_embeddings, embedding_dim, device=device, dtype=dtype)
+        if not _SKIP_INIT:
+            nn.init.normal_(full[:num_embeddings])  # nn.Embedding's init of the whole table, same on every rank
+        self.weight = _mark(nn.Parameter(full[r * n:(r + 1) * n].clone()), 0, vocab=num_embeddings)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group=None, *, sequence_parallel: bool = False,
@@ -271,9 +300,10 @@ class VocabParallelEmbedding(nn.Module):
         if not isinstance(embedding, nn.Embedding):
             raise ValueError(f"VocabParallelEmbedding.from_embedding: expected an nn.Embedding, got "
                              f"{type(embedding).__name__}")
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group,
-                    sequence_parallel=sequence_parallel, algorithm=algorithm,
-                    device=embedding.weight.device, dtype=embedding.weight.dtype)
+        with _skip_init():
+            layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group,
+                        sequence_parallel=sequence_parallel, algorithm=algorithm,
+                        device=embedding.weight.device, dtype=embedding.weight.dtype)
         with torch.no_grad():
             layer.weight.zero_()
             rows = embedding.weight[layer.vocab_start:layer.vocab_end]
@@ -634,17 +664,41 @@ def activation_bytes_per_layer(b: int, s: int, h: int, a: int, t: int = 1, seque
     layer input (ln_1 keeps it)  sbh                 SP only
     ln_1 output (c_attn input)   sbh                 SP only (c_attn re-gathers it in backward)
     q, k, v (c_attn output)      3 sbh               yes (heads)
-    attention output + lse       sbh + asb           yes
-    c_proj input (contiguous)    sbh                 yes
+    attention output             sbh                 yes; also c_proj's input: the CPU flash
+                                                     kernel writes it in (b, s, a, d) order, so
+                                                     ``transpose(1, 2).contiguous()`` is free
+    log-sum-exp per row and head asb                 yes
     ln_2 input (residual sum)    sbh                 SP only
     ln_2 output (c_fc input)     sbh                 SP only
     GELU input, GELU output      8 sbh               yes
     norm statistics (mean, rstd) 4 sb                SP only
     ===========================  ==================  =========================================
 
-    so ``element_size x (sbh (4 + 14/t) + asb/t + 4 sb)`` without and
-    ``element_size x (sbh 18/t + asb/t + 4 sb/t)`` with sequence parallelism (t=1: 18 sbh).
+    so ``element_size x (sbh (4 + 12/t) + asb/t + 4 sb)`` without and
+    ``element_size x (sbh 16/t + asb/t + 4 sb/t)`` with sequence parallelism: Korthikanti's
+    ``10 + 24/t`` and ``34/t`` with 4-byte elements, no masks, and ``asb/t`` for ``5as^2b/t``.
     """
-    rep = 1 if sequence_parallel else t  # the replicated part is split by sequence under SP
-    elements = s * b * h * 4 / rep + s * b * h * 14 / t + a * s * b / t + 4 * s * b / rep
+    rep = t if sequence_parallel else 1  # the replicated part is split by sequence under SP
+    elements = s * b * h * 4 / rep + s * b * h * 12 / t + a * s * b / t + 4 * s * b / rep
     return int(round(elements * element_size))
+
+
+def communication_per_layer(b: int, s: int, h: int, sequence_parallel: bool = False,
+                            bias: bool = True) -> dict[str, dict[str, list[int]]]:
+    """The collectives one transformer layer issues per step: ``{phase: {collective: [elements]}}``.
+
+    One entry per call, its size in elements (of the whole buffer: the all-reduced tensor, the
+    gathered output of an all-gather, the input of a reduce-scatter). Tensor parallelism: two
+    all-reduces of ``b s h`` forward (``g`` after each row-parallel layer) and two backward
+    (``f`` before each column-parallel layer). Sequence parallelism: each of those becomes an
+    all-gather or a reduce-scatter of the same ``b s h`` gathered elements (an all-reduce is
+    one of each), plus the re-gathers of the two column-parallel inputs in backward, plus the
+    gradient all-reduces of the parameters that see a sequence shard (two norms' weights and
+    biases, two row-parallel biases: ``h`` each).
+    """
+    n = b * s * h
+    if not sequence_parallel:
+        return {"forward": {"all_reduce": [n, n]}, "backward": {"all_reduce": [n, n]}}
+    small = [h] * ((4 if bias else 2) + (2 if bias else 0))
+    return {"forward": {"all_gather": [n, n], "reduce_scatter": [n, n]},
+            "backward": {"reduce_scatter": [n, n], "all_gather": [n, n, n, n], "all_reduce": small}}
