@@ -372,3 +372,21 @@ def test_bad_input_errors(world2):
     assert "T=5" in errors["sequence"] and "divisible by t=2" in errors["sequence"]
     assert errors["messages before the sequence error"] == 0
     assert "algorithm='nope'" in errors["algorithm"]
+
+
+def test_bench_tensor_command_writes_its_table_json_and_plot(tmp_path, capsys):
+    """`workbench bench tensor` end to end on a tiny run (timings are the command's, not asserted)."""
+    import json
+
+    from workbench.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "tensor", "--preset", "tiny", "--candidates", "ours,ours-sp,ddp", "--trials", "1",
+                 "--steps", "1", "--out", str(out)]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "ours-sp" in text and "dtensor-sp" in text
+    assert float(text.split("|difference| = ")[1].split()[0]) <= 1e-6
+    data = json.loads((out / "tensor.json").read_text())
+    rows = {r["candidate"]: r for r in data["results"]["rows"]}
+    assert rows["ours"]["state_MiB"] < rows["ddp"]["state_MiB"]  # tensor parallelism shards model state
+    assert (out / "tensor.png").stat().st_size > 0

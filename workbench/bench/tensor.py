@@ -38,8 +38,9 @@ from torch import nn
 from workbench.bench import _common
 
 CANDIDATES = ("dtensor", "ours", "dtensor-sp", "ours-sp", "ours-ring", "ours-sp-ring", "ddp")
-PAIRS = {"ours": "dtensor", "ours-sp": "dtensor-sp", "ours-ring": "dtensor", "ours-sp-ring": "dtensor-sp",
-         "ddp": "dtensor"}
+# what each candidate's ratio is taken against
+PAIRS = {"dtensor": "dtensor", "dtensor-sp": "dtensor", "ours": "dtensor", "ours-sp": "dtensor-sp",
+         "ours-ring": "dtensor", "ours-sp-ring": "dtensor-sp", "ddp": "ours"}
 TARGET_RATIO = 1.10
 
 
@@ -131,3 +132,174 @@ def torch_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) ->
 
 def _as_float(loss) -> float:
     return float(loss.full_tensor().item()) if hasattr(loss, "full_tensor") else float(loss.item())
+
+
+# ------------------------------------------------------------------------------ the command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="small", help="GPT preset (default small: 4 layers, C=256, T=128)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES),
+                        help=f"comma-separated subset of {', '.join(CANDIDATES)} (dtensor is always included)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks = tensor-parallel size t (default 2)")
+    parser.add_argument("--trials", type=int, default=5, help="interleaved trials per candidate (default 5)")
+    parser.add_argument("--steps", type=int, default=3, help="timed training steps per trial (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per candidate first (default 1)")
+    parser.add_argument("--out", default=None, help="folder for tensor.json and tensor.png (default runs/tensor-<time>)")
+    parser.add_argument("--no-plot", action="store_true", help="do not draw tensor.png")
+
+
+def _build(candidate: str, base: nn.Module):
+    """``(model, step_fn)``: ``step_fn(optimizer, x, y) -> loss`` on the whole global batch."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from workbench.parallel.tensor import tensor_parallel
+
+    model = copy.deepcopy(base)
+    if candidate.startswith("dtensor"):
+        model = torch_tensor_parallel(model, sequence_parallel=candidate.endswith("-sp"))
+        return model, lambda opt, x, y: torch_step(model, opt, x, y)
+    if candidate == "ddp":
+        ddp = DistributedDataParallel(model)
+        t, r = dist.get_world_size(), dist.get_rank()
+
+        def dp_step(opt, x, y):
+            b = x.shape[0] // t
+            _, loss = ddp(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.item()
+        return ddp, dp_step
+    model = tensor_parallel(model, sequence_parallel="-sp" in candidate,
+                            algorithm="ring" if candidate.endswith("-ring") else "native")
+
+    def tp_step(opt, x, y):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+    return model, tp_step
+
+
+def _run(preset: str, batch: int, candidates: list[str], trials: int, steps: int, warmup: int) -> dict:
+    from workbench.data import synthetic_batch
+    from workbench.metrics import MemoryMeter, model_state_bytes
+    from workbench.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig.preset(preset)
+    base = GPT(config)
+    x, y = synthetic_batch(batch, block_size=config.block_size, seed=0)
+    built = {c: _build(c, base) for c in candidates}
+    optims = {c: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5) for c, (m, _) in built.items()}
+    first_loss = {c: built[c][1](optims[c], x, y) for c in candidates}  # also a warm-up step
+    for c in candidates:
+        for _ in range(warmup - 1):
+            built[c][1](optims[c], x, y)
+
+    def measure(c):
+        return _common.max_over_ranks(_common.timed(lambda: built[c][1](optims[c], x, y), steps))
+
+    samples = _common.interleaved_trials(candidates, trials, measure)
+    rows = []
+    for c in candidates:
+        model, step = built[c]
+        with MemoryMeter(model, optims[c]) as meter:  # one more step, outside the timed loop
+            step(optims[c], x, y)
+        state = model_state_bytes(model, optims[c])
+        ms = 1e3 * _common.median(samples[c])
+        rows.append({"candidate": c, "step_ms": ms, "samples_ms": [1e3 * s for s in samples[c]],
+                     "tokens_per_s": batch * config.block_size / (ms / 1e3),
+                     "state_MiB": _common.max_over_ranks(state["total"]) / 2**20,
+                     "peak_MiB": _common.max_over_ranks(meter.peak_bytes) / 2**20,
+                     "activations_MiB": _common.max_over_ranks(meter.peak_by_category["activations"]) / 2**20,
+                     "first_loss": first_loss[c]})
+    by = {r["candidate"]: r for r in rows}
+    for r in rows:
+        ref = by.get(PAIRS[r["candidate"]])
+        r["ratio"] = r["step_ms"] / ref["step_ms"] if ref else float("nan")
+        r["vs"] = PAIRS[r["candidate"]] if ref else "-"
+    return {"rows": rows, "parameters": sum(p.numel() for p in base.parameters()), "preset": preset,
+            "batch": batch, "block_size": config.block_size}
+
+
+def main(args: argparse.Namespace) -> int:
+    import workbench
+
+    items = [s.strip() for s in args.candidates.split(",") if s.strip()]
+    bad = [s for s in items if s not in CANDIDATES]
+    if bad or not items:
+        raise ValueError(f"--candidates={args.candidates!r}: unknown {bad or 'empty list'}; "
+                         f"choose from {', '.join(CANDIDATES)}")
+    if any(c.endswith("-sp") or c == "ours-sp-ring" for c in items) and "dtensor-sp" not in items:
+        items.insert(0, "dtensor-sp")
+    if "dtensor" not in items:
+        items.insert(0, "dtensor")
+    if "ddp" in items and "ours" not in items:
+        items.insert(1, "ours")
+    for name in ("world_size", "trials", "steps", "warmup", "batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    if args.batch % args.world_size:
+        raise ValueError(f"--batch={args.batch} must be divisible by --world-size={args.world_size} (the ddp "
+                         "candidate gives each rank batch / world-size sequences)")
+    start = time.time()
+    res = workbench.launch(_run, world_size=args.world_size,
+                           args=(args.preset, args.batch, items, args.trials, args.steps, args.warmup),
+                           timeout=3600)[0]
+    by = {r["candidate"]: r for r in res["rows"]}
+    loss_diff = abs(by["ours"]["first_loss"] - by["dtensor"]["first_loss"]) if "ours" in by else float("nan")
+    title = (f"bench tensor: GPT {res['preset']} ({res['parameters'] / 1e6:.2f} M parameters), t = {args.world_size}, "
+             f"global batch {res['batch']} x {res['block_size']} tokens, median of {args.trials} interleaved "
+             f"trials x {args.steps} steps\nfirst-step loss, ours vs dtensor: |difference| = {loss_diff:.2g}")
+    lines = [_common.format_table(res["rows"], [
+        ("candidate", "candidate", "s"), ("step_ms", "step ms", "{:.1f}"), ("vs", "vs", "s"),
+        ("ratio", "ratio", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.0f}"), ("state_MiB", "state MiB", "{:.2f}"),
+        ("activations_MiB", "activ. MiB", "{:.2f}"), ("peak_MiB", "peak MiB", "{:.2f}")], title=title)]
+    ok = True
+    for ours, theirs in (("ours", "dtensor"), ("ours-sp", "dtensor-sp")):
+        if ours in by:
+            r = by[ours]["ratio"]
+            ok &= r <= TARGET_RATIO
+            lines.append(f"# {ours} / {theirs} = {r:.3f}: {'meets' if r <= TARGET_RATIO else 'MISSES'} the target "
+                         f"<= {TARGET_RATIO:.2f}" + (f" ({1 / r:.2f}x faster)" if r < 1 else ""))
+    if "ddp" in by and "ours" in by:
+        lines.append(f"# tensor vs data parallelism at t = {args.world_size}: tokens/s ours {by['ours']['tokens_per_s']:.0f}"
+                     f" vs ddp {by['ddp']['tokens_per_s']:.0f}; model state per rank {by['ours']['state_MiB']:.2f} vs "
+                     f"{by['ddp']['state_MiB']:.2f} MiB")
+    print("\n".join(lines))
+    _common.save_outputs(args, "tensor", {"results": res, "elapsed_s": time.time() - start},
+                         None if args.no_plot else (lambda: plot(res)))
+    return 0 if ok else 1
+
+
+def plot(res: dict):
+    """Left: step time over DTensor's. Right: tokens/s and memory per rank (TP against DP)."""
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    names = [r["candidate"] for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    colors = ["#888888" if n.startswith("dtensor") else "#55a868" if n == "ddp" else "#4c72b0" for n in names]
+    a1.barh(names[::-1], [r["ratio"] for r in rows][::-1], color=colors[::-1])
+    a1.axvline(1.0, color="k", lw=0.8)
+    a1.axvline(TARGET_RATIO, color="#c44e52", ls="--", lw=0.8, label=f"target {TARGET_RATIO:.2f}x")
+    for i, r in enumerate(rows[::-1]):
+        a1.text(r["ratio"], i, f" {r['step_ms']:.0f} ms (vs {r['vs']})", va="center", fontsize=8)
+    a1.set_xlabel("step time / DTensor's (lower is better)")
+    a1.set_xlim(0, max(r["ratio"] for r in rows) * 1.5)
+    a1.legend(loc="lower right", fontsize=8)
+    a1.set_title(f"GPT {res['preset']}: ours against DTensor")
+    x = range(len(rows))
+    a2.bar([i - 0.2 for i in x], [r["state_MiB"] for r in rows], 0.4, label="model state MiB / rank")
+    a2.bar([i + 0.2 for i in x], [r["activations_MiB"] for r in rows], 0.4, label="peak activations MiB / rank")
+    a2.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+    a2.set_ylabel("MiB per rank")
+    tw = a2.twinx()
+    tw.plot(list(x), [r["tokens_per_s"] for r in rows], "ko-", label="tokens/s")
+    tw.set_ylabel("tokens / s")
+    a2.legend(loc="upper left", fontsize=8)
+    a2.set_title("memory per rank and throughput (TP vs DP)")
+    return fig
