@@ -251,6 +251,10 @@ def _world2() -> dict:
     res["errors"] = _errors()
     res["memory"] = {sp: _memory(sp) for sp in (False, True)}
     res["params"] = _params_per_rank()
+    from workbench.train import TrainConfig, train
+
+    res["compare"] = {name: train(name, TrainConfig(model="tiny", steps=3, batch_size=4, memory_step=2))
+                      for name in ("tp", "tp-sp")}
     return res
 
 
@@ -366,6 +370,23 @@ def test_activation_memory_t1_matches_formula():
 
     ratio = (peak(6) - peak(2)) / 4 / activation_bytes_per_layer(b, s, 64, 4, 1, False)
     assert 0.99 <= ratio <= 1.10, ratio
+
+
+def test_registered_in_compare(world2):
+    """``tp`` and ``tp-sp`` in the strategy registry: every rank the whole batch, the loss of one process."""
+    from workbench import strategies
+    from workbench.train import TrainConfig, train
+
+    config = TrainConfig(model="tiny", steps=3, batch_size=4, memory_step=2)
+    single = workbench.launch(train, world_size=1, args=("single", config))[0]
+    for name in ("tp", "tp-sp"):
+        strategy = strategies.get(name)
+        assert strategy.batch is strategies.whole_batch and strategy.ranks(8) == 2
+        for record in world2:
+            r = record["compare"][name]
+            assert r["tokens_per_step"] == single["tokens_per_step"]
+            assert max(abs(a - b) for a, b in zip(r["losses"], single["losses"])) <= 1e-6, (name, r["losses"])
+            assert r["model_state"]["params"] == 4 * parameters_per_rank(GPTConfig.preset("tiny"), 2)
 
 
 def test_bad_input_errors(world2):

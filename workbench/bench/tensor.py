@@ -183,7 +183,9 @@ def _build(candidate: str, base: nn.Module):
     return model, tp_step
 
 
-def _run(preset: str, batch: int, candidates: list[str], trials: int, steps: int, warmup: int) -> dict:
+def measure(preset: str, batch: int, candidates: list[str], trials: int, steps: int, warmup: int) -> dict:
+    """In every rank: time ``candidates`` (interleaved trials, slowest rank), then measure one more
+    step's memory (``MemoryMeter``) and model state; ``{"rows": [...], ...}`` (the same on every rank)."""
     from workbench.data import synthetic_batch
     from workbench.metrics import MemoryMeter, model_state_bytes
     from workbench.models import GPT, GPTConfig
@@ -199,10 +201,10 @@ def _run(preset: str, batch: int, candidates: list[str], trials: int, steps: int
         for _ in range(warmup - 1):
             built[c][1](optims[c], x, y)
 
-    def measure(c):
+    def time_one(c):
         return _common.max_over_ranks(_common.timed(lambda: built[c][1](optims[c], x, y), steps))
 
-    samples = _common.interleaved_trials(candidates, trials, measure)
+    samples = _common.interleaved_trials(candidates, trials, time_one)
     rows = []
     for c in candidates:
         model, step = built[c]
@@ -246,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch={args.batch} must be divisible by --world-size={args.world_size} (the ddp "
                          "candidate gives each rank batch / world-size sequences)")
     start = time.time()
-    res = workbench.launch(_run, world_size=args.world_size,
+    res = workbench.launch(measure, world_size=args.world_size,
                            args=(args.preset, args.batch, items, args.trials, args.steps, args.warmup),
                            timeout=3600)[0]
     by = {r["candidate"]: r for r in res["rows"]}
