@@ -3,3 +3,5 @@ from workbench.parallel.dp import DataParallel
 from workbench.parallel.ddp import DistributedDataParallel
 from workbench.parallel.fsdp import FullyShardedDataParallel
 from workbench.parallel.zero import ShardedOptimizer, zero
+from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, full_state_dict,
+                                       tensor_parallel, vocab_parallel_cross_entropy)

@@ -340,7 +340,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, vocab_size, group, algorithm):
-        t, r = group_size(group), group_rank(group)
+        r = group_rank(group)
         n = logits.shape[-1]
         z = logits.reshape(-1, n).float()
         y = target.reshape(-1)
@@ -617,15 +617,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         full = value.detach()
         if dim is not None:
             chunks = value._tp_chunks
-            parts = tp_ops._all_gather(full, 0, tp.group, "native") if dim == 0 else \
-                tp_ops._all_gather(full.movedim(dim, 0), 0, tp.group, "native").movedim(0, dim)
+            parts = tp_ops._all_gather(full.movedim(dim, 0), 0, tp.group, tp.algorithm).movedim(0, dim)
             if chunks > 1:  # rank-major [q_0 k_0 v_0 | q_1 k_1 v_1] -> [q_0 q_1 | k_0 k_1 | v_0 v_1]
                 shape = parts.shape
                 parts = parts.reshape(tp.size, chunks, -1, *shape[1:]).transpose(0, 1).reshape(shape)
             if value._tp_vocab is not None:
                 parts = parts.narrow(0, 0, value._tp_vocab)
             full = parts
-        full = full.clone()
+        full = full.clone(memory_format=torch.contiguous_format)
         done[id(value)] = full
         out[name] = full
     return out
