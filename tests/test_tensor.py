@@ -35,7 +35,8 @@ from workbench.memory import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import tp_ops
 from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                       activation_bytes_per_layer, communication_per_layer, full_state_dict,
+                                       activation_bytes_per_layer, communication_per_layer,
+                                       communication_per_step, full_state_dict,
                                        parameters_per_rank, tensor_parallel, vocab_parallel_cross_entropy)
 
 ADAMW = dict(lr=1e-3, eps=1e-5, weight_decay=0.1)
@@ -184,7 +185,10 @@ def _layer_comm(sp: bool) -> dict:
         y = model.blocks[0](x)
     with comm.counters() as bwd:
         y.backward(torch.ones_like(y))
-    return {"forward": fwd.as_dict(), "backward": bwd.as_dict(), "b": b, "s": s, "h": h}
+    idx = torch.randint(0, 65, (b, s), generator=torch.Generator().manual_seed(0))
+    with comm.counters() as step:
+        model(idx, idx)[1].backward()
+    return {"forward": fwd.as_dict(), "backward": bwd.as_dict(), "step": step.as_dict(), "b": b, "s": s, "h": h}
 
 
 def _errors() -> dict:
@@ -326,6 +330,12 @@ def test_communication_per_layer_is_exact(world, request):
                 got = {k: (v["calls"], v["bytes_sent"]) for k, v in c[phase].items()}
                 assert got == expected[phase], (sp, phase, got, expected[phase])
     c = request.getfixturevalue(f"world{world}")[0]["comm"]
+    for sp in (False, True):  # a whole step: the layers plus the embedding, the head and the loss
+        expected = {}
+        for collective, sizes in communication_per_step(c[sp]["b"], c[sp]["s"], GPTConfig.preset("tiny"), sp).items():
+            factor = 2 * (world - 1) / world if collective == "all_reduce" else (world - 1) / world
+            expected[f"{collective}/native"] = (len(sizes), sum(int(4 * n * factor) for n in sizes))
+        assert {k: (v["calls"], v["bytes_sent"]) for k, v in c[sp]["step"].items()} == expected, (sp, expected)
     bsh = c[False]["b"] * c[False]["s"] * c[False]["h"] * 4
     assert c[False]["forward"]["all_reduce/native"]["calls"] == 2
     assert c[False]["backward"]["all_reduce/native"]["bytes_sent"] == 2 * 2 * (world - 1) * bsh // world

@@ -45,8 +45,10 @@ Memory and communication per rank (``psi`` parameters per layer ``12 h^2 + 13 h`
   embedding/head matrix; positions ``T_max h`` replicated.
 * Communication (float32, per layer and step): 4 all-reduces of ``b s h`` elements; with sequence
   parallelism 4 all-gathers and 4 reduce-scatters of ``b s h`` gathered elements (each pair one
-  all-reduce's worth), plus 2 re-gathers in backward, plus the norms' ``4 h + h`` gradient
-  all-reduces. See :func:`activation_bytes_per_layer` for the activation memory formula.
+  all-reduce's worth), plus 2 re-gathers in backward, plus 6 gradient all-reduces of ``h``
+  (two norms' weights and biases, two row-parallel biases). Exact lists:
+  :func:`communication_per_layer`, :func:`communication_per_step`; activation memory:
+  :func:`activation_bytes_per_layer`.
 
 Usage::
 
@@ -73,7 +75,8 @@ from workbench.parallel.tp_ops import (copy_to_parallel, group_rank, group_size,
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "ParallelSelfAttention", "SequenceParallelLayerNorm", "tensor_parallel", "full_state_dict",
-           "is_tensor_parallel", "activation_bytes_per_layer", "parameters_per_rank", "communication_per_layer"]
+           "is_tensor_parallel", "activation_bytes_per_layer", "parameters_per_rank", "communication_per_layer",
+           "communication_per_step"]
 
 SEQUENCE_DIM = 1  # tensors are (batch, sequence, hidden)
 
@@ -701,3 +704,28 @@ def communication_per_layer(b: int, s: int, h: int, sequence_parallel: bool = Fa
     small = [h] * ((4 if bias else 2) + (2 if bias else 0))
     return {"forward": {"all_gather": [n, n], "reduce_scatter": [n, n]},
             "backward": {"reduce_scatter": [n, n], "all_gather": [n, n, n, n], "all_reduce": small}}
+
+
+def communication_per_step(b: int, s: int, config, sequence_parallel: bool = False) -> dict[str, list[int]]:
+    """Every collective of one training step of ``tensor_parallel(GPT(config))``: ``{collective: [elements]}``.
+
+    The layers (:func:`communication_per_layer`, ``n_layer`` times), plus the edges of the model:
+    the embedding's all-reduce forward (sequence parallel: a reduce-scatter forward, an all-gather
+    backward, and the positions' ``s h`` all-gathered backward), the head's input (``f``: an
+    all-reduce backward; sequence parallel: all-gathered forward, reduce-scattered and re-gathered
+    backward, and ``ln_f``'s two gradient all-reduces), and the loss's two all-reduces of ``b s``
+    and ``2 b s`` floats (the maximum, then the sum of exponentials with the target logit).
+    """
+    n, h = b * s * config.n_embd, config.n_embd
+    out: dict[str, list[int]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for phase in communication_per_layer(b, s, h, sequence_parallel, config.bias).values():
+        for collective, sizes in phase.items():
+            out[collective] += sizes * config.n_layer
+    if sequence_parallel:
+        out["reduce_scatter"] += [n, n]           # embedding forward, head input backward
+        out["all_gather"] += [n, s * h, n, n]     # embedding backward, positions, head input fwd + re-gather
+        out["all_reduce"] += [h] * (2 if config.bias else 1)  # ln_f
+    else:
+        out["all_reduce"] += [n, n]               # embedding forward (g), head input backward (f)
+    out["all_reduce"] += [b * s, 2 * b * s]       # the loss
+    return {k: v for k, v in out.items() if v}
