@@ -325,10 +325,11 @@ def memory_rows():
     return rows
 
 
-mem = {(r["t"], r["sp"]): r for r in memory_rows()}  # t = 1: this process
-for n in (2, 4):  # under torchrun: torchrun's own world size, whatever n says
-    for r in workbench.launch(memory_rows, world_size=n)[0]:
-        mem[(r["t"], r["sp"])] = r
+mem = {(r["t"], r["sp"]): r for r in memory_rows()}  # t = 1: this process (under torchrun: its world)
+if not dist.is_initialized():  # under torchrun every launch() runs in torchrun's world: measured above
+    for n in (2, 4):
+        for r in workbench.launch(memory_rows, world_size=n)[0]:
+            mem[(r["t"], r["sp"])] = r
 for (t, sp), r in sorted(mem.items()):
     print(f"t={t} sequence_parallel={sp!s:5}: {r['measured'] / KiB:7.1f} KiB per layer, formula "
           f"{r['formula'] / KiB:7.1f} KiB, ratio {r['measured'] / r['formula']:.3f}")
@@ -386,7 +387,7 @@ _ = widgets.interact(draw_formula, h=widgets.IntSlider(1600, 200, 8192, 200), he
 # %%
 # NBVAL_IGNORE_OUTPUT
 bench = workbench.launch(bench_tensor.measure, world_size=2,
-                         args=("tiny", 8, ["dtensor", "ours", "dtensor-sp", "ours-sp", "ddp"], 3, 2, 1))[0]
+                         args=("tiny", 8, ["dtensor", "ours", "dtensor-sp", "ours-sp", "ddp"], 3, 1, 1))[0]
 by = {r["candidate"]: r for r in bench["rows"]}
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
 names = list(by)
