@@ -49,8 +49,7 @@ from workbench.bench import tensor as bench_tensor
 from workbench.metrics import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, activation_bytes_per_layer,
-                                       communication_per_layer, full_state_dict, tensor_parallel,
-                                       vocab_parallel_cross_entropy)
+                                       communication_per_layer, full_state_dict, tensor_parallel)
 
 KiB = 1024
 
