@@ -386,7 +386,7 @@ _ = widgets.interact(draw_formula, h=widgets.IntSlider(1600, 200, 8192, 200), he
 # %%
 # NBVAL_IGNORE_OUTPUT
 bench = workbench.launch(bench_tensor.measure, world_size=2,
-                         args=("tiny", 8, ["dtensor", "ours", "dtensor-sp", "ours-sp", "ddp"], 3, 1, 1))[0]
+                         args=("tiny", 8, ["dtensor", "ours", "dtensor-sp", "ours-sp", "ddp"], 3, 2, 1))[0]
 by = {r["candidate"]: r for r in bench["rows"]}
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
 names = list(by)
