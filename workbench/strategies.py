@@ -53,7 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = ["Strategy", "OptimizerFactory", "register", "get", "names", "all_strategies",
-           "shard_rows", "whole_batch", "data_parallel_step", "mean_over_ranks", "supports_mixed_precision"]
+           "shard_rows", "whole_batch", "data_parallel_step", "mean_over_ranks", "same_on_every_rank",
+           "supports_mixed_precision"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -287,3 +288,30 @@ register(Strategy("zero2", "ours: ZeRO-2, optimizer state and gradients sharded 
                   True, _wrap_zero(2)))
 register(Strategy("zero3", "ours: ZeRO-3 (FSDP-style), parameters too: units all-gathered just in time",
                   True, _wrap_zero(3)))
+
+
+def _wrap_tp(sequence_parallel: bool):
+    """Ours (workbench.parallel.tensor): Megatron tensor parallelism over all ranks of the launch,
+    heads, MLP units and vocabulary split t ways (with ``sequence_parallel``, norms and residuals
+    split by sequence too). Every rank sees the whole batch. Memory per rank: about 1/t of the
+    model state (norms, biases and positions stay replicated)."""
+    def wrap(model: nn.Module, make_optimizer: OptimizerFactory):
+        from workbench import runtime
+        from workbench.parallel.tensor import tensor_parallel
+
+        model = tensor_parallel(model.to(runtime.device()), sequence_parallel=sequence_parallel)
+        return model, make_optimizer(model.parameters())
+    return wrap
+
+
+def same_on_every_rank(loss: Optional[torch.Tensor], world_size: int) -> float:
+    """Model parallelism on the whole batch: every rank already holds the global batch's loss."""
+    return float(loss)
+
+
+register(Strategy("tp", "ours: tensor parallelism (Megatron), t=2: heads, MLP and vocabulary split, "
+                  "2+2 all-reduces of activations per layer", True, _wrap_tp(False), batch=whole_batch,
+                  global_loss=same_on_every_rank, world_size=2))
+register(Strategy("tp-sp", "ours: tensor + sequence parallelism, t=2: norms and residuals split by sequence, "
+                  "all-gather + reduce-scatter", True, _wrap_tp(True), batch=whole_batch,
+                  global_loss=same_on_every_rank, world_size=2))

@@ -5,3 +5,5 @@ from workbench.parallel.fsdp import FullyShardedDataParallel
 from workbench.parallel.mixed_precision import DynamicLossScaler, MixedPrecision
 from workbench.parallel.recompute import recompute
 from workbench.parallel.zero import ShardedOptimizer, zero
+from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, full_state_dict,
+                                       tensor_parallel, vocab_parallel_cross_entropy)
