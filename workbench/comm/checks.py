@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from workbench.comm import ops
+from workbench.comm import emulation, ops, topology
 from workbench.comm.group import GroupView, resolve_group
 
 
@@ -101,4 +101,12 @@ def enter(collective: str, algorithm, known, tensor, tensor_name: str, group) ->
     if view is None:
         warnings.warn(f"Running {collective} on global rank {dist.get_rank()} which does not belong "
                       "to the given group.", stacklevel=3)
+    elif algorithm == "native":  # torch's messages cannot be held back: see emulation.py
+        emulation.check_native(collective, emulation.global_ranks(view.pg))
     return view
+
+
+def hierarchy(collective: str, view: GroupView):
+    """The node layout of ``view``'s group for ``algorithm="hierarchical"`` (a clear ValueError
+    without a topology, or when the group's nodes hold different numbers of its ranks)."""
+    return topology.hierarchy(collective, emulation.current(), emulation.global_ranks(view.pg), view.rank)

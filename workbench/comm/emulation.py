@@ -1,0 +1,215 @@
+"""Holding messages back so that one machine behaves like the cluster a :class:`Topology` describes.
+
+Every hand-written collective (and every point-to-point ``send``/``recv`` of ``workbench.comm``)
+moves its bytes through :class:`workbench.comm.group.Comm`, so this is done there, once, for
+every algorithm. A message of ``m`` bytes from rank ``a`` to rank ``b`` on an emulated link
+(``topology.link(class)``, the class being ``"intra"`` or ``"inter"``) is scheduled like a NIC
+would send it::
+
+    start = max(now, when a's outgoing link of that class is free)   bytes leave one after another
+    free  = start + m / bandwidth                                     the link is busy until then
+    due   = start + latency + m / bandwidth                           the message has arrived
+
+The data itself goes at once, at this machine's speed, together with an 8-byte *stamp* (the
+``due`` time, on a tag of its own); the receiver's ``wait()`` returns when both have arrived and
+the clock has reached ``due``; the sender's ``wait()`` when its data is out and the clock has
+reached ``free``. So a message takes ``latency + m / bandwidth``, its real time hidden beneath,
+as long as the real time is shorter: emulation can only slow messages down. :func:`emulate`
+therefore measures this machine's floor first (a ping-pong between ranks 0 and 1: the fastest
+8-byte message and the fastest 1 MiB one) and refuses a link faster than it.
+
+What is and is not modelled: latency overlaps with the transfer of the next message (a NIC
+pipelines), a rank's messages of one class share one outgoing link (the ring's segments queue
+behind each other), a link carries as much each way (full duplex). Not modelled: several ranks
+contending for one NIC or switch, a receiver's incoming link (incast), congestion. Waiting is
+sleeping, so the emulated time barely depends on the load of the machine, but a rank that is
+descheduled when its message is due wakes up late (about a millisecond on a loaded 2-core
+machine): keep emulated messages well above that. The stamps are not counted as traffic. The
+ranks must share one clock (one machine; ``time.monotonic`` is system-wide on Linux), which is
+also the only setting in which emulating a cluster makes sense.
+
+``torch.distributed``'s own collectives (``algorithm="native"``) send their messages inside
+gloo or NCCL, where nothing can hold them back. Under a topology with an emulated link they are
+therefore **refused** (a ValueError before anything is sent) on any group that spans such a link,
+rather than silently run at full speed; a group that stays on links that are not emulated
+(for example inside a node with ``intra=None``) may use them. Counters split the traffic of the
+hand-written algorithms by link class (``"intra"``, ``"inter"``), whether or not it is slowed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from workbench.comm.topology import ENV, Link, Topology
+
+__all__ = ["emulate", "clear", "current", "layout", "floor", "measure_floor", "check_native",
+           "STAMP_TAG"]
+
+# Stamps travel on tag + STAMP_TAG, so they never match a data message (algorithms use small tags).
+STAMP_TAG = 1 << 20
+
+
+class _State:
+    def __init__(self, topology: Topology | None = None, floor: Link | None = None) -> None:
+        self.topology = topology
+        self.floor = floor
+        self.free: dict[str, float] = {}  # link class -> when this rank's outgoing link is free
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+
+_state = _State()
+
+
+def _get() -> _State:
+    global _state
+    if _state.pid != os.getpid():  # a forked child starts with nothing emulated
+        _state = _State()
+    return _state
+
+
+def current() -> Topology | None:
+    """The topology set by :func:`emulate` (or ``launch(..., topology=)``) in this process, or None."""
+    return _get().topology
+
+
+def floor() -> Link | None:
+    """The floor measured when the current topology was set (None if nothing is emulated)."""
+    return _get().floor
+
+
+def layout() -> Topology:
+    """The current topology, or the real layout if none is set: one node per machine
+    (``LOCAL_WORLD_SIZE`` ranks each, as torchrun sets it; the whole world otherwise), no link slowed."""
+    topo = current()
+    if topo is not None:
+        return topo
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    return Topology(max(1, min(local, world)))
+
+
+def clear() -> None:
+    """Stop emulating: messages go at this machine's speed again (not collective)."""
+    global _state
+    _state = _State()
+
+
+def emulate(topology: Topology | str | None) -> Link | None:
+    """Emulate ``topology`` from now on, in this process; call on every rank of the world.
+
+    Checks that the world fills whole nodes, measures this machine's floor (when a link is
+    emulated) and refuses, on every rank alike, a link faster than it. Returns the floor.
+    ``None`` stops emulating.
+    """
+    if topology is None:
+        clear()
+        return None
+    if isinstance(topology, str):
+        topology = Topology.parse(topology)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology={topology!r}: pass a workbench.comm.Topology, a spec string "
+                        f"(see {ENV}) or None")
+    if not dist.is_initialized():
+        raise RuntimeError("workbench.comm.emulate needs an initialised process group: run inside "
+                           "workbench.launch(fn, world_size, topology=...) or under torchrun")
+    topology.check_world(dist.get_world_size())
+    measured = None
+    if topology.emulated and dist.get_world_size() > 1:
+        measured = measure_floor()
+        for cls in ("intra", "inter"):
+            link = topology.link(cls)
+            if link is None:
+                continue
+            if link.latency_s < measured.latency_s or link.bandwidth_Bps > measured.bandwidth_Bps:
+                raise ValueError(
+                    f"topology {cls}={link} is faster than this machine's own messages (measured just now "
+                    f"between ranks 0 and 1: {measured.latency_s * 1e6:.0f} us per message, "
+                    f"{measured.bandwidth_Bps / 1e6:.0f} MB/s): emulation can only slow messages down. "
+                    f"Give the {cls}-node link latency_s >= {measured.latency_s:.2g} and bandwidth_Bps <= "
+                    f"{measured.bandwidth_Bps:.2g}, or use Topology.preset(name, slowdown=...) with a "
+                    "larger slowdown")
+    global _state
+    _state = _State(topology, measured)
+    return measured
+
+
+def measure_floor(small: int = 8, large: int = 1 << 20, repeats: int = 20) -> Link:
+    """This machine's fastest message, as a Link: a ping-pong of ``small`` and ``large`` bytes
+    between ranks 0 and 1 (``repeats`` round trips each), the fastest round trip halved. Call on
+    every rank; every rank gets rank 0's numbers. The minimum, not the median, because a floor is
+    what the machine can do at best (a loaded machine's medians are slower, its minimum barely)."""
+    rank = dist.get_rank()
+
+    def one_way(nbytes: int) -> float:
+        x = torch.zeros(nbytes, dtype=torch.uint8)
+        best = math.inf
+        for i in range(repeats + 1):  # the first round trip warms the connection and is dropped
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+            if i:
+                best = min(best, (time.perf_counter() - start) / 2)
+        return best
+
+    times = torch.zeros(2, dtype=torch.float64)
+    if rank in (0, 1):
+        times[0], times[1] = one_way(small), one_way(large)
+    dist.broadcast(times, 0)
+    t_small, t_large = times.tolist()
+    return Link(t_small, (large - small) / max(t_large - t_small, 1e-12))
+
+
+def check_native(collective: str, global_ranks: list[int]) -> None:
+    """Refuse ``algorithm="native"`` on a group that spans an emulated link (see module docstring)."""
+    topo = current()
+    if topo is None or not topo.emulated:
+        return
+    classes = {topo.link_class(a, b) for a in global_ranks for b in global_ranks if a != b}
+    slowed = sorted(c for c in classes if topo.link(c) is not None)
+    if slowed:
+        raise ValueError(f"{collective}: algorithm='native' runs inside torch.distributed, whose messages cannot "
+                         f"be held back, and this group spans emulated {'/'.join(slowed)}-node links "
+                         f"(topology {topo}). Use a hand-written algorithm (e.g. algorithm='ring' or "
+                         "'hierarchical'), or a topology whose links this group does not cross")
+
+
+# ------------------------------------------------------------------------ per-message hold-back
+
+_group_ranks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def global_ranks(pg) -> list[int]:
+    """Global rank of each rank of process group ``pg`` (cached)."""
+    ranks = _group_ranks.get(pg)
+    if ranks is None:
+        ranks = _group_ranks[pg] = list(dist.get_process_group_ranks(pg))
+    return ranks
+
+
+def schedule(link_class: str, link: Link, nbytes: int) -> tuple[float, float]:
+    """Book ``nbytes`` on this rank's outgoing ``link_class`` link: ``(due, free)`` on
+    ``time.monotonic``'s clock (see the module docstring)."""
+    state = _get()
+    with state.lock:
+        now = time.monotonic()
+        start = max(now, state.free.get(link_class, 0.0))
+        free = start + nbytes / link.bandwidth_Bps
+        state.free[link_class] = free
+    return free + link.latency_s, free
+
+
+def _sleep_until(t: float) -> None:
+    remaining = t - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
