@@ -28,6 +28,15 @@ machine): keep emulated messages well above that. The stamps are not counted as 
 ranks must share one clock (one machine; ``time.monotonic`` is system-wide on Linux), which is
 also the only setting in which emulating a cluster makes sense.
 
+Late wake-ups: on a loaded machine a sleeping rank wakes up late (a few milliseconds with three
+times more runnable threads than cores), and an algorithm made of dependent phases (the
+hierarchical ones) would add that lateness phase after phase, where the emulated cluster has none.
+So each thread remembers how late its last hold-back woke up and dates the messages it sends
+next that much earlier (``start`` above uses ``now - late``): the message it sends right after
+waking is stamped as if it had woken on time, and time spent computing since then still counts.
+The lateness is replaced at every wake-up, never accumulated, so it shifts a rank's clock by at
+most one wake-up, and a message still cannot be received before its bytes really arrive.
+
 ``torch.distributed``'s own collectives (``algorithm="native"``) send their messages inside
 gloo or NCCL, where nothing can hold them back. Under a topology with an emulated link they are
 therefore **refused** (a ValueError before anything is sent) on any group that spans such a link,
@@ -48,7 +57,7 @@ import torch.distributed as dist
 
 from workbench.comm.topology import ENV, Link, Topology
 
-__all__ = ["emulate", "clear", "current", "layout", "floor", "measure_floor", "check_native",
+__all__ = ["emulate", "clear", "current", "layout", "floor", "measure_floor", "check_native", "lateness",
            "STAMP_TAG"]
 
 # Stamps travel on tag + STAMP_TAG, so they never match a data message (algorithms use small tags).
@@ -60,6 +69,7 @@ class _State:
         self.topology = topology
         self.floor = floor
         self.free: dict[str, float] = {}  # link class -> when this rank's outgoing link is free
+        self.late: dict[int, float] = {}  # thread id -> how late its last hold-back woke up
         self.lock = threading.Lock()
         self.pid = os.getpid()
 
@@ -202,14 +212,24 @@ def schedule(link_class: str, link: Link, nbytes: int) -> tuple[float, float]:
     ``time.monotonic``'s clock (see the module docstring)."""
     state = _get()
     with state.lock:
-        now = time.monotonic()
+        now = time.monotonic() - state.late.get(threading.get_ident(), 0.0)
         start = max(now, state.free.get(link_class, 0.0))
         free = start + nbytes / link.bandwidth_Bps
         state.free[link_class] = free
     return free + link.latency_s, free
 
 
+def lateness() -> float:
+    """How late this thread's last hold-back woke up (seconds): its next messages are dated that
+    much earlier (see "Late wake-ups" in the module docstring)."""
+    return _get().late.get(threading.get_ident(), 0.0)
+
+
 def _sleep_until(t: float) -> None:
+    """Sleep until ``t`` (monotonic clock); remember how late this thread woke up (see "Late
+    wake-ups" in the module docstring)."""
     remaining = t - time.monotonic()
     if remaining > 0:
         time.sleep(remaining)
+        state = _get()
+        state.late[threading.get_ident()] = max(0.0, time.monotonic() - t)
