@@ -338,3 +338,38 @@ def test_hybrid_sharding_matches_single_process():
         assert (out["shard_world"], out["replicas"]) == (2, 2)
         assert out["psi"] / 2 <= out["shard"] < out["psi"] / 2 + 5  # sharded inside a node only
         assert "needs process_group" in out["errors"][0] and "in common" in out["errors"][1]
+
+
+# ------------------------------------------------------------------------------- under torchrun
+
+TORCHRUN_SCRIPT = '''
+import torch, workbench
+from workbench import comm
+
+def main():
+    topo = comm.emulation.current()
+    t = torch.full((1000,), float(workbench.rank() + 1))
+    with comm.counters() as c:
+        comm.all_reduce(t, algorithm="hierarchical")
+    inter = c.by_link()["inter"]
+    ok = topo == comm.Topology(1, inter=comm.Link(1e-3, 50e6)) and torch.equal(t, torch.full((1000,), 3.0)) \\
+        and inter.bytes_sent == 4000 and "intra" not in c.by_link()
+    print("topology ok" if ok else f"topology wrong: {topo} {t[:3]} {c.table()}")
+
+workbench.launch(main, world_size=2)
+'''
+
+
+def test_scripts_under_torchrun_read_the_environment(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "topo_script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", WORKBENCH_TOPOLOGY="ranks_per_node=1,inter=1ms@50MB/s")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("topology ok") == 2, proc.stdout[-3000:]

@@ -46,8 +46,10 @@ Where things are: one module per collective (``broadcast.py``, ``reduce.py``, ``
 function; ``group.py`` the point-to-point layer (group numbering, counted ``isend``/``irecv``,
 block and segment splits, power-of-two folding), ``ops.py`` the reduction operators,
 ``checks.py`` the argument checks, ``work.py`` the async handles and the communication thread,
-``counters.py`` the counters, ``dispatch.py`` what runs one call. As in ``torch.distributed``,
-``workbench.comm.all_reduce`` is the *function*; reach a module's algorithms with
+``counters.py`` the counters, ``dispatch.py`` what runs one call, ``topology.py`` the emulated
+cluster's description (nodes, links, presets) and ``emulation.py`` how its messages are held
+back. As in ``torch.distributed``, ``workbench.comm.all_reduce`` is the *function*; reach a
+module's algorithms with
 ``from workbench.comm.all_reduce import ring`` (``import workbench.comm.all_reduce as m`` would
 give the function).
 """
