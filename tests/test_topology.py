@@ -84,8 +84,12 @@ def test_launch_refuses_a_bad_topology_before_starting(monkeypatch):
 def test_cost_model_prices_each_message_on_its_link():
     none = cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)  # the machine costs nothing: links only
     n, p = 1 << 20, 4
-    # flat ring: every step waits for the slow link; hierarchical: phases on their own links
-    assert cost.predict("all_reduce", "ring", n, p, none, topology=TOPO) == pytest.approx(6 * INTER.time(n / 4))
+    # flat ring: the slow link's queue sets the pace (6 messages back to back, one latency at the
+    # end); hierarchical: phases on their own links
+    assert cost.predict("all_reduce", "ring", n, p, none, topology=TOPO) == pytest.approx(
+        6 * (n / 4) / INTER.bandwidth_Bps + INTER.latency_s)
+    assert cost.predict("all_gather", "ring", n, p, none, topology=TOPO) == pytest.approx(
+        3 * (n / 4) / INTER.bandwidth_Bps + INTER.latency_s)
     assert cost.predict("all_reduce", "hierarchical", n, p, none, topology=TOPO) == pytest.approx(
         2 * INTRA.time(n / 2) + 2 * INTER.time(n / 4))
     assert cost.predict("all_gather", "hierarchical", n, p, none, topology=TOPO) == pytest.approx(
@@ -121,7 +125,8 @@ def test_bench_configure_under_a_topology():
     none = cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)
     [s] = bc.speedups(rows, none, TOPO)
     assert s["measured"] == pytest.approx(2.0)
-    assert s["predicted"] == pytest.approx(6 * INTER.time(1 << 18) / (2 * INTRA.time(1 << 19) + 2 * INTER.time(1 << 18)))
+    assert s["predicted"] == pytest.approx((6 * (1 << 18) / INTER.bandwidth_Bps + INTER.latency_s)
+                                           / (2 * INTRA.time(1 << 19) + 2 * INTER.time(1 << 18)))
     assert "measured x" in bc.speedup_table([s])
 
 
@@ -373,3 +378,18 @@ def test_scripts_under_torchrun_read_the_environment(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("topology ok") == 2, proc.stdout[-3000:]
+
+
+def test_bench_collectives_cli_under_a_topology(tmp_path, capsys):
+    import json
+
+    argv = ["--world-size", "4", "--topology", str(TOPO), "--collectives", "all_reduce", "--min-bytes", "4K",
+            "--max-bytes", "4K", "--trials", "1", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]
+    assert bc.main(_parse(argv)) == 0
+    printed = capsys.readouterr().out
+    assert "# topology ranks_per_node=2" in printed and "x ring" in printed and "x native" not in printed
+    assert "hierarchical against ring" in printed
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {r["algorithm"] for r in data["rows"]} >= {"ring", "hierarchical"}
+    assert all(r[p]["wrong"] == 0 for r in data["rows"] for p in bc.PLACEMENTS)
+    assert [s["bytes"] for s in data["speedups"]] == [4096]

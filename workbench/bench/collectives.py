@@ -316,7 +316,7 @@ def _rank_main(config: dict) -> dict:
                          baseline="ring" if emulated else "native")}
     if config["predict"]:
         if emulated:  # the links come from the topology; the fit gives the machine's reductions and copies
-            fitted = cost.fit(pingpong_sizes=tuple(8 << k for k in range(0, 24, 3)), exchange_sizes=None,
+            fitted = cost.fit(pingpong_sizes=tuple(8 << k for k in range(0, 19, 3)), exchange_sizes=None,
                               curves=False)
         else:
             fitted = cost.fit()

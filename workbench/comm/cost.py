@@ -109,13 +109,14 @@ intra/inter link's time for one message, ``g`` the reduction)::
     all_gather      (N-1) t_e(n/p) + (L-1) t_i(n/L)                  (+ copying n bytes)
     reduce_scatter  (L-1)(t_i(n/L) + g(n/L)) + (N-1)(t_e(n/p) + g(n/p))   (+ copying n bytes)
 
-Every other algorithm is priced with each of its steps on the slowest link of the world (the
-inter-node one when there are two nodes or more): exact for a ring, every step of which has some
-message crossing a node boundary and waits for it; an upper bound for recursive doubling and the
-trees, whose steps between near ranks stay inside a node. A ring's segments queue on a link
-behind each other, but the emulator overlaps a message's latency with the next one's transfer,
-so a flat ring of many steps runs a little faster than this sum (by up to ``2(p-1) - 1``
-latencies of the slow link).
+The flat ``ring`` (all-reduce, all-gather, reduce-scatter) is priced by stepping through its
+schedule (:func:`_ring_on_links`): rank r sends step s once step s-1 has arrived, each rank's
+link sends one message after another, and a message's latency overlaps the next one's transfer
+(as a NIC, and the emulator, do). With a slow link in the ring its queue sets the pace:
+``2(p-1) n/p beta_e + alpha_e`` for a bandwidth-bound all-reduce, a little less than the
+textbook's ``2(p-1)(alpha_e + n/p beta_e)``. Every other algorithm is priced with each of its steps
+on the slowest link of the world (the inter-node one when there are two nodes or more): an upper
+bound for recursive doubling and the trees, whose steps between near ranks stay inside a node.
 """
 from __future__ import annotations
 
@@ -368,6 +369,10 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
         nodes = p // per_node
         if algorithm == "hierarchical":
             return _hierarchical_time(collective, n, per_node, nodes, topology, model)
+        if algorithm == "ring" and collective in ("all_reduce", "all_gather", "reduce_scatter"):
+            reduce_steps = {"all_reduce": p - 1, "all_gather": 0, "reduce_scatter": p - 1}[collective]
+            gather_steps = {"all_reduce": p - 1, "all_gather": p - 1, "reduce_scatter": 0}[collective]
+            return _ring_on_links(p, per_node, n / p, reduce_steps, gather_steps, topology, model)
         slow = "inter" if nodes > 1 else "intra"  # each step waits for its slowest message
         one = lambda m: _on_link(topology, slow, m, model.one_way)  # noqa: E731
         ex = lambda m: _on_link(topology, slow, m, model.exchange)  # noqa: E731
@@ -430,6 +435,34 @@ def _on_link(topology, link_class: str, nbytes: float, machine) -> float:
     (this machine's curve) where that link is not emulated."""
     link = topology.link(link_class)
     return link.time(nbytes) if link is not None else machine(nbytes)
+
+
+def _ring_on_links(p: int, per_node: int, m: float, reduce_steps: int, gather_steps: int, topology,
+                   model: CostModel) -> float:
+    """A ring of ``p`` ranks (rank r sends to r + 1) on the topology's links, step by step.
+
+    Rank r sends its step-s message of ``m`` bytes once it has received (and, in the
+    reduce-scatter steps, reduced) step s-1's, and its link sends one message after another
+    (``free``), as the emulator does: a message's latency overlaps the next one's transfer. With
+    one kind of link this is the textbook ``steps (alpha + m beta) + reduce_steps m gamma``; with a
+    slow link in the ring, that link's queue sets the pace. A link that is not emulated costs
+    this machine's exchange time.
+    """
+    cost = []
+    for r in range(p):
+        link = topology.link("intra" if r // per_node == ((r + 1) % p) // per_node else "inter")
+        cost.append((link.latency_s, m / link.bandwidth_Bps) if link is not None else (0.0, model.exchange(m)))
+    g = model.reduction(m)
+    ready, free = [0.0] * p, [0.0] * p
+    for s in range(reduce_steps + gather_steps):
+        arrive = [0.0] * p
+        for r in range(p):
+            latency, busy = cost[r]
+            start = max(ready[r], free[r])
+            free[r] = start + busy
+            arrive[(r + 1) % p] = free[r] + latency
+        ready = [t + (g if s < reduce_steps else 0.0) for t in arrive]
+    return max(ready)
 
 
 def _hierarchical_time(collective: str, n: float, per_node: int, nodes: int, topology, model: CostModel) -> float:

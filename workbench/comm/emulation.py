@@ -155,10 +155,12 @@ def measure_floor(small: int = 8, large: int = 1 << 20, repeats: int = 20) -> Li
     between ranks 0 and 1 (``repeats`` round trips each), the fastest round trip halved. Call on
     every rank; every rank gets rank 0's numbers. The minimum, not the median, because a floor is
     what the machine can do at best (a loaded machine's medians are slower, its minimum barely)."""
-    rank = dist.get_rank()
+    from workbench import runtime
+
+    rank, device = dist.get_rank(), runtime.device()
 
     def one_way(nbytes: int) -> float:
-        x = torch.zeros(nbytes, dtype=torch.uint8)
+        x = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         best = math.inf
         for i in range(repeats + 1):  # the first round trip warms the connection and is dropped
             start = time.perf_counter()
@@ -175,6 +177,7 @@ def measure_floor(small: int = 8, large: int = 1 << 20, repeats: int = 20) -> Li
     times = torch.zeros(2, dtype=torch.float64)
     if rank in (0, 1):
         times[0], times[1] = one_way(small), one_way(large)
+    times = times.to(device)
     dist.broadcast(times, 0)
     t_small, t_large = times.tolist()
     return Link(t_small, (large - small) / max(t_large - t_small, 1e-12))

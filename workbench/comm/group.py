@@ -147,7 +147,7 @@ class Comm:
         if link is None:
             return _Timed((dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag),), stat)
         due, free = emulation.schedule(cls, link, nbytes)  # held back: see emulation.py
-        stamp = torch.tensor([due], dtype=torch.float64)
+        stamp = torch.tensor([due], dtype=torch.float64, device=tensor.device)
         works = (dist.isend(stamp, group=self.pg, group_dst=peer, tag=tag + emulation.STAMP_TAG),
                  dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag))
         return _Timed(works, stat, until=free, keep=stamp)
@@ -162,7 +162,7 @@ class Comm:
         stat.bytes_received += nbytes
         if link is None:
             return _Timed((dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag),), stat)
-        stamp = torch.empty(1, dtype=torch.float64)
+        stamp = torch.empty(1, dtype=torch.float64, device=tensor.device)
         works = (dist.irecv(stamp, group=self.pg, group_src=peer, tag=tag + emulation.STAMP_TAG),
                  dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag))
         return _Timed(works, stat, stamp=stamp)
