@@ -51,10 +51,10 @@ runs the sweep on emulated nodes with slowed links (:mod:`workbench.comm.emulati
 the algorithms that need a topology (``hierarchical``). ``native`` cannot be slowed down and is
 left out when a link is emulated; the ratio column then compares with ``ring``. The cost model
 prices each message on its link (``comm.cost.predict(..., topology=)``), with this machine's
-reductions and copies fitted after the sweep (a ping-pong and local timings, no exchange probes:
-exchanges would go through the emulated links), and a last table sets the measured speed-up of
-``hierarchical`` over ``ring`` beside the predicted one. Emulated links are slow, so keep the
-sizes and the budget small::
+reductions and copies measured after the sweep (a ping-pong and local timings per size, no
+exchange probes: exchanges would go through the emulated links), and a last table sets the
+measured speed-up of ``hierarchical`` over ``ring`` beside the predicted one. Emulated links are
+slow, so keep the sizes and the budget small::
 
     workbench bench collectives --world-size 4 --collectives all_reduce --algorithms ring hierarchical \
         --topology "ranks_per_node=2,intra=500us@200MB/s,inter=500us@20MB/s" \
@@ -318,6 +318,9 @@ def _rank_main(config: dict) -> dict:
         if emulated:  # the links come from the topology; the fit gives the machine's reductions and copies
             fitted = cost.fit(pingpong_sizes=tuple(8 << k for k in range(0, 19, 3)), exchange_sizes=None,
                               curves=False)
+            # reductions and copies at their measured cost per size (a line fitted from 8 KiB up
+            # prices an 8 MiB reduction at the speed of a cache-hot one)
+            fitted["model"] = cost.with_curves(fitted["model"], reduction=fitted["reduction"], copy=fitted["copy"])
         else:
             fitted = cost.fit()
         fitted["probes"] = probes

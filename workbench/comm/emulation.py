@@ -188,7 +188,10 @@ def check_native(collective: str, global_ranks: list[int]) -> None:
     topo = current()
     if topo is None or not topo.emulated:
         return
-    classes = {topo.link_class(a, b) for a in global_ranks for b in global_ranks if a != b}
+    per_node: dict[int, int] = {}
+    for g in global_ranks:
+        per_node[topo.node_of(g)] = per_node.get(topo.node_of(g), 0) + 1
+    classes = ({"inter"} if len(per_node) > 1 else set()) | ({"intra"} if max(per_node.values()) > 1 else set())
     slowed = sorted(c for c in classes if topo.link(c) is not None)
     if slowed:
         raise ValueError(f"{collective}: algorithm='native' runs inside torch.distributed, whose messages cannot "

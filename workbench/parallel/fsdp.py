@@ -59,9 +59,10 @@ one node and ``replicate_group`` the ranks with the same local index on every no
 (``workbench.comm.node_groups()`` makes both). Parameters are sharded inside the node only, so
 the all-gathers of forward and backward stay on the fast links; each node holds a full replica
 of the sharded state, and after the reduce-scatter each rank all-reduces its gradient shard with
-its replicas across nodes, ``2 (R-1)/R psi/S`` per rank on the slow links for S ranks per node
-and R nodes, instead of FSDP's ``3 (N-1)/N psi`` spread over both. Memory per rank:
-``16 psi / S`` instead of ``16 psi / (S R)``.
+its replicas across nodes. Per step and rank, for S ranks per node and R nodes: ``3 (S-1)/S psi``
+inside the node and ``2 (R-1)/R psi/S`` across nodes, where FSDP over all ``N = S R`` ranks moves
+``3 (N-1)/N psi``, much of it across nodes. Memory per rank: ``16 psi / S`` of model state
+instead of ``16 psi / N``.
 
 ``compute_dtype`` (``torch.bfloat16``, ``torch.float16``): the shards stay float32 master
 weights and the optimizer steps them in float32, but each unit is cast before its all-gather, so
