@@ -1,5 +1,6 @@
 """The emulated cluster (``comm.Topology``, ``comm.Link``, ``launch(topology=)``), the hierarchical
-collectives, the cost model under a topology, ``bench collectives --topology`` and hybrid sharding.
+collectives, the cost model under a topology, ``bench collectives --topology`` and hybrid sharding
+(against one process and against PyTorch's HSDP, FSDP2 on a 2-D mesh), at 4 ranks.
 
 One 4-rank launch (2 emulated nodes x 2 ranks) checks the hierarchical algorithms against
 ``torch.distributed`` (called directly: our ``native`` is refused across slowed links), the split
@@ -293,6 +294,7 @@ def test_links_faster_than_the_machine_are_refused():
 
 
 # ---------------------------------------------------------------------------------------- HSDP
+# against one process on the global batch, and against PyTorch's HSDP (FSDP2 on a 2-D mesh)
 
 def _hsdp_parity():
     from workbench.models import GPT, GPTConfig
@@ -326,6 +328,8 @@ def _hsdp_parity():
     full = model.full_state_dict()
     want = {k: v.detach() for k, v in ref.state_dict().items()}
     diff = max((full[k] - want[k]).abs().max().item() for k in want)
+    theirs, moved = _torch_hsdp(base, g_seed=1)
+    torch_diff = max((full[k] - theirs[k]).abs().max().item() for k in want)
     shard = sum(p.numel() for p in model.parameters())
     errors = []
     for kwargs in ({"replicate_group": column}, {"process_group": node, "replicate_group": node}):
@@ -334,12 +338,40 @@ def _hsdp_parity():
         except ValueError as e:
             errors.append(str(e))
     return {"losses": losses, "diff": diff, "shard": shard, "psi": base.num_parameters(), "errors": errors,
-            "replicas": model.replicate_size, "shard_world": model.world_size}
+            "replicas": model.replicate_size, "shard_world": model.world_size, "torch_diff": torch_diff,
+            "moved": moved}
 
 
-def test_hybrid_sharding_matches_single_process():
+def _torch_hsdp(base, g_seed: int):
+    """PyTorch's HSDP: FSDP2 ``fully_shard`` on a 2-D mesh (replicate across nodes, shard inside),
+    trained on the same batches; returns its full state dict and how far it moved from ``base``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    theirs = copy.deepcopy(base)
+    for block in theirs.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.1)
+    g = torch.Generator().manual_seed(g_seed)
+    me, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(3):
+        x = torch.randint(0, 65, (8, 16), generator=g)
+        y = torch.randint(0, 65, (8, 16), generator=g)
+        b = 8 // world
+        theirs(x[me * b:(me + 1) * b], y[me * b:(me + 1) * b])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    start = base.state_dict()
+    return full, max((full[k] - start[k]).abs().max().item() for k in full)
+
+
+def test_hybrid_sharding_matches_single_process_and_torch():
     for out in workbench.launch(_hsdp_parity, world_size=4, timeout=180):
         assert max(out["losses"]) <= 1e-5 and out["diff"] <= 1e-5, out
+        assert out["torch_diff"] <= 1e-6 and out["moved"] > 1e-4, out  # against FSDP2 on a 2-D mesh
         assert (out["shard_world"], out["replicas"]) == (2, 2)
         assert out["psi"] / 2 <= out["shard"] < out["psi"] / 2 + 5  # sharded inside a node only
         assert "needs process_group" in out["errors"][0] and "in common" in out["errors"][1]
