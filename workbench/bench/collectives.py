@@ -48,8 +48,9 @@ Under an emulated cluster (``--topology``)
 -----------------------------------------
 ``--topology SPEC`` (a :class:`~workbench.comm.Topology` spec or preset, as ``WORKBENCH_TOPOLOGY``)
 runs the sweep on emulated nodes with slowed links (:mod:`workbench.comm.emulation`) and adds
-the algorithms that need a topology (``hierarchical``). ``native`` cannot be slowed down and is
-left out when a link is emulated; the ratio column then compares with ``ring``. The cost model
+the algorithms that need a topology (``hierarchical``). ``native`` is left out when a link is
+emulated (torch's messages cannot be held back, so it would run the ring again: see
+:mod:`workbench.comm.emulation`); the ratio column then compares with ``ring``. The cost model
 prices each message on its link (``comm.cost.predict(..., topology=)``), with this machine's
 reductions and copies measured after the sweep (a ping-pong and local timings per size, no
 exchange probes: exchanges would go through the emulated links), and a last table sets the
@@ -501,7 +502,7 @@ def configure(args: argparse.Namespace) -> dict:
     wanted = _names(args.algorithms)
     algorithms = {}
     extra = comm.TOPOLOGY_ALGORITHMS if topology is not None else {}
-    baseline = [] if topology is not None and topology.emulated else ["native"]  # native cannot be slowed
+    baseline = [] if topology is not None and topology.emulated else ["native"]  # it would be the ring again
     for c in collectives:
         have = [a for a in comm.ALGORITHMS.get(c, ()) + extra.get(c, ()) if a != "native"]
         if wanted is None:

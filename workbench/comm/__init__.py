@@ -26,8 +26,9 @@ that run on any group, ``comm.TOPOLOGY_ALGORITHMS`` the ones that need a topolog
 :class:`Topology`, given to ``workbench.launch(..., topology=)``, by ``WORKBENCH_TOPOLOGY`` under
 torchrun, or to :func:`emulate` on every rank. A topology can also slow the links down, so that
 one machine behaves like a cluster whose links between nodes are slower than inside them
-(:mod:`workbench.comm.topology`, :mod:`workbench.comm.emulation`); ``algorithm="native"`` is
-then refused on groups that cross a slowed link (torch's messages cannot be held back).
+(:mod:`workbench.comm.topology`, :mod:`workbench.comm.emulation`); on groups that cross a slowed
+link ``algorithm="native"`` then runs the hand-written algorithm gloo uses (torch's messages
+cannot be held back), with a warning.
 
 Every algorithm works for every group size (recursive doubling/halving fold non-powers of two
 in and out), every tensor size (uneven, smaller than the group, empty), ``ReduceOp`` SUM,

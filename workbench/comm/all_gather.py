@@ -224,6 +224,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     view = checks.enter("all_gather", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("all_gather", algorithm, view)  # native under an emulated topology
     checks.check_list(tensor_list, "tensor_list", view.size, tensor, "tensor")
     if algorithm == "hierarchical":
         checks.hierarchy("all_gather", view)

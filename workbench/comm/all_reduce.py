@@ -192,6 +192,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     view = checks.enter("all_reduce", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("all_reduce", algorithm, view)  # native under an emulated topology
     checks.check_op("all_reduce", op, tensor.dtype, algorithm)
     if algorithm == "hierarchical":
         checks.hierarchy("all_reduce", view)

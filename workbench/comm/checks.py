@@ -101,9 +101,16 @@ def enter(collective: str, algorithm, known, tensor, tensor_name: str, group) ->
     if view is None:
         warnings.warn(f"Running {collective} on global rank {dist.get_rank()} which does not belong "
                       "to the given group.", stacklevel=3)
-    elif algorithm == "native":  # torch's messages cannot be held back: see emulation.py
-        emulation.check_native(collective, emulation.global_ranks(view.pg))
     return view
+
+
+def run_as(collective: str, algorithm: str, view: GroupView) -> str:
+    """The algorithm to run: ``algorithm``, except ``"native"`` on a group that crosses a link an
+    emulated topology slows down, which runs the hand-written algorithm gloo uses instead (torch's
+    messages cannot be held back: see emulation.py)."""
+    if algorithm != "native":
+        return algorithm
+    return emulation.native_stand_in(collective, emulation.global_ranks(view.pg)) or algorithm
 
 
 def hierarchy(collective: str, view: GroupView):

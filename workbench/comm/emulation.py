@@ -38,11 +38,16 @@ The lateness is replaced at every wake-up, never accumulated, so it shifts a ran
 most one wake-up, and a message still cannot be received before its bytes really arrive.
 
 ``torch.distributed``'s own collectives (``algorithm="native"``) send their messages inside
-gloo or NCCL, where nothing can hold them back. Under a topology with an emulated link they are
-therefore **refused** (a ValueError before anything is sent) on any group that spans such a link,
-rather than silently run at full speed; a group that stays on links that are not emulated
-(for example inside a node with ``intra=None``) may use them. Counters split the traffic of the
-hand-written algorithms by link class (``"intra"``, ``"inter"``), whether or not it is slowed.
+gloo or NCCL, where nothing can hold them back. So on a group that crosses a slowed link,
+``algorithm="native"`` is **not** torch's: it runs the hand-written algorithm gloo itself uses
+(``comm.cost.NATIVE_AS``: ring all-reduce, all-gather and reduce-scatter, binomial broadcast and
+reduce, flat scatter and gather), whose messages are held back, and says so once per collective
+with a warning; counters record it under that algorithm's name. The results are the same (the
+hand-written algorithms are checked against torch's), the speed is ours on the emulated links,
+and DDP, ZeRO and FSDP, which call ``native`` by default, run on the emulated cluster unchanged.
+A group that stays on links that are not emulated (inside a node with ``intra=None``) still runs
+torch's own. Counters split the traffic of the hand-written algorithms by link class
+(``"intra"``, ``"inter"``), whether or not it is slowed.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -57,7 +63,7 @@ import torch.distributed as dist
 
 from workbench.comm.topology import ENV, Link, Topology
 
-__all__ = ["emulate", "clear", "current", "layout", "floor", "measure_floor", "check_native", "lateness",
+__all__ = ["emulate", "clear", "current", "layout", "floor", "measure_floor", "native_stand_in", "lateness",
            "STAMP_TAG"]
 
 # Stamps travel on tag + STAMP_TAG, so they never match a data message (algorithms use small tags).
@@ -183,21 +189,31 @@ def measure_floor(small: int = 8, large: int = 1 << 20, repeats: int = 20) -> Li
     return Link(t_small, (large - small) / max(t_large - t_small, 1e-12))
 
 
-def check_native(collective: str, global_ranks: list[int]) -> None:
-    """Refuse ``algorithm="native"`` on a group that spans an emulated link (see module docstring)."""
+_warned: set = set()
+
+
+def native_stand_in(collective: str, global_ranks: list[int]) -> str | None:
+    """The hand-written algorithm that stands in for ``algorithm="native"`` on a group that spans a
+    slowed link (see the module docstring), or None where torch's own may run."""
     topo = current()
     if topo is None or not topo.emulated:
-        return
+        return None
     per_node: dict[int, int] = {}
     for g in global_ranks:
         per_node[topo.node_of(g)] = per_node.get(topo.node_of(g), 0) + 1
     classes = ({"inter"} if len(per_node) > 1 else set()) | ({"intra"} if max(per_node.values()) > 1 else set())
-    slowed = sorted(c for c in classes if topo.link(c) is not None)
-    if slowed:
-        raise ValueError(f"{collective}: algorithm='native' runs inside torch.distributed, whose messages cannot "
-                         f"be held back, and this group spans emulated {'/'.join(slowed)}-node links "
-                         f"(topology {topo}). Use a hand-written algorithm (e.g. algorithm='ring' or "
-                         "'hierarchical'), or a topology whose links this group does not cross")
+    if not any(topo.link(c) is not None for c in classes):
+        return None
+    from workbench.comm.cost import NATIVE_AS
+
+    stand_in = NATIVE_AS[collective]
+    if (os.getpid(), collective) not in _warned:
+        _warned.add((os.getpid(), collective))
+        warnings.warn(f"{collective}: algorithm='native' runs inside torch.distributed, whose messages cannot be held "
+                      f"back, and this group crosses links the topology slows down ({topo}); running "
+                      f"algorithm={stand_in!r} (the one gloo uses) instead, so that they apply. Pass a hand-written "
+                      "algorithm to choose another", stacklevel=4)
+    return stand_in
 
 
 # ------------------------------------------------------------------------ per-message hold-back

@@ -234,6 +234,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
     view = checks.enter("reduce_scatter", algorithm, ALGORITHMS, output, "output", group)
     if view is None:
         return None
+    algorithm = checks.run_as("reduce_scatter", algorithm, view)  # native under an emulated topology
     checks.check_op("reduce_scatter", op, output.dtype, algorithm)
     checks.check_list(input_list, "input_list", view.size, output, "output")
     if algorithm == "hierarchical":
