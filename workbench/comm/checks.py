@@ -108,7 +108,7 @@ def run_as(collective: str, algorithm: str, view: GroupView) -> str:
     """The algorithm to run: ``algorithm``, except ``"native"`` on a group that crosses a link an
     emulated topology slows down, which runs the hand-written algorithm gloo uses instead (torch's
     messages cannot be held back: see emulation.py)."""
-    if algorithm != "native":
+    if algorithm != "native" or emulation.current() is None:
         return algorithm
     return emulation.native_stand_in(collective, emulation.global_ranks(view.pg)) or algorithm
 

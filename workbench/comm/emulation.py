@@ -23,8 +23,8 @@ pipelines), a rank's messages of one class share one outgoing link (the ring's s
 behind each other), a link carries as much each way (full duplex). Not modelled: several ranks
 contending for one NIC or switch, a receiver's incoming link (incast), congestion. Waiting is
 sleeping, so the emulated time barely depends on the load of the machine, but a rank that is
-descheduled when its message is due wakes up late (about a millisecond on a loaded 2-core
-machine): keep emulated messages well above that. The stamps are not counted as traffic. The
+descheduled when its message is due wakes up late (see "Late wake-ups" below), and reductions and
+copies run at the machine's (loaded) speed: keep emulated messages well above a millisecond. The stamps are not counted as traffic. The
 ranks must share one clock (one machine; ``time.monotonic`` is system-wide on Linux), which is
 also the only setting in which emulating a cluster makes sense.
 
