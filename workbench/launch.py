@@ -32,6 +32,10 @@ How a launch works
 * Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) there is nothing to start: ``fn`` runs in
   this process inside torchrun's group, so a script exported from a notebook runs unchanged on
   one machine or several.
+* ``topology=`` (or ``WORKBENCH_TOPOLOGY``, also read under torchrun) makes the ranks an emulated
+  cluster (:mod:`workbench.comm.topology`): checked in the parent before any rank starts, then
+  set up in every rank once its process group exists (:func:`workbench.comm.emulate`, which
+  measures this machine's floor and refuses links faster than it).
 """
 from __future__ import annotations
 
@@ -192,7 +196,32 @@ def _redirect_output(fd: int) -> None:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
 
 
-def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout):
+def _resolve_topology(topology, world_size: int):
+    """``topology=`` (a Topology, a spec string, or None: ``WORKBENCH_TOPOLOGY`` if set), checked
+    against the world size here, in the parent, before any rank starts."""
+    from workbench.comm.topology import Topology  # the emulated network belongs to comm
+
+    if topology is None:
+        topology = Topology.from_env()
+    elif isinstance(topology, str):
+        topology = Topology.parse(topology)
+    elif not isinstance(topology, Topology):
+        raise TypeError(f"topology={topology!r}: pass a workbench.comm.Topology, a spec string such as "
+                        "'ranks_per_node=2,inter=1ms@20MB/s', or None")
+    if topology is not None:
+        topology.check_world(world_size)
+    return topology
+
+
+def _emulate(topology) -> None:
+    if topology is not None:
+        from workbench.comm import emulation
+
+        emulation.emulate(topology)
+
+
+def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout,
+               topology=None):
     runtime.limit_threads(1)  # before any tensor work (see module docstring)
     _die_with_parent()
     try:
@@ -218,6 +247,7 @@ def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, o
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         gloo_threads.demote_loop_threads()  # see gloo_threads.py: no 4 ms stalls on a busy machine
+        _emulate(topology)
         value = fn(*args, **kwargs)
         try:
             payload = pickle.dumps(value)
@@ -379,7 +409,7 @@ def _print_output(outputs) -> None:
 
 def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwargs: dict | None = None,
            backend: str | None = None, timeout: float = 45.0, start_method: str | None = None,
-           stream: bool = False) -> LaunchResult:
+           stream: bool = False, topology=None) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks, each in an initialised process group.
 
     Returns the ranks' return values as a list (index = rank) with ``.records`` (from
@@ -389,6 +419,8 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     ``backend``: ``"gloo"`` (CPU, the default without enough GPUs) or ``"nccl"`` (one GPU per rank).
     ``start_method``: ``"fork"`` (default; works for notebook functions) or ``"spawn"`` (needs an
     importable, picklable ``fn``). ``stream=True`` prints rank output live instead of at the end.
+    ``topology``: an emulated cluster (a :class:`workbench.comm.Topology` or its spec string;
+    default ``WORKBENCH_TOPOLOGY``): which ranks share a node, and how slow the links are.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set), and when called inside a rank, ``fn`` runs
     in this process in the existing group and a one-element list is returned.
@@ -396,7 +428,10 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     kwargs = dict(kwargs or {})
     method = _validate(fn, world_size, args, kwargs, timeout, start_method)
     if runtime._context is not None or _under_torchrun():
-        return _launch_in_process(fn, world_size, args, kwargs, backend, timeout)
+        world = runtime._context.world_size if runtime._context is not None else int(os.environ["WORLD_SIZE"])
+        return _launch_in_process(fn, world_size, args, kwargs, backend, timeout,
+                                  _resolve_topology(topology, world))
+    topology = _resolve_topology(topology, world_size)
     backend = runtime.check_backend(backend, world_size)
 
     ctx = mp.get_context(method)
@@ -412,7 +447,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
             proc = ctx.Process(
                 target=_rank_main, name=f"workbench-rank-{r}",
                 args=(r, world_size, store_path, backend, fn, tuple(args), kwargs, queue,
-                      out_write, dump_write, timeout + 60))
+                      out_write, dump_write, timeout + 60, topology))
             proc.start()
             _live.add(proc)
             try:
@@ -548,7 +583,7 @@ def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
 
 # ------------------------------------------------------------------------------ under torchrun
 
-def _launch_in_process(fn, world_size, args, kwargs, backend, timeout) -> LaunchResult:
+def _launch_in_process(fn, world_size, args, kwargs, backend, timeout, topology=None) -> LaunchResult:
     """Run ``fn`` in this process, as one rank of torchrun's group (or of an enclosing launch)."""
     start = time.monotonic()
     nested = runtime._context is not None
@@ -570,6 +605,11 @@ def _launch_in_process(fn, world_size, args, kwargs, backend, timeout) -> Launch
         runtime._set_context(runtime._RankContext(
             rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, backend=backend,
             device=torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")))
+    if topology is not None:
+        from workbench.comm import emulation
+
+        if emulation.current() != topology:  # every rank sees the same topology: all call emulate
+            emulation.emulate(topology)
     ctx = runtime._context
     first_record = len(ctx.records)
     try:

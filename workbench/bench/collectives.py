@@ -44,6 +44,23 @@ exchange and a one-way message of size/p and size bytes are timed *inside* each 
 extra candidates (``comm.cost.Probe``), so the model's curves come from the same moments as the
 collectives they predict. ``err%`` = predicted / measured in-place time - 1.
 
+Under an emulated cluster (``--topology``)
+-----------------------------------------
+``--topology SPEC`` (a :class:`~workbench.comm.Topology` spec or preset, as ``WORKBENCH_TOPOLOGY``)
+runs the sweep on emulated nodes with slowed links (:mod:`workbench.comm.emulation`) and adds
+the algorithms that need a topology (``hierarchical``). ``native`` is left out when a link is
+emulated (torch's messages cannot be held back, so it would run the ring again: see
+:mod:`workbench.comm.emulation`); the ratio column then compares with ``ring``. The cost model
+prices each message on its link (``comm.cost.predict(..., topology=)``), with this machine's
+reductions and copies measured after the sweep (a ping-pong and local timings per size, no
+exchange probes: exchanges would go through the emulated links), and a last table sets the
+measured speed-up of ``hierarchical`` over ``ring`` beside the predicted one. Emulated links are
+slow, so keep the sizes and the budget small::
+
+    workbench bench collectives --world-size 4 --collectives all_reduce --algorithms ring hierarchical \
+        --topology "ranks_per_node=2,intra=500us@200MB/s,inter=500us@20MB/s" \
+        --min-bytes 1M --max-bytes 16M --budget 32M --trials 5
+
 Run it::
 
     workbench bench collectives                                   # all collectives, 2 ranks
@@ -212,7 +229,7 @@ def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) 
 # ----------------------------------------------------------------------------------- the sweep
 
 def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budget_bytes=256 << 20,
-          dtype="float32", progress=True, probes: dict | None = None) -> list[dict]:
+          dtype="float32", progress=True, probes: dict | None = None, baseline: str = "native") -> list[dict]:
     """Run inside every rank of a launch; returns the rows (the same list on every rank).
 
     ``algorithms``: ``{collective: [algorithm, ...]}``, ``native`` first. For each collective and
@@ -224,6 +241,9 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
     of the sizes its algorithms send (size/p and size) join the candidates, and their medians are
     added as ``probes[collective]["exchange"]`` and ``probes[collective]["one_way"]``, lists of
     ``(bytes, seconds)`` (see :func:`models_for`).
+
+    ``baseline``: the algorithm the ratios compare with (``native``; ``ring`` under an emulated
+    topology, where native is not run).
     """
     from workbench.comm import cost
 
@@ -276,7 +296,7 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
                           "busbw": algbw * bus_factor(collective, world), "wrong": wrong[f"{a}|{p}"]}
             rows.append(row)
         group = rows[-len(algorithms[collective]):]
-        base = next((x for x in group if x["algorithm"] == "native"), None)  # no baseline: no ratio
+        base = next((x for x in group if x["algorithm"] == baseline), None)  # no baseline: no ratio
         for row in group:
             for p in PLACEMENTS:
                 ok = base is not None and base[p]["busbw"] > 0
@@ -289,15 +309,35 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
 def _rank_main(config: dict) -> dict:
     from workbench.comm import cost
 
-    probes = {} if config["predict"] else None
+    emulated = _emulated(config)
+    probes = {} if config["predict"] and not emulated else None
     out = {"rows": sweep(config["collectives"], config["algorithms"], config["sizes"],
                          trials=config["trials"], warmup=config["warmup"], iters=config["iters"],
-                         budget_bytes=config["budget"], dtype=config["dtype"], probes=probes)}
+                         budget_bytes=config["budget"], dtype=config["dtype"], probes=probes,
+                         baseline="ring" if emulated else "native")}
     if config["predict"]:
-        fitted = cost.fit()
+        if emulated:  # the links come from the topology; the fit gives the machine's reductions and copies
+            fitted = cost.fit(pingpong_sizes=tuple(8 << k for k in range(0, 19, 3)), exchange_sizes=None,
+                              curves=False)
+            # reductions and copies at their measured cost per size (a line fitted from 8 KiB up
+            # prices an 8 MiB reduction at the speed of a cache-hot one)
+            fitted["model"] = cost.with_curves(fitted["model"], reduction=fitted["reduction"], copy=fitted["copy"])
+        else:
+            fitted = cost.fit()
         fitted["probes"] = probes
         out["cost"] = fitted
     return out
+
+
+def _topology(config: dict):
+    from workbench.comm import Topology
+
+    return Topology.parse(config["topology"]) if config.get("topology") else None
+
+
+def _emulated(config: dict) -> bool:
+    topo = _topology(config)
+    return topo is not None and topo.emulated
 
 
 def models_for(model, probes: dict | None) -> dict:
@@ -314,9 +354,10 @@ def models_for(model, probes: dict | None) -> dict:
 
 # -------------------------------------------------------------------------------------- report
 
-def table(rows: list[dict], collective: str, model=None) -> str:
+def table(rows: list[dict], collective: str, model=None, topology=None, baseline: str = "native") -> str:
     """The nccl-tests-style table of one collective's rows; ``model``: the cost model to predict
-    them with (the pred and err% columns; see :func:`models_for`), or None."""
+    them with (the pred and err% columns; see :func:`models_for`), or None; ``topology``: the
+    emulated cluster the rows ran on (predictions price each message on its link)."""
     flat = []
     for row in (r for r in rows if r["collective"] == collective):
         cells = {"size": row["bytes"], "count": row["count"], "algorithm": row["algorithm"], "iters": row["iters"]}
@@ -324,9 +365,9 @@ def table(rows: list[dict], collective: str, model=None) -> str:
             m = row[p]
             cells.update({f"{tag}time": m["time_s"] * 1e6, f"{tag}algbw": m["algbw"] / 1e9,
                           f"{tag}busbw": m["busbw"] / 1e9, f"{tag}wrong": m["wrong"],
-                          f"{tag}ratio": None if row["algorithm"] == "native" else m.get("ratio")})
+                          f"{tag}ratio": None if row["algorithm"] == baseline else m.get("ratio")})
         if model is not None:
-            pred = model.predict(collective, row["algorithm"], row["bytes"], row["world_size"])
+            pred = model.predict(collective, row["algorithm"], row["bytes"], row["world_size"], topology=topology)
             cells["pred"] = pred * 1e6
             cells["err"] = 100 * (pred / row["in-place"]["time_s"] - 1)
         flat.append(cells)
@@ -335,13 +376,43 @@ def table(rows: list[dict], collective: str, model=None) -> str:
     for tag, name in (("o", "out"), ("i", "in")):
         columns += [(f"{tag}time", f"{name}:time(us)", "{:.1f}"), (f"{tag}algbw", "algbw(GB/s)", "{:.3f}"),
                     (f"{tag}busbw", "busbw(GB/s)", "{:.3f}"), (f"{tag}wrong", "#wrong", "{:d}"),
-                    (f"{tag}ratio", "x native", "{:.2f}")]
+                    (f"{tag}ratio", f"x {baseline}", "{:.2f}")]
     if model is not None:
         columns += [("pred", "pred(us)", "{:.1f}"), ("err", "err%", "{:+.0f}")]
     world = rows[0]["world_size"] if rows else 0
     title = (f"{collective}  world size {world}  dtype {rows[0]['dtype'] if rows else ''}  "
              f"busbw factor {bus_factor(collective, world):.3g}  median of trials; time = slowest rank")
+    if topology is not None:
+        title += f"\ntopology {topology}"
     return _common.format_table(flat, columns, title=title)
+
+
+def speedups(rows: list[dict], model, topology, fast: str = "hierarchical", slow: str = "ring") -> list[dict]:
+    """Measured against predicted speed-up of ``fast`` over ``slow`` (in-place times), one row per
+    collective and size where both ran: ``{"collective", "bytes", "measured", "predicted", "error"}``."""
+    out = []
+    index = {(r["collective"], r["algorithm"], r["bytes"]): r for r in rows}
+    for (c, a, n), r in index.items():
+        other = index.get((c, slow, n))
+        if a != fast or other is None:
+            continue
+        measured = other["in-place"]["time_s"] / r["in-place"]["time_s"]
+        predicted = (model.predict(c, slow, n, r["world_size"], topology=topology)
+                     / model.predict(c, fast, n, r["world_size"], topology=topology))
+        out.append({"collective": c, "bytes": n, "slow_s": other["in-place"]["time_s"],
+                    "fast_s": r["in-place"]["time_s"], "measured": measured, "predicted": predicted,
+                    "error": measured / predicted - 1.0})
+    return out
+
+
+def speedup_table(rows: list[dict], fast: str = "hierarchical", slow: str = "ring") -> str:
+    columns = [("collective", "collective", "s"), ("bytes", "size(B)", "{:d}"),
+               ("slow_us", f"{slow}(us)", "{:.0f}"), ("fast_us", f"{fast}(us)", "{:.0f}"),
+               ("measured", "measured x", "{:.2f}"), ("predicted", "predicted x", "{:.2f}"),
+               ("err", "err%", "{:+.0f}")]
+    flat = [{**r, "slow_us": r["slow_s"] * 1e6, "fast_us": r["fast_s"] * 1e6, "err": 100 * r["error"]} for r in rows]
+    return _common.format_table(flat, columns, title=f"{fast} against {slow}: speed-up measured (in-place "
+                                                      "medians) and predicted by the cost model")
 
 
 def plot(rows: list[dict], path, placement: str = "in-place"):
@@ -401,6 +472,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default="256M",
                         help="bytes one trial may move: big sizes run budget/size iterations, at least 1 (default 256M)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="element type (default float32)")
+    parser.add_argument("--topology", default=None, metavar="SPEC",
+                        help="run on an emulated cluster: a topology spec or preset, e.g. "
+                             "'ranks_per_node=2,intra=500us@200MB/s,inter=500us@20MB/s' or 'nvlink-3.2tbps,"
+                             "ranks_per_node=2' (adds the hierarchical algorithms; see workbench.comm.topology)")
     parser.add_argument("--no-predict", dest="predict", action="store_false",
                         help="skip fitting the alpha-beta cost model (pred/err columns)")
     parser.add_argument("--out", default=None, help="folder for results.json and busbw.png "
@@ -412,21 +487,37 @@ def configure(args: argparse.Namespace) -> dict:
     """Validate the parsed arguments against ``comm.ALGORITHMS``; return the sweep's config."""
     from workbench import comm
 
-    collectives = _names(args.collectives) or list(COLLECTIVES)
+    topology = None
+    if getattr(args, "topology", None):
+        try:
+            topology = comm.Topology.parse(args.topology)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--topology {args.topology!r}: {e}") from None
+        topology.check_world(args.world_size)
+    default = ["all_reduce", "all_gather", "reduce_scatter"] if topology is not None else list(COLLECTIVES)
+    collectives = _names(args.collectives) or default
     for c in collectives:
         if c not in COLLECTIVES:
             raise ValueError(f"--collectives {c!r} is not a collective: use any of {', '.join(COLLECTIVES)}")
     wanted = _names(args.algorithms)
     algorithms = {}
+    extra = comm.TOPOLOGY_ALGORITHMS if topology is not None else {}
+    baseline = [] if topology is not None and topology.emulated else ["native"]  # it would be the ring again
     for c in collectives:
-        have = [a for a in comm.ALGORITHMS.get(c, ()) if a != "native"]
+        have = [a for a in comm.ALGORITHMS.get(c, ()) + extra.get(c, ()) if a != "native"]
         if wanted is None:
             chosen = have
         else:
             chosen = [a for a in wanted if a in have and a != "native"]
-        algorithms[c] = ["native"] + chosen
+        if not baseline and "ring" in have:  # the baseline of the ratios comes first
+            chosen = ["ring"] + [a for a in chosen if a != "ring"]
+        algorithms[c] = baseline + chosen
     if wanted is not None:
-        known = {a for c in collectives for a in comm.ALGORITHMS.get(c, ())}
+        needs = sorted({a for a in wanted for c in collectives if a in comm.TOPOLOGY_ALGORITHMS.get(c, ())})
+        if needs and topology is None:
+            raise ValueError(f"--algorithms {' '.join(needs)} needs to know which ranks share a node: "
+                             "add --topology, e.g. --topology ranks_per_node=2")
+        known = {a for c in collectives for a in comm.ALGORITHMS.get(c, ()) + comm.TOPOLOGY_ALGORITHMS.get(c, ())}
         unknown = [a for a in wanted if a not in known]
         if unknown:
             raise ValueError(f"--algorithms {' '.join(unknown)}: no such algorithm for "
@@ -441,13 +532,15 @@ def configure(args: argparse.Namespace) -> dict:
     sizes = _common.size_sweep(_common.parse_bytes(args.min_bytes), _common.parse_bytes(args.max_bytes), args.factor)
     return {"collectives": collectives, "algorithms": algorithms, "sizes": sizes, "trials": args.trials,
             "warmup": args.warmup, "iters": args.iters, "budget": _common.parse_bytes(args.budget),
-            "dtype": args.dtype, "world_size": args.world_size, "predict": args.predict}
+            "dtype": args.dtype, "world_size": args.world_size, "predict": args.predict,
+            "topology": str(topology) if topology is not None else None}
 
 
 def run(config: dict, timeout: float = 1800.0) -> dict:
     """Launch the sweep; returns ``{"config", "machine", "rows", "cost"?}``."""
     start = time.time()
-    result = workbench.launch(_rank_main, config["world_size"], args=(config,), timeout=timeout)[0]
+    result = workbench.launch(_rank_main, config["world_size"], args=(config,), timeout=timeout,
+                              topology=_topology(config))[0]
     out = {"config": config, "machine": _common.machine_info(), "elapsed_s": time.time() - start,
            "rows": result["rows"]}
     if "cost" in result:
@@ -466,9 +559,16 @@ def main(args: argparse.Namespace) -> int:
         return 0
     model = result.get("cost", {}).get("model")
     models = models_for(model, result.get("cost", {}).get("probes")) if model is not None else {}
+    topology = _topology(config)
+    baseline = "ring" if _emulated(config) else "native"
     for c in config["collectives"]:
-        print(table(result["rows"], c, models.get(c, model)))
+        print(table(result["rows"], c, models.get(c, model), topology=topology, baseline=baseline))
         print()
+    if topology is not None and model is not None:
+        result["speedups"] = speedups(result["rows"], model, topology)
+        if result["speedups"]:
+            print(speedup_table(result["speedups"]))
+            print()
     worst = sum(r[p]["wrong"] for r in result["rows"] for p in PLACEMENTS)
     if model is not None:
         print(f"# cost model: {model}")

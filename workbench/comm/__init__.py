@@ -11,15 +11,24 @@ Same names, signatures and in-place semantics as ``torch.distributed``, plus ``a
     print(c.table())
 
 =================  ========================================================================
-collective         algorithms (``comm.ALGORITHMS[name]``; default ``"native"`` everywhere)
+collective         algorithms (default ``"native"`` everywhere)
 =================  ========================================================================
 broadcast          native, flat, binomial, scatter_allgather
 reduce             native, flat, binomial
-all_reduce         native, reduce_broadcast, ring, recursive_doubling, rabenseifner
+all_reduce         native, reduce_broadcast, ring, recursive_doubling, rabenseifner, hierarchical
 scatter, gather    native, flat, binomial
-all_gather         native, ring, recursive_doubling, bruck
-reduce_scatter     native, ring, recursive_halving
+all_gather         native, ring, recursive_doubling, bruck, hierarchical
+reduce_scatter     native, ring, recursive_halving, hierarchical
 =================  ========================================================================
+
+``hierarchical`` needs to know which ranks share a node (``comm.ALGORITHMS`` lists the algorithms
+that run on any group, ``comm.TOPOLOGY_ALGORITHMS`` the ones that need a topology): a
+:class:`Topology`, given to ``workbench.launch(..., topology=)``, by ``WORKBENCH_TOPOLOGY`` under
+torchrun, or to :func:`emulate` on every rank. A topology can also slow the links down, so that
+one machine behaves like a cluster whose links between nodes are slower than inside them
+(:mod:`workbench.comm.topology`, :mod:`workbench.comm.emulation`); on groups that cross a slowed
+link ``algorithm="native"`` then runs the hand-written algorithm gloo uses (torch's messages
+cannot be held back), with a warning.
 
 Every algorithm works for every group size (recursive doubling/halving fold non-powers of two
 in and out), every tensor size (uneven, smaller than the group, empty), ``ReduceOp`` SUM,
@@ -38,8 +47,10 @@ Where things are: one module per collective (``broadcast.py``, ``reduce.py``, ``
 function; ``group.py`` the point-to-point layer (group numbering, counted ``isend``/``irecv``,
 block and segment splits, power-of-two folding), ``ops.py`` the reduction operators,
 ``checks.py`` the argument checks, ``work.py`` the async handles and the communication thread,
-``counters.py`` the counters, ``dispatch.py`` what runs one call. As in ``torch.distributed``,
-``workbench.comm.all_reduce`` is the *function*; reach a module's algorithms with
+``counters.py`` the counters, ``dispatch.py`` what runs one call, ``topology.py`` the emulated
+cluster's description (nodes, links, presets) and ``emulation.py`` how its messages are held
+back. As in ``torch.distributed``, ``workbench.comm.all_reduce`` is the *function*; reach a
+module's algorithms with
 ``from workbench.comm.all_reduce import ring`` (``import workbench.comm.all_reduce as m`` would
 give the function).
 """
@@ -50,7 +61,9 @@ from __future__ import annotations
 from workbench.comm.all_gather import ALGORITHMS as _ALL_GATHER, all_gather
 from workbench.comm.all_reduce import ALGORITHMS as _ALL_REDUCE, all_reduce
 from workbench.comm.broadcast import ALGORITHMS as _BROADCAST, broadcast
-from workbench.comm.counters import Counters, Stat, counters
+from workbench.comm.counters import Counters, LinkStat, Stat, counters
+from workbench.comm.emulation import emulate
+from workbench.comm.topology import Link, Topology, node_groups
 from workbench.comm.ops import ReduceOp
 from workbench.comm.reduce import ALGORITHMS as _REDUCE, reduce
 from workbench.comm.reduce_scatter import ALGORITHMS as _REDUCE_SCATTER, reduce_scatter
@@ -58,15 +71,30 @@ from workbench.comm.scatter_gather import GATHER_ALGORITHMS as _GATHER, SCATTER_
 from workbench.comm.scatter_gather import gather, scatter
 from workbench.comm.work import Work
 
+# algorithms that need a topology (which ranks share a node): refused without one
+NEEDS_TOPOLOGY = frozenset({"hierarchical"})
+
+
+def _any_group(algorithms) -> tuple[str, ...]:
+    return tuple(a for a in algorithms if a not in NEEDS_TOPOLOGY)
+
+
+# the algorithms that run on any group, as in the table above
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "broadcast": tuple(_BROADCAST),
-    "reduce": tuple(_REDUCE),
-    "all_reduce": tuple(_ALL_REDUCE),
-    "scatter": tuple(_SCATTER),
-    "gather": tuple(_GATHER),
-    "all_gather": tuple(_ALL_GATHER),
-    "reduce_scatter": tuple(_REDUCE_SCATTER),
+    "broadcast": _any_group(_BROADCAST),
+    "reduce": _any_group(_REDUCE),
+    "all_reduce": _any_group(_ALL_REDUCE),
+    "scatter": _any_group(_SCATTER),
+    "gather": _any_group(_GATHER),
+    "all_gather": _any_group(_ALL_GATHER),
+    "reduce_scatter": _any_group(_REDUCE_SCATTER),
+}
+# the algorithms that need a topology: {"all_reduce": ("hierarchical",), ...}
+TOPOLOGY_ALGORITHMS: dict[str, tuple[str, ...]] = {
+    name: tuple(a for a in algs if a in NEEDS_TOPOLOGY)
+    for name, algs in (("all_reduce", _ALL_REDUCE), ("all_gather", _ALL_GATHER), ("reduce_scatter", _REDUCE_SCATTER))
 }
 
 __all__ = ["broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter",
-           "ALGORITHMS", "ReduceOp", "counters", "Counters", "Stat", "Work"]
+           "ALGORITHMS", "TOPOLOGY_ALGORITHMS", "NEEDS_TOPOLOGY", "ReduceOp", "counters", "Counters", "Stat", "LinkStat", "Work",
+           "Link", "Topology", "emulate", "node_groups"]

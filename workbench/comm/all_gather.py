@@ -18,6 +18,9 @@ Algorithms (n = bytes of the gathered result, p ranks):
 * ``bruck``: ceil(lg p) steps for ANY p; in step k each rank sends the first ``min(2^k, p-2^k)``
   blocks it holds to ``rank - 2^k`` and receives as many from ``rank + 2^k``; a final local
   rotation puts the blocks in rank order. ``ceil(lg p) alpha + ((p-1)/p) n beta``.
+* ``hierarchical`` (needs a topology, :mod:`workbench.comm.topology`): a ring across nodes
+  between ranks of the same local index, then a ring inside each node.
+  ``(N-1)(alpha_e + n/p beta_e) + (L-1)(alpha_i + n/L beta_i)`` for N nodes of L ranks.
 * ``native``: ``torch.distributed.all_gather``.
 """
 from __future__ import annotations
@@ -75,9 +78,9 @@ class RingAllGather:
             h.wait()
 
 
-def ring_all_gather(c: Comm, blocks: list[torch.Tensor], me: int, right: int, left: int) -> None:
+def ring_all_gather(c: Comm, blocks: list[torch.Tensor], me: int, right: int, left: int, tag: int = 0) -> None:
     """Ring all-gather (see :class:`RingAllGather`): ``(p-1) alpha + ((p-1)/p) n beta``."""
-    ring = RingAllGather(c, blocks, me, right, left)
+    ring = RingAllGather(c, blocks, me, right, left, tag)
     for j in range(ring.nseg):
         ring.send_own(j)
     ring.finish()
@@ -177,7 +180,42 @@ def bruck(c: Comm, blocks: list[torch.Tensor]) -> None:
         blocks[(r + i) % p].copy_(tmp[i * m:(i + 1) * m])
 
 
-ALGORITHMS = {"native": None, "ring": ring, "recursive_doubling": recursive_doubling, "bruck": bruck}
+def hierarchical(c: Comm, blocks: list[torch.Tensor]) -> None:
+    """Two levels (needs a topology): a ring across nodes, then a ring inside each node::
+
+        2 nodes x 2:  node 0 = ranks 0 1, node 1 = ranks 2 3
+        across:  0 <-a0,a2-> 2,  1 <-a1,a3-> 3     each rank holds its column: 0 and 2 hold a0 a2
+        inside:  0 <-(a0 a2),(a1 a3)-> 1, 2 <-> 3   each rank holds everything
+
+    Across nodes each rank sends only its own block, so the slow links carry ``(N-1)/p n`` per
+    rank (N nodes, L ranks per node, p = N L); inside a node each rank's column (N blocks) is staged
+    in one buffer and goes round the node's ring as one message per step. Cost:
+    ``(N-1)(alpha_inter + n/p beta_inter) + (L-1)(alpha_intra + n/L beta_intra)`` plus the copies
+    in and out of the staging buffer (n bytes).
+    """
+    h = checks.hierarchy("all_gather", c.view)
+    col, row, k, i = h.column, h.row, h.node, h.local
+    n_nodes, per_node, m = len(col), len(row), blocks[c.rank].numel()
+    ring_all_gather(c, [blocks[g] for g in col], me=k, right=col[(k + 1) % n_nodes],
+                    left=col[(k - 1) % n_nodes], tag=TAG_INTER)
+    if per_node == 1:
+        return
+    stage = scratch(per_node * n_nodes * m, blocks[c.rank].dtype, "hier").view(per_node, n_nodes * m)
+    for kk, node in enumerate(h.nodes):
+        stage[i, kk * m:(kk + 1) * m].copy_(blocks[node[i]])
+    ring_all_gather(c, list(stage), me=i, right=row[(i + 1) % per_node], left=row[(i - 1) % per_node],
+                    tag=TAG_INTRA)
+    for ii in range(per_node):
+        if ii != i:
+            for kk, node in enumerate(h.nodes):
+                blocks[node[ii]].copy_(stage[ii, kk * m:(kk + 1) * m])
+
+
+# tags of the hierarchical algorithms' phases (rings use tag and tag + 1)
+TAG_INTRA, TAG_INTER, TAG_GATHER = 2, 4, 6
+
+ALGORITHMS = {"native": None, "ring": ring, "recursive_doubling": recursive_doubling, "bruck": bruck,
+              "hierarchical": hierarchical}
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -186,7 +224,10 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     view = checks.enter("all_gather", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("all_gather", algorithm, view)  # native under an emulated topology
     checks.check_list(tensor_list, "tensor_list", view.size, tensor, "tensor")
+    if algorithm == "hierarchical":
+        checks.hierarchy("all_gather", view)
     if algorithm == "native":
         moved = (view.size - 1) * nbytes(tensor)
         return run_native("all_gather",

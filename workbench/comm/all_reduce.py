@@ -20,6 +20,10 @@ p ranks; Thakur, Rabenseifner and Gropp 2005):
                        ``lg p (alpha + n beta + n gamma)``
 ``rabenseifner``       recursive-halving reduce-scatter, then recursive-doubling all-gather:
                        ``2 lg p alpha + 2 ((p-1)/p) n beta + ((p-1)/p) n gamma``
+``hierarchical``       needs a topology (:mod:`workbench.comm.topology`): ring reduce-scatter
+                       inside each node, ring all-reduce across nodes between ranks of the
+                       same local index, ring all-gather inside each node (N nodes of L):
+                       ``2(L-1)(alpha_i + n/L beta_i) + 2(N-1)(alpha_e + n/(NL) beta_e) + ...``
 ``native``             ``torch.distributed.all_reduce`` (gloo: a segmented ring)
 =====================  ================================================================
 
@@ -34,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.comm import checks, ops
-from workbench.comm.all_gather import RingAllGather, doubling_all_gather
+from workbench.comm.all_gather import RingAllGather, doubling_all_gather, ring_all_gather
 from workbench.comm.broadcast import binomial as binomial_broadcast
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
 from workbench.comm.group import Comm, Fold, block_bounds, scratch
@@ -66,14 +70,20 @@ def ring(c: Comm, buf: torch.Tensor, op) -> None:
     segments so that transfer and reduction overlap (gloo cuts at 1 MiB and at least 2 segments;
     on this 2-vCPU machine fewer, bigger messages measured faster: see ``group.SEGMENT_BYTES``).
     """
-    p, r = c.size, c.rank
+    ring_over(c, buf, op, list(range(c.size)), c.rank)
+
+
+def ring_over(c: Comm, buf: torch.Tensor, op, members, me: int, tag: int = 0) -> None:
+    """Ring all-reduce of ``buf`` among the group ranks ``members`` (this rank is ``members[me]``);
+    messages use tags ``tag`` and ``tag + 1``."""
+    p = len(members)
     bounds = block_bounds(buf.numel(), p)
     blocks = [buf[bounds[i]:bounds[i + 1]] for i in range(p)]
-    right, left = (r + 1) % p, (r - 1) % p
-    # The all-gather's receives are posted first (tag 1 keeps them apart from the reduce-scatter's),
+    right, left = members[(me + 1) % p], members[(me - 1) % p]
+    # The all-gather's receives are posted first (tag + 1 keeps them apart from the reduce-scatter's),
     # and each segment of this rank's block leaves as soon as the reduce-scatter has finished it.
-    gather = RingAllGather(c, blocks, me=r, right=right, left=left, tag=1)
-    ring_reduce_scatter(c, blocks, op, me=r, right=right, left=left, on_reduced=gather.send_own)
+    gather = RingAllGather(c, blocks, me=me, right=right, left=left, tag=tag + 1)
+    ring_reduce_scatter(c, blocks, op, me=me, right=right, left=left, on_reduced=gather.send_own, tag=tag)
     gather.finish()
 
 
@@ -139,8 +149,41 @@ def _fold_out(c: Comm, buf: torch.Tensor, fold: Fold) -> None:
             c.recv(buf, r + 1)
 
 
+def hierarchical(c: Comm, buf: torch.Tensor, op) -> None:
+    """Two levels (needs a topology; N nodes of L ranks, p = N L)::
+
+        2 nodes x 2:  node 0 = ranks 0 1, node 1 = ranks 2 3; the vector in 2 halves h0 h1
+        1. reduce-scatter inside each node (ring):   rank 0 and 2 hold their node's sum of h0,
+                                                     rank 1 and 3 of h1
+        2. all-reduce across nodes between ranks of the same local index (ring): 0 <-> 2 on h0,
+                                                     1 <-> 3 on h1: each holds the total of its half
+        3. all-gather inside each node (ring):       every rank holds the whole total
+
+    The scheme of NCCL's trees and SageMaker's data parallel library: the slow links between
+    nodes carry ``2 (N-1)/N n/L`` per rank, L times less than a flat ring asks of its slowest
+    link, and all L ranks of a node use their own inter-node link at once. Cost::
+
+        (L-1)(alpha_i + n/L beta_i + n/L gamma)                      reduce-scatter inside
+        + 2(N-1)(alpha_e + n/(N L) beta_e) + (N-1) n/(N L) gamma     all-reduce across
+        + (L-1)(alpha_i + n/L beta_i)                                all-gather inside
+    """
+    h = checks.hierarchy("all_reduce", c.view)
+    row, col, i, k = h.row, h.column, h.local, h.node
+    per_node = len(row)
+    bounds = block_bounds(buf.numel(), per_node)
+    blocks = [buf[bounds[j]:bounds[j + 1]] for j in range(per_node)]
+    right, left = row[(i + 1) % per_node], row[(i - 1) % per_node]
+    ring_reduce_scatter(c, blocks, op, me=i, right=right, left=left, tag=TAG_INTRA)
+    ring_over(c, blocks[i], op, col, k, tag=TAG_INTER)
+    ring_all_gather(c, blocks, me=i, right=right, left=left, tag=TAG_GATHER)
+
+
+# tags of the hierarchical phases (ring_over uses TAG_INTER and TAG_INTER + 1)
+TAG_INTRA, TAG_INTER, TAG_GATHER = 2, 4, 6
+
 ALGORITHMS = {"native": None, "reduce_broadcast": reduce_broadcast, "ring": ring,
-              "recursive_doubling": recursive_doubling, "rabenseifner": rabenseifner}
+              "recursive_doubling": recursive_doubling, "rabenseifner": rabenseifner,
+              "hierarchical": hierarchical}
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -149,7 +192,10 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     view = checks.enter("all_reduce", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("all_reduce", algorithm, view)  # native under an emulated topology
     checks.check_op("all_reduce", op, tensor.dtype, algorithm)
+    if algorithm == "hierarchical":
+        checks.hierarchy("all_reduce", view)
     if algorithm == "native":
         p = view.size
         moved = 2 * (p - 1) * nbytes(tensor) // p

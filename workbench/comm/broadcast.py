@@ -108,6 +108,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
     view = checks.enter("broadcast", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("broadcast", algorithm, view)  # native under an emulated topology
     root = checks.check_root(view, src, group_src, "src", default_to_zero=False)
     if algorithm == "native":
         n, p, is_root = nbytes(tensor), view.size, view.rank == root

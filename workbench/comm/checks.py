@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from workbench.comm import ops
+from workbench.comm import emulation, ops, topology
 from workbench.comm.group import GroupView, resolve_group
 
 
@@ -102,3 +102,18 @@ def enter(collective: str, algorithm, known, tensor, tensor_name: str, group) ->
         warnings.warn(f"Running {collective} on global rank {dist.get_rank()} which does not belong "
                       "to the given group.", stacklevel=3)
     return view
+
+
+def run_as(collective: str, algorithm: str, view: GroupView) -> str:
+    """The algorithm to run: ``algorithm``, except ``"native"`` on a group that crosses a link an
+    emulated topology slows down, which runs the hand-written algorithm gloo uses instead (torch's
+    messages cannot be held back: see emulation.py)."""
+    if algorithm != "native" or emulation.current() is None:
+        return algorithm
+    return emulation.native_stand_in(collective, emulation.global_ranks(view.pg)) or algorithm
+
+
+def hierarchy(collective: str, view: GroupView):
+    """The node layout of ``view``'s group for ``algorithm="hierarchical"`` (a clear ValueError
+    without a topology, or when the group's nodes hold different numbers of its ranks)."""
+    return topology.hierarchy(collective, emulation.current(), emulation.global_ranks(view.pg), view.rank)

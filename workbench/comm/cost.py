@@ -95,6 +95,28 @@ machine's mood of the moment (:func:`with_curves`).
 Still, no curve knows about caches filled by the collective's own buffers, nor about two
 messages overlapping inside one algorithm: :func:`compare` shows how far off the model is, size
 by size.
+
+Under a topology (per-link alpha-beta)
+--------------------------------------
+``predict(..., topology=Topology(L, intra=Link, inter=Link))`` prices each message on the link it
+crosses: ``latency + m / bandwidth`` of an emulated link, this machine's own curves (the model's
+``exchange``/``one_way``) on a link that is not emulated; reductions, copies and call overheads
+stay the machine's. The world is taken as ``N = p / L`` nodes of ``L`` consecutive ranks.
+``algorithm="hierarchical"`` is priced phase by phase (N nodes of L ranks, ``t_i``/``t_e`` the
+intra/inter link's time for one message, ``g`` the reduction)::
+
+    all_reduce      (L-1)(t_i(n/L) + g(n/L)) + 2(N-1) t_e(n/p) + (N-1) g(n/p) + (L-1) t_i(n/L)
+    all_gather      (N-1) t_e(n/p) + (L-1) t_i(n/L)                  (+ copying n bytes)
+    reduce_scatter  (L-1)(t_i(n/L) + g(n/L)) + (N-1)(t_e(n/p) + g(n/p))   (+ copying n bytes)
+
+The flat ``ring`` (all-reduce, all-gather, reduce-scatter) is priced by stepping through its
+schedule (:func:`_ring_on_links`): rank r sends step s once step s-1 has arrived, each rank's
+link sends one message after another, and a message's latency overlaps the next one's transfer
+(as a NIC, and the emulator, do). With a slow link in the ring its queue sets the pace:
+``2(p-1) n/p beta_e + alpha_e`` for a bandwidth-bound all-reduce, a little less than the
+textbook's ``2(p-1)(alpha_e + n/p beta_e)``. Every other algorithm is priced with each of its steps
+on the slowest link of the world (the inter-node one when there are two nodes or more): an upper
+bound for recursive doubling and the trees, whose steps between near ranks stay inside a node.
 """
 from __future__ import annotations
 
@@ -130,6 +152,10 @@ FORMULAS = {
     ("scatter", "binomial"): "lg p a + (p-1)/p n b",
     ("gather", "flat"): "(p-1) a + (p-1)/p n b",
     ("gather", "binomial"): "lg p a + (p-1)/p n b",
+    # needs a topology: N nodes of L ranks, a_i/b_i and a_e/b_e the intra- and inter-node links
+    ("all_reduce", "hierarchical"): "2(L-1)(a_i + n/L b_i) + 2(N-1)(a_e + n/p b_e) + ((L-1)/L + (N-1)/p) n g",
+    ("all_gather", "hierarchical"): "(N-1)(a_e + n/p b_e) + (L-1)(a_i + n/L b_i)",
+    ("reduce_scatter", "hierarchical"): "(L-1)(a_i + n/L (b_i + g)) + (N-1)(a_e + n/p (b_e + g))",
 }
 
 
@@ -147,6 +173,8 @@ COPIES = {
     ("gather", "flat"): lambda n, p: n / p,
     ("scatter", "binomial"): lambda n, p: (1 + _runs_of_several(p)) * n / p,
     ("scatter", "flat"): lambda n, p: n / p,
+    ("all_gather", "hierarchical"): lambda n, p: n,  # this rank's column in, the other columns out
+    ("reduce_scatter", "hierarchical"): lambda n, p: n,  # the inputs laid out by node and local index
 }
 
 
@@ -256,9 +284,9 @@ class CostModel:
             return intercept + nbytes * slope
         return _interpolate(points, nbytes)
 
-    def predict(self, collective: str, algorithm: str, nbytes: int, world_size: int) -> float:
+    def predict(self, collective: str, algorithm: str, nbytes: int, world_size: int, topology=None) -> float:
         """Predicted seconds; see :func:`predict`."""
-        return predict(collective, algorithm, nbytes, world_size, self)
+        return predict(collective, algorithm, nbytes, world_size, self, topology=topology)
 
     @property
     def bandwidth(self) -> float:
@@ -286,16 +314,19 @@ class CostModel:
         return text
 
 
-def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel) -> float:
+def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel,
+            topology=None) -> float:
     """Seconds ``algorithm`` takes for ``collective`` of ``nbytes`` on ``world_size`` ranks.
 
     ``nbytes`` follows nccl-tests (the whole gathered buffer for all_gather, reduce_scatter,
     gather and scatter). ``algorithm="native"`` is predicted as :data:`NATIVE_AS` (network terms
     only: gloo's own copies are not known). With ``model.delta`` set, the local copies the
-    hand-written algorithm makes (:data:`COPIES`) are added at ``delta`` per byte.
+    hand-written algorithm makes (:data:`COPIES`) are added at ``delta`` per byte. ``topology``:
+    price each message on the link it crosses (see "Under a topology" in the module docstring);
+    ``algorithm="hierarchical"`` needs one.
     """
     native = algorithm == "native"
-    t = _network_time(collective, algorithm, nbytes, world_size, model)
+    t = _network_time(collective, algorithm, nbytes, world_size, model, topology)
     if not native and world_size > 1:
         if (collective, algorithm) in COPIES:
             t += model.copy(COPIES[(collective, algorithm)](float(nbytes), world_size))
@@ -303,7 +334,8 @@ def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model
     return t
 
 
-def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel) -> float:
+def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel,
+                  topology=None) -> float:
     """The alpha-beta-gamma terms of :func:`predict` (messages and reductions, no local copies)."""
     if not isinstance(model, CostModel):
         raise TypeError(f"model={model!r} must be a CostModel: fit one with cost.measure() or "
@@ -325,8 +357,25 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
     one, ex = model.one_way, model.exchange  # seconds of one message / one exchange step of m bytes
     g = model.reduction  # seconds to reduce m bytes
     p, n = world_size, float(nbytes)
+    if algorithm == "hierarchical" and topology is None:
+        raise ValueError(f"{collective}: algorithm='hierarchical' has no cost without a topology: pass "
+                         "topology=Topology(ranks_per_node, intra=Link(...), inter=Link(...))")
     if p == 1:
         return 0.0
+    if topology is not None:
+        per_node = min(topology.ranks_per_node, p)
+        if p % per_node:
+            raise ValueError(f"world_size={p} does not fill nodes of ranks_per_node={topology.ranks_per_node}")
+        nodes = p // per_node
+        if algorithm == "hierarchical":
+            return _hierarchical_time(collective, n, per_node, nodes, topology, model)
+        if algorithm == "ring" and collective in ("all_reduce", "all_gather", "reduce_scatter"):
+            reduce_steps = {"all_reduce": p - 1, "all_gather": 0, "reduce_scatter": p - 1}[collective]
+            gather_steps = {"all_reduce": p - 1, "all_gather": p - 1, "reduce_scatter": 0}[collective]
+            return _ring_on_links(p, per_node, n / p, reduce_steps, gather_steps, topology, model)
+        slow = "inter" if nodes > 1 else "intra"  # each step waits for its slowest message
+        one = lambda m: _on_link(topology, slow, m, model.one_way)  # noqa: E731
+        ex = lambda m: _on_link(topology, slow, m, model.exchange)  # noqa: E731
     lg = _lg(p)
     share = (p - 1) / p * n  # the bytes a bandwidth-optimal algorithm moves per rank
     q, odd = _fold(p)
@@ -379,6 +428,55 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
     if algorithm == "flat":
         return (p - 1) * one(n / p)
     return halving(share, lg, one)
+
+
+def _on_link(topology, link_class: str, nbytes: float, machine) -> float:
+    """One message of ``nbytes`` on ``link_class``: the emulated link's time, or ``machine(nbytes)``
+    (this machine's curve) where that link is not emulated."""
+    link = topology.link(link_class)
+    return link.time(nbytes) if link is not None else machine(nbytes)
+
+
+def _ring_on_links(p: int, per_node: int, m: float, reduce_steps: int, gather_steps: int, topology,
+                   model: CostModel) -> float:
+    """A ring of ``p`` ranks (rank r sends to r + 1) on the topology's links, step by step.
+
+    Rank r sends its step-s message of ``m`` bytes once it has received (and, in the
+    reduce-scatter steps, reduced) step s-1's, and its link sends one message after another
+    (``free``), as the emulator does: a message's latency overlaps the next one's transfer. With
+    one kind of link this is the textbook ``steps (alpha + m beta) + reduce_steps m gamma``; with a
+    slow link in the ring, that link's queue sets the pace. A link that is not emulated costs
+    this machine's exchange time.
+    """
+    cost = []
+    for r in range(p):
+        link = topology.link("intra" if r // per_node == ((r + 1) % p) // per_node else "inter")
+        cost.append((link.latency_s, m / link.bandwidth_Bps) if link is not None else (0.0, model.exchange(m)))
+    g = model.reduction(m)
+    ready, free = [0.0] * p, [0.0] * p
+    for s in range(reduce_steps + gather_steps):
+        arrive = [0.0] * p
+        for r in range(p):
+            latency, busy = cost[r]
+            start = max(ready[r], free[r])
+            free[r] = start + busy
+            arrive[(r + 1) % p] = free[r] + latency
+        ready = [t + (g if s < reduce_steps else 0.0) for t in arrive]
+    return max(ready)
+
+
+def _hierarchical_time(collective: str, n: float, per_node: int, nodes: int, topology, model: CostModel) -> float:
+    """The hierarchical algorithms, phase by phase (see "Under a topology" in the module docstring)."""
+    L, N, p = per_node, nodes, per_node * nodes
+    intra = lambda m: _on_link(topology, "intra", m, model.exchange)  # noqa: E731
+    inter = lambda m: _on_link(topology, "inter", m, model.exchange)  # noqa: E731
+    g = model.reduction
+    if collective == "all_reduce":
+        return (L - 1) * (intra(n / L) + g(n / L)) + 2 * (N - 1) * inter(n / p) + (N - 1) * g(n / p) \
+            + (L - 1) * intra(n / L)
+    if collective == "all_gather":
+        return (N - 1) * inter(n / p) + (L - 1) * intra(n / L)
+    return (L - 1) * (intra(n / L) + g(n / L)) + (N - 1) * (inter(n / p) + g(n / p))  # reduce_scatter
 
 
 def crossover(collective: str, small: str, large: str, world_size: int, model: CostModel,
@@ -714,7 +812,7 @@ def measure(world_size: int = 2, **kwargs) -> dict:
     return launch(fit, world_size, kwargs=kwargs)[0]
 
 
-def compare(model: CostModel, measurements: Iterable[dict]) -> list[dict]:
+def compare(model: CostModel, measurements: Iterable[dict], topology=None) -> list[dict]:
     """Predicted against measured, one row per measurement.
 
     Each measurement is a dict with ``collective``, ``algorithm``, ``bytes``, ``world_size`` and
@@ -723,7 +821,8 @@ def compare(model: CostModel, measurements: Iterable[dict]) -> list[dict]:
     """
     rows = []
     for m in measurements:
-        pred = predict(m["collective"], m["algorithm"], int(m["bytes"]), int(m["world_size"]), model)
+        pred = predict(m["collective"], m["algorithm"], int(m["bytes"]), int(m["world_size"]), model,
+                       topology=topology)
         meas = float(m["time_s"])
         rows.append({**m, "predicted_s": pred, "error": (pred / meas - 1.0) if meas > 0 else math.nan})
     return rows

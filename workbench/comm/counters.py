@@ -25,6 +25,13 @@ What is counted
   ``async_op=True`` hand-written call, the time the communication thread spent running it; for an
   ``async_op=True`` native call, from issue until the first ``wait()`` returned (so a native
   async call is recorded when it is waited on: wait on your handles).
+* ``links``: the hand-written algorithms' traffic split by link class, ``"intra"`` (between
+  ranks of one node) and ``"inter"`` (between nodes), per the emulated topology or, without one,
+  the real layout (:func:`workbench.comm.emulation.layout`): a :class:`LinkStat` each, with the
+  messages sent, the bytes sent and received, and ``seconds``, the time this rank spent waiting
+  for that class's messages (receives and sends; under an emulated topology that includes the
+  hold-back). ``c.by_link()`` adds them up over every collective. Native calls are not split
+  (gloo's messages are not seen).
 * ``calls``: one per public collective call. An algorithm built from other collectives (all-reduce
   ``reduce_broadcast``) is one call of the outer collective: its inner messages are counted there
   and nowhere else.
@@ -39,21 +46,45 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["counters", "Counters", "Stat"]
+__all__ = ["counters", "Counters", "Stat", "LinkStat"]
+
+
+@dataclass
+class LinkStat:
+    """One link class's share of the traffic (see ``links`` in the module docstring)."""
+
+    messages: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "LinkStat") -> None:
+        self.messages += other.messages
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.seconds += other.seconds
+
+    def as_dict(self) -> dict:
+        return {"messages": self.messages, "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received, "seconds": self.seconds}
 
 
 @dataclass
 class Stat:
-    """Totals for one ``(collective, algorithm)`` on this rank."""
+    """Totals for one ``(collective, algorithm)`` on this rank; ``links`` by link class."""
 
     calls: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    links: dict[str, LinkStat] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"calls": self.calls, "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received, "seconds": self.seconds}
+        out = {"calls": self.calls, "bytes_sent": self.bytes_sent,
+               "bytes_received": self.bytes_received, "seconds": self.seconds}
+        if self.links:
+            out["links"] = {k: v.as_dict() for k, v in sorted(self.links.items())}
+        return out
 
 
 @dataclass(eq=False)  # compared by identity: each open counter is its own sink
@@ -63,13 +94,24 @@ class Counters:
     stats: dict[tuple[str, str], Stat] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def _add(self, collective: str, algorithm: str, sent: int, received: int, seconds: float) -> None:
+    def _add(self, collective: str, algorithm: str, sent: int, received: int, seconds: float,
+             links: dict[str, LinkStat] | None = None) -> None:
         with self._lock:
             stat = self.stats.setdefault((collective, algorithm), Stat())
             stat.calls += 1
             stat.bytes_sent += int(sent)
             stat.bytes_received += int(received)
             stat.seconds += float(seconds)
+            for cls, link in (links or {}).items():
+                stat.links.setdefault(cls, LinkStat()).add(link)
+
+    def by_link(self) -> dict[str, LinkStat]:
+        """The hand-written algorithms' traffic by link class, added up over every collective."""
+        out: dict[str, LinkStat] = {}
+        for s in self.stats.values():
+            for cls, link in s.links.items():
+                out.setdefault(cls, LinkStat()).add(link)
+        return dict(sorted(out.items()))
 
     @property
     def total_calls(self) -> int:
@@ -100,6 +142,12 @@ class Counters:
                         f"{_human(s.bytes_received):>12}{s.seconds * 1e3:>9.2f}ms")
         rows.append(f"{'total':<36}{self.total_calls:>7}{_human(self.total_bytes_sent):>12}"
                     f"{_human(self.total_bytes_received):>12}{self.total_seconds * 1e3:>9.2f}ms")
+        links = self.by_link()
+        if links:
+            rows.append(f"{'by link class':<36}{'msgs':>7}{'sent':>12}{'received':>12}{'waited':>11}")
+            for cls, s in links.items():
+                rows.append(f"  {cls:<34}{s.messages:>7}{_human(s.bytes_sent):>12}"
+                            f"{_human(s.bytes_received):>12}{s.seconds * 1e3:>9.2f}ms")
         return "\n".join(rows)
 
     def __enter__(self) -> "Counters":
@@ -146,7 +194,7 @@ def active() -> tuple[Counters, ...]:
 
 
 def record(sinks: tuple[Counters, ...], collective: str, algorithm: str,
-           sent: int, received: int, seconds: float) -> None:
+           sent: int, received: int, seconds: float, links: dict[str, LinkStat] | None = None) -> None:
     """Add one call to each counter that was open when it was issued (each exactly once)."""
     for sink in dict.fromkeys(sinks):
-        sink._add(collective, algorithm, sent, received, seconds)
+        sink._add(collective, algorithm, sent, received, seconds, links)

@@ -20,7 +20,7 @@ def run_algorithm(collective: str, algorithm: str, view: GroupView,
         start = time.perf_counter()
         body(comm)
         counters.record(sinks, collective, algorithm, comm.bytes_sent, comm.bytes_received,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, comm.links)
 
     return work.submit(task, async_op)
 

@@ -4,8 +4,10 @@ A collective runs on a process group (the default group, or one made by
 ``torch.distributed.new_group``). Inside an algorithm every rank is named by its rank *in the
 group* (0 .. p-1), as in the textbooks; :class:`GroupView` translates, and :class:`Comm` sends
 and receives in group numbering with ``torch.distributed.isend/irecv(group_dst=/group_src=)``,
-counting every byte that goes through it. Empty tensors are not sent at all (both sides know the
-size, so both skip the message).
+counting every byte that goes through it, by link class (``"intra"`` or ``"inter"`` node, from
+the topology: :mod:`workbench.comm.topology`). Empty tensors are not sent at all (both sides know
+the size, so both skip the message). Under an emulated topology every message on a slowed link is
+held back here, once for every algorithm (:mod:`workbench.comm.emulation`).
 
 Also here, because several collectives share them: :func:`block_bounds` (split n elements into p
 near-equal blocks), :class:`Fold` (fold a non-power-of-two group onto a power of two, for
@@ -15,6 +17,7 @@ pipeline segments), and :func:`scratch` (a receive buffer reused from call to ca
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -22,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from workbench import gloo_threads
+from workbench.comm import emulation
+from workbench.comm.counters import LinkStat
 
 __all__ = ["GroupView", "Comm", "resolve_group", "block_bounds", "Fold", "segment_count", "segment",
            "scratch"]
@@ -73,10 +78,44 @@ class _Done:
         return True
 
 
+class _Timed:
+    """A message's handle that adds the time spent waiting for it to its link's counter."""
+
+    __slots__ = ("works", "stat", "until", "stamp", "keep", "done")
+
+    def __init__(self, works, stat: LinkStat, until: float | None = None, stamp: torch.Tensor | None = None,
+                 keep: torch.Tensor | None = None):
+        self.works, self.stat, self.until, self.stamp, self.done = works, stat, until, stamp, False
+        self.keep = keep  # a sent stamp stays alive until its send is done
+
+    def wait(self) -> bool:
+        if not self.done:
+            start = time.perf_counter()
+            for w in self.works:
+                w.wait()
+            if self.stamp is not None:  # a held-back receive: its due time came with it
+                self.until = float(self.stamp[0])
+            if self.until is not None:
+                emulation._sleep_until(self.until)
+            self.stat.seconds += time.perf_counter() - start
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        if self.done:
+            return True
+        if not all(w.is_completed() for w in self.works):
+            return False
+        until = float(self.stamp[0]) if self.stamp is not None else self.until
+        return until is None or time.monotonic() >= until
+
+
 class Comm:
     """Point-to-point messages inside one collective call, in group numbering, counted.
 
-    ``bytes_sent`` / ``bytes_received`` add up the payload of every message this rank posted.
+    ``bytes_sent`` / ``bytes_received`` add up the payload of every message this rank posted;
+    ``links`` splits them by link class (``{"intra": LinkStat, "inter": LinkStat}``), with the
+    time this rank spent waiting for each class's messages.
     """
 
     def __init__(self, view: GroupView) -> None:
@@ -86,19 +125,47 @@ class Comm:
         self.size = view.size
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.links: dict[str, LinkStat] = {}
+        self.topology = emulation.layout()
+        self._ranks = emulation.global_ranks(self.pg)
+
+    def _link(self, peer: int) -> tuple[LinkStat, str, object]:
+        cls = self.topology.link_class(self._ranks[self.rank], self._ranks[peer])
+        stat = self.links.get(cls)
+        if stat is None:
+            stat = self.links[cls] = LinkStat()
+        return stat, cls, self.topology.link(cls)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         if tensor.numel() == 0:
             return _Done()
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += nbytes
+        stat, cls, link = self._link(peer)
+        stat.messages += 1
+        stat.bytes_sent += nbytes
+        if link is None:
+            return _Timed((dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag),), stat)
+        due, free = emulation.schedule(cls, link, nbytes)  # held back: see emulation.py
+        stamp = torch.tensor([due], dtype=torch.float64, device=tensor.device)
+        works = (dist.isend(stamp, group=self.pg, group_dst=peer, tag=tag + emulation.STAMP_TAG),
+                 dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag))
+        return _Timed(works, stat, until=free, keep=stamp)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         """Receive from ``peer``. Messages with the same (peer, tag) match in posting order."""
         if tensor.numel() == 0:
             return _Done()
-        self.bytes_received += tensor.numel() * tensor.element_size()
-        return dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_received += nbytes
+        stat, cls, link = self._link(peer)
+        stat.bytes_received += nbytes
+        if link is None:
+            return _Timed((dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag),), stat)
+        stamp = torch.empty(1, dtype=torch.float64, device=tensor.device)
+        works = (dist.irecv(stamp, group=self.pg, group_src=peer, tag=tag + emulation.STAMP_TAG),
+                 dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag))
+        return _Timed(works, stat, stamp=stamp)
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         self.isend(tensor, peer).wait()
@@ -207,7 +274,8 @@ def scratch(numel: int, dtype: torch.dtype, slot: str = "recv") -> torch.Tensor:
     algorithm takes each slot once per call and must not hold on to it afterwards.
 
     Slots in use: ``"recv"`` (incoming data about to be reduced), ``"stage"`` (a whole gathered
-    or scattered vector laid out in one piece), ``"input"`` (a private copy of the caller's input).
+    or scattered vector laid out in one piece), ``"input"`` (a private copy of the caller's input),
+    ``"hier"`` (the hierarchical algorithms' blocks laid out by node and local index).
     """
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:

@@ -81,6 +81,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op=ReduceOp.SUM, group=
     view = checks.enter("reduce", algorithm, ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("reduce", algorithm, view)  # native under an emulated topology
     checks.check_op("reduce", op, tensor.dtype, algorithm)
     root = checks.check_root(view, dst, group_dst, "dst", default_to_zero=False)
     is_root = view.rank == root

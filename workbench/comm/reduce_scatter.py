@@ -16,6 +16,9 @@ Algorithms (n = bytes of one rank's whole input, p ranks):
 * ``recursive_halving``: lg p steps; partners ``rank xor 2^k`` swap half of what is left and
   each keeps (and reduces) the other half. ``lg p alpha + ((p-1)/p) n (beta + gamma)`` for a
   power of two; other sizes fold in and out (:class:`~workbench.comm.group.Fold`).
+* ``hierarchical`` (needs a topology, :mod:`workbench.comm.topology`): a ring inside each node,
+  then a ring across nodes between ranks of the same local index, so that only partial sums
+  cross the slow links. ``(L-1)(alpha_i + n/L (beta_i + gamma)) + (N-1)(alpha_e + n/p (beta_e + gamma))``.
 * ``native``: ``torch.distributed.reduce_scatter``.
 
 ``AVG`` reduces with ``SUM`` and divides the kept block by p.
@@ -40,7 +43,7 @@ RECV_WINDOW = 2
 
 def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right: int, left: int,
                         on_reduced: Callable[[int], None] | None = None,
-                        out: torch.Tensor | None = None) -> None:
+                        out: torch.Tensor | None = None, tag: int = 0) -> None:
     """Ring reduce-scatter of ``blocks`` (1-D tensors, one per ring position): block ``me``,
     reduced over all ranks, ends in ``blocks[me]`` (``out=None``) or in ``out``.
 
@@ -85,10 +88,10 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
 
     def post(k: int):
         s, j = order[k]
-        return c.irecv(tmp[k % rows, :seg(me - s - 2, j).numel()], left)
+        return c.irecv(tmp[k % rows, :seg(me - s - 2, j).numel()], left, tag)
 
     recvs = [post(k) for k in range(rows)]  # receives first: gloo sends once the receiver is ready
-    sends = [c.isend(seg(me - 1, j), right) for j in range(nseg)]
+    sends = [c.isend(seg(me - 1, j), right, tag) for j in range(nseg)]
     acc_sent: dict[tuple[int, int], object] = {}  # accumulator row -> its send
     for k, (s, j) in enumerate(order):
         recvs[k % rows].wait()
@@ -105,7 +108,7 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
         if k + rows < len(order):
             recvs[k % rows] = post(k + rows)
         if s < p - 2:
-            h = c.isend(dst, right)
+            h = c.isend(dst, right, tag)
             if out is None:
                 sends.append(h)
             else:
@@ -190,7 +193,38 @@ def _recursive_halving(c: Comm, full: torch.Tensor, m: int, op) -> None:
             c.recv(full[r * m:(r + 1) * m], r + 1)
 
 
-ALGORITHMS = {"native": None, "ring": ring, "recursive_halving": recursive_halving}
+def hierarchical(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op) -> None:
+    """Two levels (needs a topology): a ring inside each node, then a ring across nodes::
+
+        2 nodes x 2:  node 0 = ranks 0 1, node 1 = ranks 2 3
+        inside:  0 <-> 1, 2 <-> 3   rank 0 keeps the node's partial sums of blocks 0 and 2
+                                    (its column), rank 1 of blocks 1 and 3
+        across:  0 <-> 2, 1 <-> 3   rank 0 keeps block 0 summed over all ranks, rank 2 block 2
+
+    Each rank lays its inputs out in one buffer, one row per local index holding that column's
+    N blocks (N nodes, L ranks per node, p = N L), so the node's ring moves a row per step. Across
+    nodes only the node's partial sums travel: ``(N-1)/p n`` per rank on the slow links. Cost:
+    ``(L-1)(alpha_i + n/L (beta_i + gamma)) + (N-1)(alpha_e + n/p (beta_e + gamma))`` plus
+    copying the n input bytes into the buffer (the inputs are not modified).
+    """
+    h = checks.hierarchy("reduce_scatter", c.view)
+    col, row, k, i = h.column, h.row, h.node, h.local
+    n_nodes, per_node, m = len(col), len(row), out.numel()
+    stage = scratch(per_node * n_nodes * m, out.dtype, "hier").view(per_node, n_nodes * m)
+    for ii in range(per_node):
+        for kk, node in enumerate(h.nodes):
+            stage[ii, kk * m:(kk + 1) * m].copy_(inputs[node[ii]])
+    ring_reduce_scatter(c, list(stage), op, me=i, right=row[(i + 1) % per_node], left=row[(i - 1) % per_node],
+                        tag=TAG_INTRA)
+    mine = stage[i]
+    ring_reduce_scatter(c, [mine[kk * m:(kk + 1) * m] for kk in range(n_nodes)], op, me=k,
+                        right=col[(k + 1) % n_nodes], left=col[(k - 1) % n_nodes], out=out, tag=TAG_INTER)
+
+
+# tags of the hierarchical phases (kept apart from each other's messages)
+TAG_INTRA, TAG_INTER = 2, 4
+
+ALGORITHMS = {"native": None, "ring": ring, "recursive_halving": recursive_halving, "hierarchical": hierarchical}
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=ReduceOp.SUM, group=None,
@@ -200,8 +234,11 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
     view = checks.enter("reduce_scatter", algorithm, ALGORITHMS, output, "output", group)
     if view is None:
         return None
+    algorithm = checks.run_as("reduce_scatter", algorithm, view)  # native under an emulated topology
     checks.check_op("reduce_scatter", op, output.dtype, algorithm)
     checks.check_list(input_list, "input_list", view.size, output, "output")
+    if algorithm == "hierarchical":
+        checks.hierarchy("reduce_scatter", view)
     if algorithm == "native":
         moved = (view.size - 1) * nbytes(output)
         return run_native("reduce_scatter",

@@ -165,6 +165,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     view = checks.enter("scatter", algorithm, SCATTER_ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("scatter", algorithm, view)  # native under an emulated topology
     root = checks.check_root(view, src, group_src, "src", default_to_zero=True)
     is_root = view.rank == root
     _check_root_list(scatter_list, "scatter_list", is_root, view.size, tensor, "tensor")
@@ -193,6 +194,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     view = checks.enter("gather", algorithm, GATHER_ALGORITHMS, tensor, "tensor", group)
     if view is None:
         return None
+    algorithm = checks.run_as("gather", algorithm, view)  # native under an emulated topology
     root = checks.check_root(view, dst, group_dst, "dst", default_to_zero=True)
     is_root = view.rank == root
     _check_root_list(gather_list, "gather_list", is_root, view.size, tensor, "tensor")

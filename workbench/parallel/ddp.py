@@ -119,6 +119,7 @@ class DistributedDataParallel(nn.Module):
                 raise TypeError(f"{name}={flag!r} must be True or False")
         known = getattr(comm, "ALGORITHMS", None)
         names = known.get("all_reduce", known) if isinstance(known, dict) else known
+        names = tuple(names or ()) + getattr(comm, "TOPOLOGY_ALGORITHMS", {}).get("all_reduce", ())  # hierarchical
         if names is not None and algorithm not in names:
             raise ValueError(f"algorithm={algorithm!r} is not an all-reduce algorithm of workbench.comm: "
                              f"use one of {sorted(names)}")

@@ -66,6 +66,16 @@ runs in ``reduce_dtype`` (default ``param_dtype``) and the reduced shard is cast
 Frozen parameters (``requires_grad=False``) are sharded too, in a flat shard of their own per
 unit that is gathered and freed with the unit's trainable one: they get no gradient, no
 reduce-scatter and (their shard has no ``.grad``) no optimizer state.
+
+Hybrid sharding (HSDP; ZeRO++'s hierarchical partitioning): ``process_group`` is the ranks of
+one node and ``replicate_group`` the ranks with the same local index on every node
+(``workbench.comm.node_groups()`` makes both). Parameters are sharded inside the node only, so
+the all-gathers of forward and backward stay on the fast links; each node holds a full replica
+of the sharded state, and after the reduce-scatter each rank all-reduces its gradient shard with
+its replicas across nodes. Per step and rank, for S ranks per node and R nodes: ``3 (S-1)/S psi``
+inside the node and ``2 (R-1)/R psi/S`` across nodes, where FSDP over all ``N = S R`` ranks moves
+``3 (N-1)/N psi``, much of it across nodes. Memory per rank: ``16 psi / S`` of model state
+instead of ``16 psi / N``.
 """
 from __future__ import annotations
 
@@ -205,13 +215,18 @@ class FullyShardedDataParallel(nn.Module):
 
     ``process_group``: the ranks to shard over (default: all).
 
+    ``replicate_group``: hybrid sharding (see the module docstring): shard over
+    ``process_group`` (a node), keep a replica on each rank of ``replicate_group`` (one per node),
+    all-reduce the gradient shards across it. The two groups must meet in this rank only. Feed
+    every rank of both groups its own slice of the global batch.
+
     Use ``model.parameters()`` for the optimizer (the local float32 shards). Gradients are
     complete when ``backward`` returns; :meth:`finish_gradient_synchronization` does the same
     by hand and is safe to call again. :meth:`full_state_dict` gathers the full parameters.
     """
 
     def __init__(self, module: nn.Module, *, mp_policy: MixedPrecision | None = None,
-                 compute_dtype: torch.dtype | None = None, process_group=None):
+                 compute_dtype: torch.dtype | None = None, process_group=None, replicate_group=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel(module={module!r}): pass an nn.Module")
@@ -240,6 +255,8 @@ class FullyShardedDataParallel(nn.Module):
         self.mp_policy = mp_policy
         self.compute_dtype = compute_dtype = mp_policy.param_dtype if mp_policy is not None else None
         reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
+        self.replicate_group = replicate_group
+        self.replicate_size = _check_replicate_group(process_group, replicate_group)
         self.module = module
         self._param_names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
 
@@ -411,7 +428,9 @@ class FullyShardedDataParallel(nn.Module):
         for unit, out, work, start in pending:
             work.wait()
             self._event("comm", "reduce-scatter", unit, start)
-            grad = out.to(unit.shard.dtype).div_(self.world_size)
+            if self.replicate_group is not None:  # HSDP: add up the replicas' shards across nodes
+                comm.all_reduce(out, group=self.replicate_group)
+            grad = out.to(unit.shard.dtype).div_(self.world_size * self.replicate_size)
             if unit.shard.grad is None:
                 unit.shard.grad = grad
             else:
@@ -453,7 +472,27 @@ class FullyShardedDataParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, units={[u.name for u in self.units]}, "
-                f"mp_policy={self.mp_policy}")
+                f"mp_policy={self.mp_policy}, replicas={self.replicate_size}")
+
+
+def _check_replicate_group(process_group, replicate_group) -> int:
+    """The number of replicas (1 without ``replicate_group``); refuses groups HSDP cannot use."""
+    if replicate_group is None:
+        return 1
+    if process_group is None:
+        raise ValueError("FullyShardedDataParallel(replicate_group=...) needs process_group= too: hybrid sharding "
+                         "shards inside process_group (a node) and replicates across replicate_group; make both "
+                         "with workbench.comm.node_groups()")
+    if not isinstance(replicate_group, dist.ProcessGroup) or dist.get_rank(replicate_group) < 0:
+        raise ValueError(f"FullyShardedDataParallel: replicate_group={replicate_group!r} is not a process group "
+                         "this rank belongs to; pass the group of this rank's replicas (one rank per node)")
+    shard_ranks = set(dist.get_process_group_ranks(process_group))
+    replica_ranks = set(dist.get_process_group_ranks(replicate_group))
+    if shard_ranks & replica_ranks != {dist.get_rank()}:
+        raise ValueError(f"FullyShardedDataParallel: process_group {sorted(shard_ranks)} and replicate_group "
+                         f"{sorted(replica_ranks)} must have only this rank ({dist.get_rank()}) in common: one "
+                         "shards, the other replicates (workbench.comm.node_groups() makes such a pair)")
+    return dist.get_world_size(replicate_group)
 
 
 def _assign_parameters(module: nn.Module, block_units: list[tuple[str, nn.Module]]):
