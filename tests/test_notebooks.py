@@ -86,3 +86,13 @@ def test_lesson_00_script_across_two_nodes_on_localhost():
     for node, (agent, out) in enumerate(zip(agents, outputs)):
         assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
         assert "all checks passed" in out
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_every_lesson_ends_with_a_check_cell(script):
+    """The last code cell asserts the lesson's claim (issue 16): a lesson ends by checking what it taught."""
+    code = [c.source for c in jupytext.read(script).cells if c.cell_type == "code"]
+    assert code, f"{script.name} has no code cells"
+    last = code[-1]
+    asserts = [line for line in last.splitlines() if line.lstrip().startswith("assert ")]
+    assert asserts, f"{script.name}: the last code cell asserts nothing; end the lesson with a check cell"
