@@ -224,8 +224,9 @@ except workbench.RankFailed as error:
 # intact, bigger messages took longer but moved more bytes per second, the alpha-beta line
 # fitted to the whole sweep predicts the large messages (1 MiB and up) within a factor of 2 on
 # average (geometric mean of predicted / measured) and each within a factor of 3 (wide, because
-# one 16 MiB round trip on a busy 2-core machine can take twice its quiet time), and the failure
-# named the right rank with its own traceback.
+# on a busy 2-core machine a single large round trip is easily delayed, and the measured points
+# bend away from any one line past the caches), and the failure named the right rank with its
+# own traceback.
 
 # %%
 assert all(r["world_size"] == WORLD_SIZE for r in results)  # under torchrun: this process's entry only

@@ -381,9 +381,9 @@ for name, row in memory.items():
 #   logits of the whole batch, and more than a DDP rank; DDP ranks hold the same;
 # * the headline: on the Python-bound model DDP out-scales DataParallel. Measured against the
 #   plain model, two DDP processes give at least 1.3x the samples per second of two DataParallel
-#   threads (the stored runs give far more; 1.3x leaves room for a busy machine, where the second
-#   process shares a core with other jobs but the GIL still serialises the threads), and two
-#   DataParallel threads stay below 1.5x the plain model.
+#   threads (a margin for a busy machine, where the second process shares a core with other jobs
+#   but the GIL still serialises the threads), and two DataParallel threads stay below 1.5x the
+#   plain model.
 # * DDP on one rank costs more than the plain model on the Python-bound model (the hooks and
 #   buckets are measurable), and no design is faster than perfect scaling allows, by more than
 #   noise (1.25x).

@@ -75,3 +75,11 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = Non
         markdown(format_table(rows, columns, formats, markdown_table=True))
     else:
         print(format_table(rows, columns, formats))
+
+
+def size(nbytes: float) -> str:
+    """Bytes in binary units for prose: ``4194304 -> "4 MiB"``, ``940000 -> "918 KiB"``, ``64 -> "64 B"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
