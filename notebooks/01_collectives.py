@@ -193,8 +193,8 @@ fig = bench.plot(two["rows"], None, cols=2)
 plt.show()
 
 # %% [markdown]
-# Small messages are all latency: busbw is tiny for every algorithm. From about 1 MiB the curves
-# approach what the loopback TCP link between two processes can carry. On two ranks the ring
+# Small messages are all latency: busbw is tiny for every algorithm. Towards the largest sizes
+# the curves approach what the loopback TCP link between two processes can carry. On two ranks the ring
 # all-reduce and Rabenseifner send the same bytes as gloo's own ring, so they should sit close to
 # `native`; the **x native** column is that ratio. (Timings on a shared 2-core machine are noisy:
 # rerun `workbench bench collectives` with more `--trials` for figures you want to quote.)
@@ -425,9 +425,9 @@ show.markdown(
 # its correctness check (`#wrong` = 0); the fitted bandwidth and reduction costs are positive;
 # and the headline: on 4 ranks the winning all-reduce flips between the smallest size, where
 # recursive doubling (fewest rounds) beats the ring, and the largest, where the ring (fewest
-# bytes) beats recursive doubling. (At the smallest size the ring's 6 rounds against 2 make it
-# several times slower; at 4 MiB the ring sends 1.5 vectors against 2 and reduces 0.75 against
-# 2, a gap that a busy machine can narrow but has not reversed in our runs.)
+# bytes) beats recursive doubling. (At the smallest size the ring pays 3 times the rounds; at
+# 4 MiB it sends 1.5 vectors against 2 and reduces 0.75 against 2, the narrower margin, which
+# is why the check compares only the two ends and not where exactly the flip happens.)
 
 # %%
 assert all(ok for pic in pictures_by_collective.values() for ok in pic["parity"].values()), \
