@@ -27,8 +27,10 @@
 # schedule written by hand from `isend`/`irecv` (read them in `workbench/comm/*.py`).
 #
 # This lesson: each collective pictured and checked against `torch.distributed` on real ranks;
-# the ring all-reduce step by step; bandwidth of ours against PyTorch's; the alpha-beta cost
-# model fitted on this machine; and why the best algorithm changes with the message size.
+# the ring all-reduce step by step; bandwidth of ours against PyTorch's, and how much of the
+# difference page faults make; the alpha-beta cost model fitted on this machine, and
+# what it must know when ranks outnumber cores; and why the best algorithm changes with the
+# message size.
 
 # %%
 import statistics
@@ -203,7 +205,7 @@ plt.show()
 #
 # Gloo is C++ and ours is Python on top of gloo's own send and receive, yet in the sweep above
 # our all-gather and reduce-scatter may come out ahead of `native` at the large sizes. The
-# messages are the same size; what differs is the memory each call touches. Memory a process
+# messages are the same size; one thing that differs is the memory each call touches. Memory a process
 # asks the kernel for is not there until it is first written: each first touch of a 4 KiB page
 # is a **page fault**, in which the kernel finds a page and zeroes it. An implementation that
 # allocates fresh working buffers on every call, and whose allocator hands them back to the
@@ -244,13 +246,14 @@ for c in ("all_gather", "reduce_scatter"):
 show.markdown("\n".join(lines))
 
 # %% [markdown]
-# Where gloo's faults per call come to about one per page of the buffer (a 4 KiB page holds 1024
-# float32), it is allocating a fresh buffer of that size every call and handing it back after.
-# The faults are one measured share of the gap, priced above. The rest lies in gloo's path too,
-# not in the network (the messages are the same size), and this lesson does not take it apart;
-# `all_reduce`, which gloo runs in the caller's buffer, is the control: no faults, and no gap to
-# explain. Our collectives send from and receive into the caller's tensors. A hand-written
-# collective is not faster for being Python: it is faster where it does less work per call.
+# A 4 MiB buffer is 1024 pages of 4 KiB: hundreds of faults per call mean gloo's path takes
+# fresh memory on every call and gives it back after (whether the allocator keeps it for the
+# next call decides how many; that is why the count moves from run to run). `all_reduce`, which
+# gloo runs in the caller's buffer, is the control: it takes none. Priced at this machine's cost
+# of a fault, the faults are one measured share of the gap; the rest lies in gloo's path too,
+# not in the network (the messages are the same size), and this lesson does not take it apart.
+# Our collectives send from and receive into the caller's tensors. A hand-written collective is
+# not faster for being Python: it is faster where it does less work per call.
 #
 # ## The alpha-beta model
 #
