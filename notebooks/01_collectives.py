@@ -324,7 +324,8 @@ show.markdown(
     f"from {show.size(small[0])} to {show.size(small[-1])}, and "
     f"{model.exchange(4 << 20) * 1e6:.0f} µs at 4 MiB; the straight line's intercept α_duplex is "
     f"{model.alpha_duplex / model.alpha:.1f}x the ping-pong's α; each hand-written call runs "
-    f"{min(model.overheads.values()) * 1e6:.0f}-{max(model.overheads.values()) * 1e6:.0f} µs of Python besides its messages.")
+    f"{min(model.overheads.values()) * 1e6:.0f}-{max(model.overheads.values()) * 1e6:.0f} µs of Python "
+    f"besides its messages.")
 
 # %% [markdown]
 # Read the right-hand plot for what holds here: points inside the grey band are predicted within

@@ -25,7 +25,8 @@ def test_before_and_after_on_three_ranks():
     assert pic["reduce_scatter"]["after"] == [[111.0], [222.0], [333.0]]
     assert pic["reduce"]["after"] == [[111.0] * 3, None, None]  # non-roots hold no result
     assert pic["all_gather"]["after"] == [[1.0, 2.0, 3.0]] * 3
-    assert pic["scatter"]["before"] == [[1.0, 2.0, 3.0], None, None] and pic["scatter"]["after"] == [[1.0], [2.0], [3.0]]
+    assert pic["scatter"]["before"] == [[1.0, 2.0, 3.0], None, None]
+    assert pic["scatter"]["after"] == [[1.0], [2.0], [3.0]]
     assert pic["gather"]["after"] == [[1.0, 2.0, 3.0], None, None]
     assert pic["broadcast"]["after"] == [[1.0, 2.0, 3.0]] * 3
 

@@ -32,4 +32,5 @@ def test_outside_a_notebook_it_prints_plain_text(capsys):
 
 
 def test_size_in_binary_units():
-    assert [show.size(n) for n in (64, 1536, 4 << 20, 940000, 3 << 30)] == ["64 B", "1.5 KiB", "4 MiB", "918 KiB", "3 GiB"]
+    sizes = (64, 1536, 4 << 20, 940000, 3 << 30)
+    assert [show.size(n) for n in sizes] == ["64 B", "1.5 KiB", "4 MiB", "918 KiB", "3 GiB"]

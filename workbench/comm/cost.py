@@ -520,8 +520,9 @@ def stream(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32
     (broadcast, reduce, scatter, gather, folds) are priced from this curve. (:class:`Probe`
     ``"one_way"``, timed on its own.)
     """
-    return _time_pair(sizes, lambda n: Probe("one_way", n, group, all_pairs=all_pairs), 1, iterations=iterations,
-                      budget_bytes=budget_bytes, repeats=repeats, group=group, all_pairs=all_pairs)
+    return _time_pair(sizes, lambda n: Probe("one_way", n, group, all_pairs=all_pairs), 1,
+                      iterations=iterations, budget_bytes=budget_bytes, repeats=repeats, group=group,
+                      all_pairs=all_pairs)
 
 
 def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
@@ -533,8 +534,9 @@ def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
     (:class:`Probe` ``"exchange"``, timed on its own.) ``all_pairs``: every pair of ranks
     (2k, 2k+1) exchanges at the same time, as in a collective's step on more than two ranks.
     """
-    return _time_pair(sizes, lambda n: Probe("exchange", n, group, all_pairs=all_pairs), 1, iterations=iterations,
-                      budget_bytes=budget_bytes, repeats=repeats, group=group, all_pairs=all_pairs)
+    return _time_pair(sizes, lambda n: Probe("exchange", n, group, all_pairs=all_pairs), 1,
+                      iterations=iterations, budget_bytes=budget_bytes, repeats=repeats, group=group,
+                      all_pairs=all_pairs)
 
 
 class Probe:
@@ -544,9 +546,10 @@ class Probe:
     ``kind="one_way"``: rank 0 sends, rank 1 receives (a stream message, a tree step). Other
     ranks do nothing, unless ``all_pairs``: then every even rank 2k does the same with 2k+1 at
     the same time, as every rank of a ring or recursive-doubling step does. Where ranks
-    outnumber cores, that is what a step of a collective costs: the pairs share the cores. ``workbench bench collectives`` times probes in the same interleaved trials
-    as the collectives, so the measured curves (``CostModel.tables``) it predicts them with were
-    taken under the same conditions, not a minute earlier or later.
+    outnumber cores, that is what a step of a collective costs: the pairs share the cores.
+    ``workbench bench collectives`` times probes in the same interleaved trials as the
+    collectives, so the measured curves (``CostModel.tables``) it predicts them with were taken
+    under the same conditions, not a minute earlier or later.
     """
 
     KINDS = ("exchange", "one_way")
@@ -695,7 +698,8 @@ def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
     # machine's occasional slow call as often as a collective does
     pp = pingpong(pingpong_sizes, iterations=50, repeats=7, group=group)
     alpha, beta = fit_line(pp)
-    ex = exchange(exchange_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs) if exchange_sizes else []
+    ex = (exchange(exchange_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs)
+          if exchange_sizes else [])
     alpha_duplex, beta_duplex = fit_line(ex) if ex else (None, None)
     root = dist.get_global_rank(group, 0) if group is not None else 0
     red = _from_rank0(reduction_time(reduction_sizes), root, group)
