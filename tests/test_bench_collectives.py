@@ -427,3 +427,29 @@ def test_probe_runs_between_ranks_0_and_1_only():
     assert all(0 < t < 0.01 for t in o0.values())
     with pytest.raises(ValueError, match="kind='broadcast'"):
         cost.Probe("broadcast", 8)
+
+
+def _probes_all_pairs_and_faults():
+    out = {}
+    for kind in cost.Probe.KINDS:
+        probe = cost.Probe(kind, 4096, all_pairs=True)
+        probe()
+        out[kind] = (probe.peer, probe.comm.bytes_sent if probe.comm else 0, probe.comm.bytes_received if probe.comm else 0)
+    ex = cost.exchange([1024, 4096], iterations=2, repeats=1, all_pairs=True)
+    faults = bc.page_faults(["all_gather"], {"all_gather": ["native", "ring"]}, 1 << 16, calls=2)
+    return out, ex, faults
+
+
+def test_all_pairs_probes_pair_every_rank_and_page_faults_are_counted():
+    res = workbench.launch(_probes_all_pairs_and_faults, 3, timeout=120)
+    (r0, ex0, f0), (r1, ex1, f1), (r2, ex2, f2) = res
+    assert r0 == {"exchange": (1, 4096, 4096), "one_way": (1, 4096, 0)}
+    assert r1 == {"exchange": (0, 4096, 4096), "one_way": (0, 0, 4096)}
+    assert r2 == {"exchange": (None, 0, 0), "one_way": (None, 0, 0)}  # odd rank out: no partner
+    assert ex0 == ex1 == ex2 and [n for n, _ in ex0] == [1024, 4096] and all(t > 0 for _, t in ex0)
+    assert f0 == f1 == f2 and [(f["collective"], f["algorithm"]) for f in f0] == [("all_gather", "native"),
+                                                                              ("all_gather", "ring")]
+    for f in f0:  # no timing figure asserted: counts are counts, times are positive
+        assert f["faults_per_call"] >= 0 and f["time_s"] > 0 and f["fault_s"] >= 0
+        assert f["faulting_s"] == pytest.approx(f["faults_per_call"] * f["fault_s"])
+        assert f["bytes"] == (1 << 16) // 12 * 12  # 3 ranks of whole float32 elements

@@ -159,3 +159,29 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="x", alpha=0.3)
     return fig
+
+
+def holdings(ax, rows: Sequence[Sequence[float | None] | None], title: str, highlight: Mapping[int, int] | None = None):
+    """Who holds what: one rank per row, one element per column, the value written in its cell
+    (``rows[r]`` is rank r's values; None or a None element: nothing held there). ``highlight``
+    ``{rank: column}`` outlines one cell per rank in red (e.g. the block a ring step sends)."""
+    import matplotlib.pyplot as plt
+
+    width = max((len(v) for v in rows if v), default=1)
+    for r, values in enumerate(rows):
+        for j in range(width):
+            held = values is not None and j < len(values) and values[j] is not None
+            edge = "crimson" if highlight and highlight.get(r) == j else "0.6"
+            ax.add_patch(plt.Rectangle((j, -r - 1), 1, 1, facecolor=f"C{j % 10}" if held else "white",
+                                       alpha=0.35 if held else 1.0, edgecolor=edge,
+                                       lw=2.5 if edge == "crimson" else 0.8))
+            if held:
+                ax.text(j + 0.5, -r - 0.5, f"{values[j]:g}", ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, width)
+    ax.set_ylim(-len(rows), 0)
+    ax.set_yticks([-r - 0.5 for r in range(len(rows))], [f"rank {r}" for r in range(len(rows))], fontsize=8)
+    ax.set_xticks([])
+    ax.set_title(title, fontsize=9)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    return ax

@@ -306,6 +306,73 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
     return rows
 
 
+def page_faults(collectives, algorithms, nbytes: int, *, calls: int = 10, placement: str = "in-place",
+                dtype: str = "float32") -> list[dict]:
+    """Minor page faults and seconds per call of each algorithm at one size; call on every rank.
+
+    A page fault is the kernel handing a process a fresh page of memory the first time it is
+    touched (a few hundred nanoseconds to a microsecond per 4 KiB page, zeroing included).
+    A collective that allocates its working buffers on every call, and whose allocator returns
+    them to the kernel between calls, pays a fault for every page of them on every call; one
+    that works in the caller's buffers, or keeps its own, pays none once warm. Counted for the
+    whole process (``getrusage``: gloo's own threads included) over ``calls`` calls after two
+    warm-up calls, for the rank with the most. Returns one row per (collective, algorithm):
+    ``faults_per_call``, ``time_s`` (the slowest rank's), ``fault_s`` (seconds per fault on
+    this machine, from :func:`fault_cost`) and ``faulting_s`` = faults x seconds per fault.
+    """
+    import resource
+
+    world = dist.get_world_size()
+    torch_dtype = DTYPES[dtype]
+    esize = torch.tensor([], dtype=torch_dtype).element_size()
+    per_fault = _common.max_over_ranks(fault_cost())
+    rows = []
+    for collective in collectives:
+        numel, reported = counts(collective, nbytes, world, esize)
+        case = _make_case(collective, numel, placement, torch_dtype)
+        for a in algorithms[collective]:
+            for _ in range(2):  # warm-up: connections, first-touch of the caller's buffers
+                case.call(a)
+            dist.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            seconds = _common.timed(lambda: case.call(a), calls)
+            faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+            faults = _common.max_over_ranks(faults)
+            rows.append({"collective": collective, "algorithm": a, "bytes": reported, "placement": placement,
+                         "faults_per_call": faults, "time_s": _common.max_over_ranks(seconds),
+                         "fault_s": per_fault, "faulting_s": faults * per_fault})
+    return rows
+
+
+def fault_cost(nbytes: int = 64 << 20) -> float:
+    """Seconds per minor page fault on this machine: the first touch of a fresh ``nbytes`` buffer
+    (``mmap``-backed at this size, so every page faults) less a second touch of the same pages,
+    divided by the faults counted. Timed in this thread's CPU time (``time.thread_time``, kernel
+    time included), one intra-op thread, so that other processes' load does not count."""
+    import resource
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    samples = []
+    try:
+        for _ in range(3):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.thread_time()
+            buf.fill_(1)
+            first = time.thread_time() - start
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            start = time.thread_time()
+            buf.fill_(2)
+            second = time.thread_time() - start
+            del buf
+            if faults > 0:
+                samples.append(max(first - second, 0.0) / faults)
+    finally:
+        torch.set_num_threads(threads)
+    return _common.median(samples) if samples else 0.0
+
+
 def _rank_main(config: dict) -> dict:
     from workbench.comm import cost
 
@@ -415,15 +482,17 @@ def speedup_table(rows: list[dict], fast: str = "hierarchical", slow: str = "rin
                                                       "medians) and predicted by the cost model")
 
 
-def plot(rows: list[dict], path, placement: str = "in-place"):
-    """busbw against size (log x), one panel per collective, one line per algorithm."""
+def plot(rows: list[dict], path, placement: str = "in-place", cols: int = 2):
+    """busbw against size (log x), one panel per collective (``cols`` per row), one line per algorithm."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
+    if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1:
+        raise ValueError(f"cols={cols!r} must be a whole number of panels per row, at least 1")
     collectives = [c for c in COLLECTIVES if any(r["collective"] == c for r in rows)]
-    cols = min(len(collectives), 4) or 1
+    cols = min(len(collectives), cols) or 1
     nrows = math.ceil(len(collectives) / cols) or 1
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.0 * cols, 4.2 * nrows), squeeze=False)
     for ax, c in zip(axes.flat, collectives):
         algs = list(dict.fromkeys(r["algorithm"] for r in rows if r["collective"] == c))
         for a in algs:
@@ -437,10 +506,11 @@ def plot(rows: list[dict], path, placement: str = "in-place"):
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=9)
     for ax in list(axes.flat)[len(collectives):]:
         ax.axis("off")
-    fig.suptitle(f"busbw, {placement}, median of trials", fontsize=10)
+    fig.suptitle(f"busbw, {placement}, median of trials", fontsize=12)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)

@@ -92,6 +92,13 @@ the sizes each swept size sends *inside the same interleaved trials* as the coll
 (:class:`Probe`), so that the curves and the measurements they are compared with share the
 machine's mood of the moment (:func:`with_curves`).
 
+More ranks than cores: the probes above run between ranks 0 and 1 while the others wait, but
+in a ring or recursive-doubling step *every* rank sends and receives at once. With 4 ranks on 2
+cores each message then gets about half a core at each end, and curves timed by one pair alone
+predict a 4-rank collective too fast by about that share. ``fit(..., all_pairs=True)`` (and
+``Probe(..., all_pairs=True)``) times the exchange and the stream with every pair of ranks
+(2k, 2k+1) stepping at once, on the ranks the collective will run on.
+
 Still, no curve knows about caches filled by the collective's own buffers, nor about two
 messages overlapping inside one algorithm: :func:`compare` shows how far off the model is, size
 by size.
@@ -538,17 +545,18 @@ def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _time_pair(sizes, make, messages: int, *, iterations: int, budget_bytes: int, repeats: int,
-               group) -> list[tuple[int, float]]:
+               group, all_pairs: bool = False) -> list[tuple[int, float]]:
     """Seconds per message of ``make(bytes)()`` (a step between ranks 0 and 1, called on every rank).
 
     A step carries ``messages`` messages per call on each of ranks 0 and 1. Each size is timed
     ``repeats`` times after one warm-up round (connections, page faults); each of ranks 0 and 1
     keeps its median and the larger of the two is returned on every rank (a receiver finishes
-    after its sender). Other ranks only take part in the barriers and the maximum.
+    after its sender). Other ranks only take part in the barriers and the maximum, unless
+    ``all_pairs`` (every rank steps with its partner, and the slowest pair counts).
     """
     import torch.distributed as dist
 
-    active = dist.get_rank(group) in (0, 1)
+    active = all_pairs or dist.get_rank(group) in (0, 1)
     out = []
     for nbytes in sizes:
         step = make(nbytes)
@@ -600,7 +608,7 @@ def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 
 
 
 def stream(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
-           repeats: int = 3, group=None) -> list[tuple[int, float]]:
+           repeats: int = 3, group=None, all_pairs: bool = False) -> list[tuple[int, float]]:
     """Time ``(bytes, seconds)`` per message of rank 0 sending to rank 1 back to back (call on every rank).
 
     Unlike the ping-pong, nobody waits for an answer, but each receive is posted only when the
@@ -610,20 +618,23 @@ def stream(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32
     (broadcast, reduce, scatter, gather, folds) are priced from this curve. (:class:`Probe`
     ``"one_way"``, timed on its own.)
     """
-    return _time_pair(sizes, lambda n: Probe("one_way", n, group), 1, iterations=iterations,
-                      budget_bytes=budget_bytes, repeats=repeats, group=group)
+    return _time_pair(sizes, lambda n: Probe("one_way", n, group, all_pairs=all_pairs), 1,
+                      iterations=iterations, budget_bytes=budget_bytes, repeats=repeats, group=group,
+                      all_pairs=all_pairs)
 
 
 def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
-             repeats: int = 3, group=None) -> list[tuple[int, float]]:
+             repeats: int = 3, group=None, all_pairs: bool = False) -> list[tuple[int, float]]:
     """Time ``(bytes, seconds)`` of ranks 0 and 1 swapping ``bytes`` at once (call on every rank).
 
     Both post a receive and a send, then wait for both: one step of a ring or of recursive
     doubling on two ranks. Its slope is ``beta_duplex``, its intercept ``alpha_duplex``.
-    (:class:`Probe` ``"exchange"``, timed on its own.)
+    (:class:`Probe` ``"exchange"``, timed on its own.) ``all_pairs``: every pair of ranks
+    (2k, 2k+1) exchanges at the same time, as in a collective's step on more than two ranks.
     """
-    return _time_pair(sizes, lambda n: Probe("exchange", n, group), 1, iterations=iterations,
-                      budget_bytes=budget_bytes, repeats=repeats, group=group)
+    return _time_pair(sizes, lambda n: Probe("exchange", n, group, all_pairs=all_pairs), 1,
+                      iterations=iterations, budget_bytes=budget_bytes, repeats=repeats, group=group,
+                      all_pairs=all_pairs)
 
 
 class Probe:
@@ -631,23 +642,32 @@ class Probe:
 
     ``kind="exchange"``: both swap ``nbytes`` (a ring or recursive-doubling step);
     ``kind="one_way"``: rank 0 sends, rank 1 receives (a stream message, a tree step). Other
-    ranks do nothing. ``workbench bench collectives`` times probes in the same interleaved trials
-    as the collectives, so the measured curves (``CostModel.tables``) it predicts them with were
-    taken under the same conditions, not a minute earlier or later.
+    ranks do nothing, unless ``all_pairs``: then every even rank 2k does the same with 2k+1 at
+    the same time, as every rank of a ring or recursive-doubling step does. Where ranks
+    outnumber cores, that is what a step of a collective costs: the pairs share the cores.
+    ``workbench bench collectives`` times probes in the same interleaved trials as the
+    collectives, so the measured curves (``CostModel.tables``) it predicts them with were taken
+    under the same conditions, not a minute earlier or later.
     """
 
     KINDS = ("exchange", "one_way")
 
-    def __init__(self, kind: str, nbytes: int, group=None) -> None:
+    def __init__(self, kind: str, nbytes: int, group=None, *, all_pairs: bool = False) -> None:
         from workbench.comm.group import Comm, resolve_group
 
         if kind not in self.KINDS:
             raise ValueError(f"kind={kind!r} is not a probe: use one of {self.KINDS}")
         self.kind, self.nbytes = kind, int(nbytes)
         view = resolve_group(group)
-        self.peer = {0: 1, 1: 0}.get(view.rank) if view is not None else None
+        if view is None:
+            self.peer = None
+        elif all_pairs:  # ranks 2k and 2k+1 pair up, all at once (an odd rank out does nothing)
+            peer = view.rank ^ 1
+            self.peer = peer if peer < view.size else None
+        else:
+            self.peer = {0: 1, 1: 0}.get(view.rank)
         self.comm = Comm(view) if self.peer is not None else None  # the algorithms' own message layer
-        self.first = self.peer == 1
+        self.first = self.peer is not None and self.peer > view.rank
         size = max(self.nbytes, 1) if self.peer is not None else 0
         self.x = torch.zeros(size, dtype=torch.uint8)
         self.y = torch.empty_like(self.x)
@@ -758,14 +778,17 @@ DEFAULT_EXCHANGE_SIZES = tuple(8192 << k for k in range(14))  # 8 KiB .. 64 MiB:
 def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
         reduction_sizes: Sequence[int] = DEFAULT_REDUCTION_SIZES,
         exchange_sizes: Sequence[int] | None = DEFAULT_EXCHANGE_SIZES, *, copies: bool = True,
-        curves: bool = True, group=None) -> dict:
+        curves: bool = True, all_pairs: bool = False, group=None) -> dict:
     """Fit alpha, beta, gamma (and alpha_duplex, beta_duplex, delta) on this machine; call on every rank.
 
     Returns ``{"model": CostModel, "pingpong": [(bytes, s)], "exchange": [(bytes, s)],
     "reduction": [(bytes, s)], "copy": [(bytes, s)]}``, the same on every rank (rank 0's
     measurements, broadcast). ``exchange_sizes=None`` leaves ``alpha_duplex`` and ``beta_duplex``
     None, ``copies=False`` leaves ``delta`` None and ``curves=False`` keeps only the straight
-    lines (no measured curves): all three give the textbook model.
+    lines (no measured curves): all three give the textbook model. ``all_pairs``: the exchange
+    and the stream are timed with every pair of ranks (2k, 2k+1) stepping at once (see
+    :class:`Probe`), which is what a collective's step costs when the ranks outnumber the cores;
+    the ping-pong (alpha, beta) stays one pair's.
     """
     import torch.distributed as dist
 
@@ -773,7 +796,8 @@ def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
     # machine's occasional slow call as often as a collective does
     pp = pingpong(pingpong_sizes, iterations=50, repeats=7, group=group)
     alpha, beta = fit_line(pp)
-    ex = exchange(exchange_sizes, iterations=50, repeats=7, group=group) if exchange_sizes else []
+    ex = (exchange(exchange_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs)
+          if exchange_sizes else [])
     alpha_duplex, beta_duplex = fit_line(ex) if ex else (None, None)
     root = dist.get_global_rank(group, 0) if group is not None else 0
     red = _from_rank0(reduction_time(reduction_sizes), root, group)
@@ -783,7 +807,7 @@ def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
     delta = fit_line(big_copies if len(big_copies) >= 2 else cp)[1] if cp else None
     tables, st = None, []
     if curves:
-        st = stream(pingpong_sizes, iterations=50, repeats=7, group=group)
+        st = stream(pingpong_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs)
         tables = {"one_way": st, "reduction": red}
         if ex:
             tables["exchange"] = ex
