@@ -16,7 +16,9 @@ on micro-batch 0, stage 0 can already start micro-batch 1: that overlap is the w
 Who does what when is the *schedule* (:mod:`workbench.parallel.pipeline_schedules`): a list of
 actions per rank, built before the run (``schedule.actions``) and run here by ONE interpreter,
 whatever the schedule. After ``step()``, ``schedule.timeline`` holds the measured start and end
-of every action of every rank (gathered to every rank), which the same plot draws.
+of every action of every rank (gathered to every rank), which the same plot draws. The ranks
+start a step together (a 4-byte all-reduce lines them up), so times on different ranks, each
+counted from its own start of the step, can be compared.
 
 Cost. Per step each boundary carries 2 m messages (m activations forward, m gradients back),
 ``2 x b x T x C x 4`` bytes in all for a float32 GPT, whatever m is. Idle time ("bubble")
@@ -342,6 +344,9 @@ class _Schedule:
         sends = []
         records = []
         compute_at = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
+        # line the ranks up (one 4-byte all-reduce), so that every rank's step starts together
+        # and the timelines of different ranks share their origin
+        comm.all_reduce(torch.zeros(1), group=group)
         t0 = time.perf_counter()
 
         def post(j: int) -> None:
@@ -529,6 +534,9 @@ class ScheduleInterleaved1F1B(_Schedule):
     multi = True
 
     def _chunks(self, n_local):
+        if n_local < 2:
+            raise ValueError(f"ScheduleInterleaved1F1B runs several stages per rank, got {n_local}: "
+                             "pass stages r, r+p, ... of this rank (or use Schedule1F1B for one)")
         return n_local
 
     def _check_microbatches(self, m, p):

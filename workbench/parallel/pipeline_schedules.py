@@ -24,7 +24,8 @@ phases the way papers and picotron do, so a reader can follow one rank through t
 ``zero_bubble_h1``  ZB-H1 (Qi et al. 2023) on one stage per rank: 1F1B's order with every
                  backward split into B and W; stage s defers its W by s steady-state slots, so
                  the B's (the critical path) run back-to-back through the cool-down and the W's
-                 fill the bubble. Same activation count as 1F1B.
+                 fill the bubble. Every stage keeps up to p micro-batches alive (a W frees them):
+                 1F1B's peak (its first stage's), now on every stage.
 ``zbv``          the V-shaped zero-bubble schedule: 2 stages per rank, rank r holding stages r
                  and 2p-1-r, so the first and last stages share rank 0 (same phases as torch's
                  ``ScheduleZBVZeroBubble``).
@@ -36,7 +37,7 @@ schedule           bubble                               first stage's live micro
 =================  ==================================  ====================================
 GPipe, 1F1B        (p-1) / (m + p - 1)                  m (GPipe), p (1F1B)
 interleaved (v)    (p-1) / (v m + p - 1), m >= p        see :func:`live_microbatches`
-ZB-H1              (p-1) / (3 m + p - 1)                p (as 1F1B)
+ZB-H1              (p-1) / (3 m + p - 1)                p (on every stage)
 ZBV (m >= 2p)      (p-1) / (6 m + p - 1)                2p chunk micro-batches (half a stage each)
 =================  ==================================  ====================================
 
@@ -107,8 +108,8 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
     ``p - s - 1`` forwards. Steady: F, B, and a W -- except that stage s holds back its first
     ``s`` W's (the last stage holds back the most), so the B's go up the pipeline one right after
     the other; cool-down: the remaining B's, each followed by one held-back W, then the rest.
-    A stage keeps a micro-batch's activations until its W, so the count alive peaks at ``p``,
-    the same as 1F1B.
+    A stage keeps a micro-batch's activations until its W, so the count alive on stage s is
+    ``(p - s) + s = p``: 1F1B's first-stage peak, on every stage.
     """
     ranks = []
     for s in range(p):
