@@ -21,6 +21,9 @@ all_gather         native, ring, recursive_doubling, bruck
 reduce_scatter     native, ring, recursive_halving
 =================  ========================================================================
 
+Point-to-point: ``send``, ``recv``, ``isend``, ``irecv`` (torch's signatures, ``p2p.py``), counted
+as ``("send", "native")`` etc.
+
 Every algorithm works for every group size (recursive doubling/halving fold non-powers of two
 in and out), every tensor size (uneven, smaller than the group, empty), ``ReduceOp`` SUM,
 PRODUCT, MIN, MAX and AVG (floating point only, as a SUM then a division), the dtypes gloo
@@ -52,6 +55,7 @@ from workbench.comm.all_reduce import ALGORITHMS as _ALL_REDUCE, all_reduce
 from workbench.comm.broadcast import ALGORITHMS as _BROADCAST, broadcast
 from workbench.comm.counters import Counters, Stat, counters
 from workbench.comm.ops import ReduceOp
+from workbench.comm.p2p import irecv, isend, recv, send
 from workbench.comm.reduce import ALGORITHMS as _REDUCE, reduce
 from workbench.comm.reduce_scatter import ALGORITHMS as _REDUCE_SCATTER, reduce_scatter
 from workbench.comm.scatter_gather import GATHER_ALGORITHMS as _GATHER, SCATTER_ALGORITHMS as _SCATTER
@@ -68,5 +72,5 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": tuple(_REDUCE_SCATTER),
 }
 
-__all__ = ["broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter",
+__all__ = ["send", "recv", "isend", "irecv", "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter",
            "ALGORITHMS", "ReduceOp", "counters", "Counters", "Stat", "Work"]

@@ -93,18 +93,21 @@ class Comm:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
-        """Receive from ``peer``. Messages with the same (peer, tag) match in posting order."""
+    def irecv(self, tensor: torch.Tensor, peer: int | None, tag: int = 0):
+        """Receive from ``peer`` (None: from any rank of the group). Messages with the same
+        (peer, tag) match in posting order."""
         if tensor.numel() == 0:
             return _Done()
         self.bytes_received += tensor.numel() * tensor.element_size()
+        if peer is None:
+            return dist.irecv(tensor, group=self.pg, tag=tag)
         return dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag)
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
-        self.isend(tensor, peer).wait()
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.isend(tensor, peer, tag).wait()
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> None:
-        self.irecv(tensor, peer).wait()
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.irecv(tensor, peer, tag).wait()
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         """Send to ``dst`` and receive from ``src`` at the same time (both posted, then waited)."""
