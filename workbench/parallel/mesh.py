@@ -60,7 +60,8 @@ from workbench.comm.group import resolve_group
 
 __all__ = ["Mesh", "layout", "parallelize", "ParallelModel", "DIMS", "SCHEDULES"]
 
-DIMS = ("pp", "dp", "tp")  # the grid's axes, outermost first (Megatron's order)
+DIMS = ("pp", "dp", "tp")
+_TIE_TAG = 1 << 24  # tags of the ZeRO-3 tied-gradient swap between the first and the last stage  # the grid's axes, outermost first (Megatron's order)
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -231,9 +232,37 @@ class ParallelModel(nn.Module):
             ddp.synchronize_accumulated_gradients()
         else:
             self.schedule.step(*args, target=target, losses=losses)
+        if self._sharded_ties:
+            self._sum_sharded_ties()
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=self._loss_dtype(), device=x.device)
         comm.broadcast(loss, group=self.mesh.group("pp"), group_src=p - 1)  # the last stage's, to every stage
         return loss
+
+    @torch.no_grad()
+    def _sum_sharded_ties(self) -> None:
+        """ZeRO-3's version of the pipeline's tied-gradient sum: the tied embedding's gradient is
+        a slice of a flat unit sharded over ``dp``, laid out differently on the first and the last
+        stage. Gather the unit's averaged gradient over ``dp``, swap the tied slice with the other
+        stage's rank of the same ``(dp, tp)``, add, and keep this rank's shard of the sum."""
+        fsdp = self.module
+        fsdp.finish_gradient_synchronization()
+        pp_group = self.mesh.group("pp")
+        for k, (name, (_, holders)) in enumerate(sorted(self._sharded_ties.items())):
+            unit, i = next((u, i) for u in fsdp.units for i, uses in enumerate(u.uses)
+                           if any(n == name for _, _, n in uses))
+            if unit.shard.grad is None:
+                unit.shard.grad = torch.zeros_like(unit.shard)
+            full = torch.empty(unit.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
+            comm.all_gather(list(full.chunk(unit.world)), unit.shard.grad, group=fsdp.process_group)
+            mine = full[unit.offsets[i]:unit.offsets[i] + unit.numels[i]]
+            peer = next(h for h in holders if h != self.mesh.coords["pp"])
+            theirs = torch.empty_like(mine)
+            works = [comm.irecv(theirs, group=pp_group, group_src=peer, tag=_TIE_TAG + k),
+                     comm.isend(mine.clone(), group=pp_group, group_dst=peer, tag=_TIE_TAG + k)]
+            for w in works:
+                w.wait()
+            mine += theirs
+            unit.shard.grad.copy_(full.chunk(unit.world)[fsdp.rank])
 
     def _loss_dtype(self) -> torch.dtype:
         return next(iter(self._shapes.values()))[1]
@@ -336,10 +365,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         raise ValueError(f"parallelize: pp={pp} stages but the model has {len(model.blocks)} blocks; each stage "
                          "needs one: use a smaller pp or a deeper model")
     tied = model.lm_head.weight is model.wte.weight
-    if pp > 1 and tied and zero_stage in (2, 3):
-        raise ValueError(f"parallelize: zero_stage={zero_stage} with pp > 1 and a tied embedding is not supported "
-                         "(its gradient is sharded before the first and last stage can add their halves); "
-                         "use zero_stage=0 or 1, or GPTConfig(tie_weights=False)")
+    if pp > 1 and tied and zero_stage == 2 and dp > 1:
+        raise ValueError("parallelize: zero_stage=2 with pp > 1 and a tied embedding is not supported (ZeRO-2 "
+                         "frees each gradient during backward, before the first and last stage can add their "
+                         "halves of the tied one); use zero_stage=1 or 3, or GPTConfig(tie_weights=False)")
     make_optimizer = _optimizer_factory(optimizer_cls, optimizer_kwargs)
 
     model = model.to(runtime.device())
@@ -371,6 +400,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     marks = {name: {a: getattr(p, a, None) for a in ("_tp_dim", "_tp_chunks", "_tp_vocab")}
              for name, p in stage_module.named_parameters(remove_duplicate=False)}
 
+    # the tied tensors, under this stage's name for them (the last stage calls wte.weight lm_head.weight)
+    ties = {_name_in(stage_module, name): (None, holders)
+            for name, (_, holders) in getattr(stage_module, "shared_parameters", {}).items()}
+
     # 3. data parallelism over dp, on this rank's stage
     wrapped = stage_module
     if dp > 1 and zero_stage == 0:
@@ -384,7 +417,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
                                      process_group=mesh.group("dp"), shard_gradients=zero_stage == 2)
     else:
         optimizer = make_optimizer(stage_module.parameters())
-    if wrapped is not stage_module and hasattr(stage_module, "shared_parameters"):
+    sharded_ties = {}
+    if isinstance(wrapped, FullyShardedDataParallel):  # FSDP replaced the parameters: mesh sums the ties
+        sharded_ties = ties
+    elif wrapped is not stage_module and hasattr(stage_module, "shared_parameters"):
         wrapped.shared_parameters = stage_module.shared_parameters  # the pipeline sums tied gradients by it
 
     pipeline = None
@@ -401,4 +437,15 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     out = ParallelModel(wrapped, optimizer, mesh, zero_stage=zero_stage, schedule=pipeline,
                         stage_module=stage_module, owners=owners, shapes=shapes, tp_info=tp_info)
     out._stage_module_marks = marks
+    out._sharded_ties = sharded_ties
     return out
+
+
+def _name_in(module: nn.Module, name: str) -> str:
+    """The first name under which ``module`` holds the parameter another module calls ``name``
+    (the shared-parameter entries of a stage name the tensor as the first stage does)."""
+    param = dict(module.named_parameters(remove_duplicate=False)).get(name)
+    if param is not None:
+        return name
+    shared = module.shared_parameters[name][0]
+    return next(n for n, p in module.named_parameters(remove_duplicate=False) if p is shared)
