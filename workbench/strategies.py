@@ -28,7 +28,9 @@ so whatever a data-parallel strategy does (all-reducing gradients, sharding opti
 gathering parameters) happens inside the wrapped model's forward/backward and the optimizer's
 step. ``distributed=False`` means one process trains on the whole global batch (the reference).
 ``world_size`` pins the number of ranks a strategy needs (a 2 x 2 mesh needs 4), whatever
-``--world-size`` says; None uses ``--world-size``.
+``--world-size`` says; None uses ``--world-size``. ``default=False`` leaves a strategy out of a
+``workbench compare`` run that names none (one too slow for every run, e.g. 8 ranks on 2 cores);
+``--strategies NAME`` still runs it.
 
 Adding a strategy is one call, typically at the end of the module that implements it::
 
@@ -95,7 +97,8 @@ class Strategy:
     report. ``distributed``: False for one process on the whole global batch, True for several
     ranks. ``wrap(model, make_optimizer) -> (model, optimizer)``. ``batch``, ``step`` and
     ``global_loss``: see the module docstring (defaults: data parallelism). ``world_size``: the
-    ranks this strategy needs, or None for the command line's ``--world-size``.
+    ranks this strategy needs, or None for the command line's ``--world-size``. ``default``: whether
+    ``workbench compare`` without ``--strategies`` runs it.
     """
 
     name: str
@@ -107,6 +110,7 @@ class Strategy:
         data_parallel_step
     global_loss: Callable[[Optional[torch.Tensor], int], float] = mean_over_ranks
     world_size: Optional[int] = None
+    default: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() or c == "," for c in self.name):
@@ -123,6 +127,8 @@ class Strategy:
                                             or self.world_size < 1):
             raise ValueError(f"Strategy {self.name!r}: world_size={self.world_size!r} must be a whole number >= 1 "
                              "or None (use --world-size)")
+        if not isinstance(self.default, bool):
+            raise TypeError(f"Strategy {self.name!r}: default={self.default!r} must be True or False")
         if not self.distributed and self.world_size not in (None, 1):
             raise ValueError(f"Strategy {self.name!r}: distributed=False trains in one process, so "
                              f"world_size={self.world_size} must be 1 or None")
