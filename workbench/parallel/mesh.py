@@ -449,3 +449,34 @@ def _name_in(module: nn.Module, name: str) -> str:
         return name
     shared = module.shared_parameters[name][0]
     return next(n for n, p in module.named_parameters(remove_duplicate=False) if p is shared)
+
+
+# ==================================================================================== workbench compare
+
+def _wrap_mesh(dp: int, tp: int, pp: int, zero_stage: int):
+    """A strategy of the registry: the mesh over all ranks of the launch, the optimizer the loop gives."""
+    def wrap(model: nn.Module, make_optimizer):
+        trained = parallelize(model, Mesh(dp=dp, tp=tp, pp=pp), zero_stage=zero_stage,
+                              optimizer_cls=lambda params: make_optimizer(params))
+        return trained, trained.optimizer
+    return wrap
+
+
+def _mesh_step(model: ParallelModel, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mesh takes the whole global batch and returns its mean loss on every rank."""
+    return model.step(x, y)
+
+
+def _register() -> None:
+    from workbench import strategies
+
+    common = dict(batch=strategies.whole_batch, step=_mesh_step, global_loss=strategies.same_on_every_rank)
+    strategies.register(strategies.Strategy(
+        "2d", "ours: mesh dp=2 x tp=2 (4 ranks): tensor parallelism inside pairs of adjacent ranks, DDP across "
+        "them", True, _wrap_mesh(2, 2, 1, 0), world_size=4, **common))
+    strategies.register(strategies.Strategy(
+        "3d", "ours: mesh dp=2 x tp=2 x pp=2 (8 ranks): 1F1B over 2 stages of tensor-parallel pairs, ZeRO-1 "
+        "across replicas", True, _wrap_mesh(2, 2, 2, 1), world_size=8, default=False, **common))
+
+
+_register()
