@@ -148,3 +148,19 @@ def _errors_rank() -> list[str]:
 def test_bad_input():
     preload()
     _check(workbench.launch(_errors_rank, world_size=4, timeout=120))
+
+
+def test_grid_figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from workbench import plots
+
+    fig = plots.mesh_grid(layout(dp=2, tp=2, pp=2))
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert sorted(t for t in texts if t.startswith("rank ")) == [f"rank {r}" for r in range(8)]
+    assert "pipeline stage 1" in texts and "dp1 tp0" in texts
+    assert {"tp group", "dp group"} <= set(fig.axes[0].get_legend_handles_labels()[1])
+    plt.close(fig)

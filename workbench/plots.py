@@ -159,3 +159,58 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="x", alpha=0.3)
     return fig
+
+
+def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
+    """The ranks of a 3D mesh and the groups they form (``workbench.parallel.mesh.layout(dp, tp, pp)``).
+
+    ``layout["grid"]`` is the ``(pp, dp, tp)`` array of ranks (a tensor or nested lists). Each
+    pipeline stage is a panel of ``dp`` rows by ``tp`` columns; a tensor-parallel group is a row
+    (solid box: adjacent ranks, one node's fast links), a data-parallel group a column within a
+    stage (dashed box), and a pipeline group the cells at the same place in every stage (arrows
+    from stage to stage).
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+    grid = layout["grid"]
+    grid = grid.tolist() if hasattr(grid, "tolist") else [list(map(list, stage)) for stage in grid]
+    pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    fig, ax = _axes(ax, figsize=(1.6 + 1.3 * pp * (tp + 0.8), 1.4 + 1.0 * dp))
+    colors = {"tp": "#4c72b0", "dp": "#dd8452", "pp": "#55a868"}
+    gap = 1.0  # empty columns between stages
+
+    def x_of(p: int, t: int) -> float:
+        return p * (tp + gap) + t
+
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                ax.add_patch(FancyBboxPatch((x_of(p, t) - 0.32, -d - 0.32), 0.64, 0.64,
+                                            boxstyle="round,pad=0.02", facecolor="white", edgecolor="black", zorder=2))
+                ax.text(x_of(p, t), -d + 0.06, f"rank {grid[p][d][t]}", ha="center", va="center", fontsize=9)
+                ax.text(x_of(p, t), -d - 0.16, f"dp{d} tp{t}", ha="center", va="center", fontsize=6, color="0.4")
+            ax.add_patch(FancyBboxPatch((x_of(p, 0) - 0.42, -d - 0.42), tp - 1 + 0.84, 0.84,
+                                        boxstyle="round,pad=0.02", fill=False, edgecolor=colors["tp"], linewidth=2,
+                                        label="tp group" if p == d == 0 else None))
+        for t in range(tp):
+            ax.add_patch(FancyBboxPatch((x_of(p, t) - 0.47, -(dp - 1) - 0.47), 0.94, dp - 1 + 0.94,
+                                        boxstyle="round,pad=0.02", fill=False, edgecolor=colors["dp"], linewidth=1.5,
+                                        linestyle="--", label="dp group" if p == t == 0 else None))
+        ax.text(x_of(p, (tp - 1) / 2), 0.75, f"pipeline stage {p}", ha="center", fontsize=10)
+        if p + 1 < pp:
+            for d in range(dp):
+                for t in range(tp):
+                    ax.annotate("", xy=(x_of(p + 1, t) - 0.2, -d + 0.32), xytext=(x_of(p, t) + 0.2, -d + 0.32),
+                                arrowprops=dict(arrowstyle="->", color=colors["pp"], alpha=0.8, linewidth=1.5,
+                                                connectionstyle=f"arc3,rad={-0.15 - 0.1 * t}"), zorder=1)
+    ax.plot([], [], color=colors["pp"], label="pp group (same place, every stage)")
+    ax.set_xlim(-0.7, x_of(pp - 1, tp - 1) + 0.7)
+    ax.set_ylim(-dp + 0.3, 1.2)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title or f"Mesh dp={dp} x tp={tp} x pp={pp}: rank = (pp x {dp} + dp) x {tp} + tp")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+__all__.append("mesh_grid")
