@@ -78,3 +78,45 @@ def test_train_config_errors():
         TrainConfig(model="large")
     with pytest.raises(ValueError, match="steps=0"):
         TrainConfig(steps=0)
+
+
+def test_strategy_fields_reach_the_loop():
+    """A strategy that is not data parallel: every rank trains an unsynchronised replica on the
+    *whole* batch (``batch=whole_batch``) with its own step function. Each rank then does exactly
+    what the single process does, so the global loss equals the reference's step for step, and
+    throughput counts the global batch's tokens once, not once per rank."""
+    import workbench
+    from workbench.train import train
+
+    calls = []
+
+    def step(model, optimizer, x, y):
+        calls.append(tuple(x.shape))
+        return strategies.data_parallel_step(model, optimizer, x, y)
+
+    replicated = strategies.Strategy("replicated-test", "replicas on the whole batch, no sync", True,
+                                     strategies.get("single").wrap, batch=strategies.whole_batch, step=step,
+                                     world_size=2)
+    assert replicated.ranks(8) == 2 and strategies.get("ddp").ranks(8) == 8 and strategies.get("single").ranks(8) == 1
+    config = TrainConfig(model="tiny", steps=3, batch_size=4, memory_step=None)
+
+    def run():
+        record = train(replicated, config)
+        return record, calls
+
+    ranks = workbench.launch(run, world_size=2)
+    single = workbench.launch(train, world_size=1, args=("single", config))[0]
+    for record, seen in ranks:
+        assert seen == [(4, config.sequence_length)] * 3  # the whole global batch on every rank
+        assert max(abs(a - b) for a, b in zip(record["losses"], single["losses"])) < 1e-6
+        assert record["tokens_per_step"] == single["tokens_per_step"] == 4 * config.sequence_length
+
+
+def test_strategy_field_errors():
+    wrap = strategies.get("single").wrap
+    with pytest.raises(TypeError, match="step=3 must be a callable step"):
+        strategies.Strategy("s", "", True, wrap, step=3)
+    with pytest.raises(ValueError, match="world_size=0 must be a whole number >= 1"):
+        strategies.Strategy("s", "", True, wrap, world_size=0)
+    with pytest.raises(ValueError, match="distributed=False trains in one process"):
+        strategies.Strategy("s", "", False, wrap, world_size=2)

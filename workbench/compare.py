@@ -96,7 +96,8 @@ def run(config: TrainConfig, names: list[str] | None = None, world_size: int = 2
     preload()  # imports and the tokenized corpus, inherited by every forked rank
     rows, reference = [], None
     for i, strategy in enumerate(chosen):
-        n = world_size if strategy.distributed else 1
+        n = strategy.ranks(world_size)
+        config.check_world_size(n)
         log(f"[{i + 1}/{len(chosen)}] {strategy.name} on {n} rank(s): {strategy.description}")
         result = workbench.launch(train, world_size=n, args=(strategy.name, config), timeout=timeout)
         row = summarize(list(result), reference)

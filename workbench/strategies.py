@@ -1,24 +1,39 @@
 """The registry of training strategies that ``workbench compare`` runs side by side.
 
-A strategy is one way of spreading the same training over ranks. It is described by a
-:class:`Strategy` whose ``wrap(model, make_optimizer)`` is called inside every rank on an
-identically initialised model and returns the ``(model, optimizer)`` pair the common training
-loop (:mod:`workbench.train`) drives, unchanged for every strategy::
+A strategy is one way of spreading the same training over ranks. The common training loop
+(:mod:`workbench.train`) asks it three questions, and never special-cases one:
+
+1. **How is the model wrapped?** ``wrap(model, make_optimizer) -> (model, optimizer)`` is called
+   inside every rank on an identically initialised model.
+2. **How does the global batch reach this rank?** ``batch(x, y, rank, world_size) -> (x, y)``.
+   Data parallelism keeps rank r's rows of the global batch (:func:`shard_rows`, the default);
+   tensor-parallel ranks all see the whole batch (:func:`whole_batch`); a pipeline feeds the
+   inputs to its first stage and the targets to its last; a mesh does all three.
+3. **How does one step run?** ``step(model, optimizer, x, y) -> loss`` runs forward, backward
+   and the optimizer update (the loop then measures the model state and zeroes the gradients), and
+   returns this rank's loss tensor, or None on a rank that computes no loss (a pipeline's middle
+   stages). ``global_loss(loss, world_size) -> float`` turns the ranks' losses into the loss of
+   the global batch, the same number on every rank (every rank must call it: it may communicate).
+
+The defaults are data parallelism's answers::
 
     model, optimizer = strategy.wrap(model, make_optimizer)
     for step in range(steps):
-        _, loss = model(x_shard, y_shard)          # this rank's slice of the global batch
-        loss.backward()
-        optimizer.step()
+        x, y = strategy.batch(*global_batch(step), rank, world_size)   # shard_rows
+        loss = strategy.step(model, optimizer, x, y)                    # data_parallel_step
         optimizer.zero_grad()
+        report(strategy.global_loss(loss, world_size))                  # mean_over_ranks
 
-so whatever a strategy does (all-reducing gradients, sharding optimizer state, gathering
-parameters) happens inside the wrapped model's forward/backward and the optimizer's step.
-``distributed=False`` means one process trains on the whole global batch (the reference).
+so whatever a data-parallel strategy does (all-reducing gradients, sharding optimizer state,
+gathering parameters) happens inside the wrapped model's forward/backward and the optimizer's
+step. ``distributed=False`` means one process trains on the whole global batch (the reference).
+``world_size`` pins the number of ranks a strategy needs (a 2 x 2 mesh needs 4), whatever
+``--world-size`` says; None uses ``--world-size``.
 
 Adding a strategy is one call, typically at the end of the module that implements it::
 
     register(Strategy("zero1", "ZeRO-1: optimizer state sharded", True, wrap_zero1))
+    register(Strategy("tp", "tensor parallel", True, wrap_tp, batch=whole_batch))
 
 Built in: ``single`` (the reference), and PyTorch's own ``torch-ddp`` and ``torch-fsdp``, so
 every strategy of ours is measured beside PyTorch's in the same table.
@@ -26,14 +41,50 @@ every strategy of ours is measured beside PyTorch's in the same table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["Strategy", "OptimizerFactory", "register", "get", "names", "all_strategies"]
+__all__ = ["Strategy", "OptimizerFactory", "register", "get", "names", "all_strategies",
+           "shard_rows", "whole_batch", "data_parallel_step", "mean_over_ranks"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+# ------------------------------------------------------------- the loop's questions, answered for DP
+
+def shard_rows(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data parallelism: rank r keeps rows ``[r B/N, (r+1) B/N)`` of the global batch."""
+    from workbench.data import shard_batch
+
+    return tuple(shard_batch((x, y), rank, world_size))
+
+
+def whole_batch(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Model parallelism (tensor, pipeline): every rank receives the whole global batch."""
+    return x, y
+
+
+def data_parallel_step(model: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                       y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward, update: ``model(x, y) -> (logits, loss)``. Returns this rank's loss."""
+    _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def mean_over_ranks(loss: Optional[torch.Tensor], world_size: int) -> float:
+    """The global batch's mean loss when every rank holds the mean over an equal share of it:
+    the ranks' losses all-reduced and divided by N (bookkeeping outside the timed step, so it
+    calls ``torch.distributed`` directly)."""
+    if world_size == 1 or not dist.is_initialized():
+        return float(loss)
+    value = loss.detach().clone().float()
+    dist.all_reduce(value)
+    return float(value) / world_size
 
 
 @dataclass
@@ -41,22 +92,46 @@ class Strategy:
     """One entry of the registry.
 
     ``name``: what ``--strategies`` and the report call it. ``description``: one line for the
-    report. ``distributed``: False for one process on the whole global batch, True for one
-    process per rank on its shard. ``wrap(model, make_optimizer) -> (model, optimizer)``.
+    report. ``distributed``: False for one process on the whole global batch, True for several
+    ranks. ``wrap(model, make_optimizer) -> (model, optimizer)``. ``batch``, ``step`` and
+    ``global_loss``: see the module docstring (defaults: data parallelism). ``world_size``: the
+    ranks this strategy needs, or None for the command line's ``--world-size``.
     """
 
     name: str
     description: str
     distributed: bool
-    wrap: Callable[[nn.Module, OptimizerFactory], tuple[nn.Module, torch.optim.Optimizer]]
+    wrap: Callable[[nn.Module, OptimizerFactory], tuple[Any, torch.optim.Optimizer]]
+    batch: Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]] = shard_rows
+    step: Callable[[Any, torch.optim.Optimizer, torch.Tensor, torch.Tensor], Optional[torch.Tensor]] = \
+        data_parallel_step
+    global_loss: Callable[[Optional[torch.Tensor], int], float] = mean_over_ranks
+    world_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() or c == "," for c in self.name):
             raise ValueError(f"Strategy name={self.name!r} must be a non-empty string without spaces or "
                              "commas (it is typed on the command line), e.g. 'zero1'")
-        if not callable(self.wrap):
-            raise TypeError(f"Strategy {self.name!r}: wrap={self.wrap!r} must be a callable "
-                            "wrap(model, make_optimizer) -> (model, optimizer)")
+        for field, signature in (("wrap", "wrap(model, make_optimizer) -> (model, optimizer)"),
+                                 ("batch", "batch(x, y, rank, world_size) -> (x, y)"),
+                                 ("step", "step(model, optimizer, x, y) -> loss or None"),
+                                 ("global_loss", "global_loss(loss, world_size) -> float")):
+            if not callable(getattr(self, field)):
+                raise TypeError(f"Strategy {self.name!r}: {field}={getattr(self, field)!r} must be a callable "
+                                f"{signature}")
+        if self.world_size is not None and (isinstance(self.world_size, bool) or not isinstance(self.world_size, int)
+                                            or self.world_size < 1):
+            raise ValueError(f"Strategy {self.name!r}: world_size={self.world_size!r} must be a whole number >= 1 "
+                             "or None (use --world-size)")
+        if not self.distributed and self.world_size not in (None, 1):
+            raise ValueError(f"Strategy {self.name!r}: distributed=False trains in one process, so "
+                             f"world_size={self.world_size} must be 1 or None")
+
+    def ranks(self, requested: int) -> int:
+        """How many ranks to launch when the command line asks for ``requested``."""
+        if not self.distributed:
+            return 1
+        return self.world_size or requested
 
 
 _REGISTRY: dict[str, Strategy] = {}

@@ -4,19 +4,24 @@ Fairness is the point of sharing the loop. For every strategy:
 
 * the model is built from the same seed (``torch.manual_seed(seed)`` then ``GPT(config)``), so
   every rank and every strategy starts from identical weights;
-* step ``i`` trains on the same *global* batch (``workbench.data.get_batch(step=i)``); a
-  distributed strategy's rank r keeps rows ``[r B/N, (r+1) B/N)`` of it;
-* the loss reported for a step is the global mean: the ranks' mean losses all-reduced and
-  divided by N, which equals the single process's mean over the whole batch because every
-  shard holds the same number of tokens;
+* step ``i`` trains on the same *global* batch (``workbench.data.get_batch(step=i)``); the
+  strategy says what reaches each rank (``Strategy.batch``: a data-parallel rank r keeps rows
+  ``[r B/N, (r+1) B/N)``, a tensor-parallel rank the whole batch);
+* the loss reported for a step is the global batch's mean loss (``Strategy.global_loss``: for
+  data parallelism the ranks' mean losses all-reduced and divided by N, which equals the single
+  process's mean over the whole batch because every shard holds the same number of tokens);
 * throughput is timed per step with the warm-up steps and the memory-measuring step left out;
-  a step's time is the slowest rank's (the ranks wait for each other in the collectives);
+  a step's time is the slowest rank's (the ranks wait for each other in the collectives), and
+  its tokens are the global batch's, however the strategy spread them over ranks;
 * memory is measured on one steady-state step (by default the second: Adam's moments exist by
   then) with :class:`workbench.metrics.MemoryMeter`, which slows the step it watches.
 
-The step itself is the same four lines for every strategy, whatever ``Strategy.wrap`` did::
+The step is the strategy's (``Strategy.step``, by default the same three lines for every
+data-parallel strategy, whatever ``Strategy.wrap`` did)::
 
-    _, loss = model(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+    _, loss = model(x, y); loss.backward(); optimizer.step()
+
+then the loop zeroes the gradients.
 """
 from __future__ import annotations
 
@@ -25,10 +30,9 @@ import functools
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
 from workbench import runtime, strategies
-from workbench.data import get_batch, shard_batch
+from workbench.data import get_batch
 from workbench.metrics import MemoryMeter, Throughput, model_state_bytes
 from workbench.models import GPT, GPTConfig
 
@@ -100,20 +104,12 @@ def preload() -> None:
     encoded_corpus("train")
 
 
-def _global_mean(value: torch.Tensor, world_size: int) -> float:
-    if world_size == 1 or not dist.is_initialized():
-        return float(value)
-    value = value.detach().clone().float()
-    dist.all_reduce(value)
-    return float(value) / world_size
-
-
 def train(strategy: str | strategies.Strategy, config: TrainConfig | None = None) -> dict:
     """Train with ``strategy`` in this rank (call it through ``workbench.launch``); return its record.
 
     The record (picklable): ``strategy``, ``rank``, ``world_size``, ``losses`` (global mean per
     step), ``step_times`` and ``counted`` (per step, whether it counts for throughput),
-    ``tokens_per_step`` and ``samples_per_step`` (this rank's), ``peak_bytes`` and
+    ``tokens_per_step`` and ``samples_per_step`` (the global batch's), ``peak_bytes`` and
     ``peak_by_category`` (MemoryMeter on ``memory_step``), ``model_state`` (model_state_bytes
     after the memory step's optimizer update, before its gradients are freed) and ``parameters``.
     Each step is also sent to the parent with ``workbench.report(step, total, loss, strategy)``.
@@ -140,26 +136,25 @@ def train(strategy: str | strategies.Strategy, config: TrainConfig | None = None
     T = config.sequence_length
     for step in range(config.steps):
         x, y = get_batch("train", config.batch_size, T, step=step, seed=config.seed, device=device)
+        global_samples, global_tokens = x.shape[0], x.numel()
         if strategy.distributed:
-            x, y = shard_batch((x, y), rank, world)
+            x, y = strategy.batch(x, y, rank, world)
         metered = step == config.memory_step
         clock.start()
         with (MemoryMeter(x, y, device=device) if metered else contextlib.nullcontext()) as meter:
-            _, loss = model(x, y)
-            loss.backward()
-            optimizer.step()
+            loss = strategy.step(model, optimizer, x, y)
             if metered:
                 state = model_state_bytes(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
-        clock.stop(samples=x.shape[0], tokens=x.numel(), count=not metered)
+        clock.stop(samples=global_samples, tokens=global_tokens, count=not metered)
         if metered:
             peak_bytes, peak_by_category = meter.peak_bytes, meter.peak_by_category
-        losses.append(_global_mean(loss.detach(), world))
+        losses.append(strategy.global_loss(None if loss is None else loss.detach(), world))
         runtime.report(step=step, total=config.steps, loss=losses[-1], strategy=strategy.name)
     return {
         "strategy": strategy.name, "rank": rank, "world_size": world, "distributed": strategy.distributed,
         "losses": losses, "step_times": clock.step_times, "counted": clock.counted,
-        "tokens_per_step": x.numel(), "samples_per_step": x.shape[0],
+        "tokens_per_step": global_tokens, "samples_per_step": global_samples,
         "peak_bytes": peak_bytes, "peak_by_category": peak_by_category, "model_state": state,
         "parameters": n_params, "config": asdict(config),
     }
@@ -168,15 +163,15 @@ def train(strategy: str | strategies.Strategy, config: TrainConfig | None = None
 def summarize(ranks: list[dict], reference: list[float] | None = None) -> dict:
     """One row of the comparison from every rank's :func:`train` record.
 
-    tokens/s is global: all ranks' tokens per step over the slowest rank's step time, summed
-    over the counted steps. ``loss_diff`` is the largest |loss - reference| over the steps.
+    tokens/s is global: the global batch's tokens per step over the slowest rank's step time,
+    summed over the counted steps. ``loss_diff`` is the largest |loss - reference| over the steps.
     """
     first = ranks[0]
     counted = [all(r["counted"][i] for r in ranks) for i in range(len(first["step_times"]))]
     seconds = sum(max(r["step_times"][i] for r in ranks) for i, c in enumerate(counted) if c)
     steps = sum(counted)
-    tokens = steps * sum(r["tokens_per_step"] for r in ranks)
-    samples = steps * sum(r["samples_per_step"] for r in ranks)
+    tokens = steps * first["tokens_per_step"]
+    samples = steps * first["samples_per_step"]
     row = {
         "strategy": first["strategy"], "world_size": first["world_size"],
         "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
