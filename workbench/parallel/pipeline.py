@@ -570,3 +570,4 @@ class ScheduleZBV(_Schedule):
 
     def _build(self, p, m):
         return plans.zbv(p, m)
+
