@@ -37,6 +37,7 @@
 
 # %%
 import copy
+import os
 
 import matplotlib.pyplot as plt
 import torch
@@ -59,8 +60,9 @@ P = 4            # stages for the timing runs (under torchrun, the world size de
 SLEEP = 0.03     # seconds per forward (and per backward half) of a whole stage
 
 
-def sleeping_pipeline(name, m, sleep=SLEEP, steps=2):
-    """Run ``steps`` steps of schedule ``name`` on sleeping stages; the last step's timeline."""
+def sleeping_pipeline(name, m, sleep=SLEEP, steps=3):
+    """Run ``steps`` steps of schedule ``name`` on sleeping stages; the timeline of the least
+    idle one after the first (a busy machine only ever adds idle time: a rank waits for a core)."""
     rank, p = dist.get_rank(), dist.get_world_size()
     cls = SCHEDULES[name]
     v = 2 if cls.multi else 1
@@ -69,9 +71,12 @@ def sleeping_pipeline(name, m, sleep=SLEEP, steps=2):
     schedule = cls(mine if cls.multi else mine[0], m, loss_fn=lambda out, target: out.sum())
     x = torch.zeros(m, 4, requires_grad=True)
     ids = [s.stage_index for s in mine]
-    for _ in range(steps):  # the first step also sends the shapes: look at the last
+    timelines = []
+    for _ in range(steps):  # the first step also sends the shapes: not counted
         schedule.step(*((x,) if 0 in ids else ()), target=x.detach() if v * p - 1 in ids else None)
-    return {"timeline": schedule.timeline, "actions": schedule.actions, "p": p}
+        timelines.append(schedule.timeline)
+    best = min(timelines[1:], key=lambda t: plans.bubble(t, p))
+    return {"timeline": best, "actions": schedule.actions, "p": p}
 
 
 # %% [markdown]
@@ -87,7 +92,8 @@ p = naive["p"]
 plots.pipeline_schedule(naive["timeline"], title="Measured: one micro-batch, one stage busy at a time")
 plt.show()
 display(Markdown(f"Measured idle fraction: **{plans.bubble(naive['timeline'], p):.2f}** "
-                 f"(formula (p-1)/p = {(p - 1) / p:.2f})."))
+                 f"(formula (p-1)/p = {(p - 1) / p:.2f}); load average {os.getloadavg()[0]:.1f} on "
+                 f"{os.cpu_count()} cores."))
 
 # %% [markdown]
 # ## 2. GPipe: micro-batches fill the pipeline
@@ -159,7 +165,7 @@ def bubble_sweep(ms):
     for name, cls in SCHEDULES.items():
         for m in ms:
             if m >= plans.min_microbatches(name, dist.get_world_size()):
-                out[(name, m)] = plans.bubble(sleeping_pipeline(name, m, steps=2)["timeline"], dist.get_world_size())
+                out[(name, m)] = plans.bubble(sleeping_pipeline(name, m)["timeline"], dist.get_world_size())
     return out
 
 
@@ -177,7 +183,8 @@ ax.set_title(f"Bubble, p = {p}: measured (dots) on the formulas (lines)")
 ax.legend()
 plt.show()
 worst = max(abs(v - plans.bubble_formula(n, p, m)) for (n, m), v in measured.items())
-display(Markdown(f"Largest distance from the formula: **{worst:.3f}**. Measured bubbles are "
+display(Markdown(f"Largest distance from the formula: **{worst:.3f}** (load average "
+                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores). Measured bubbles are "
                  "a little larger: every action and message costs some Python and a wake-up, on "
                  "top of the sleeps -- *why is my bubble bigger than (p-1)/(m+p-1)?* -- and "
                  "stages of unequal cost make it worse still."))
