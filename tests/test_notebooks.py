@@ -86,3 +86,11 @@ def test_lesson_00_script_across_two_nodes_on_localhost():
     for node, (agent, out) in enumerate(zip(agents, outputs)):
         assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
         assert "all checks passed" in out
+
+
+def test_lesson_05_script_under_torchrun_standalone():
+    script = REPO / "notebooks" / "05_pipeline_parallel.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_torchrun_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("all checks passed") == 2

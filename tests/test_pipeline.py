@@ -281,3 +281,15 @@ def test_sleeping_stages_show_the_formula_bubble(name):
     # machine) can only add idle time: measured 1F1B 0.29, ZB-H1 0.14 at load 13 on 2 cores
     # (formulas 0.27 and 0.11). The margin still tells ZB-H1 from 1F1B.
     assert want - 0.02 < bubble < want + 0.08, (name, bubble, want)
+
+
+# ------------------------------------------------------------------------------ workbench compare
+
+def test_pp_in_compare_trains_like_single():
+    from workbench.compare import run
+    from workbench.train import TrainConfig
+
+    rows = run(TrainConfig(steps=3, batch_size=8), ["single", "pp"], log=lambda *a: None)
+    pp_row = rows[1]
+    assert pp_row["strategy"] == "pp" and pp_row["world_size"] == 2
+    assert pp_row["loss_diff"] < 1e-5, pp_row["losses"]

@@ -277,3 +277,44 @@ register(Strategy("tp", "ours: tensor parallelism (Megatron), t=2: heads, MLP an
 register(Strategy("tp-sp", "ours: tensor + sequence parallelism, t=2: norms and residuals split by sequence, "
                   "all-gather + reduce-scatter", True, _wrap_tp(True), batch=whole_batch,
                   global_loss=same_on_every_rank, world_size=2))
+
+
+def _wrap_pp(model: nn.Module, make_optimizer: OptimizerFactory):
+    """Ours (workbench.parallel.pipeline): the GPT cut into one stage per rank (rank r runs stage
+    r), 1F1B over 4 micro-batches; each rank's optimizer updates its own stage (the tied
+    embedding on the first and last, with the summed gradient). Returns this rank's stage
+    module, carrying its schedule. Memory per rank: its stage's model state, plus the
+    activations of up to p - r micro-batches."""
+    from workbench import runtime
+    from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, partition
+
+    rank, world = runtime.rank(), runtime.world_size()
+    stage = partition(model.to(runtime.device()), world)[rank]
+    stage.pipeline_schedule = Schedule1F1B(PipelineStage(stage, rank, world), 4, loss_fn=_gpt_loss)
+    return stage, make_optimizer(stage.parameters())
+
+
+def _gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _pp_step(stage: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    """One pipeline step: the first stage feeds x, the last gets y and returns the batch's mean
+    loss (the mean of the equal micro-batches' means); middle stages return None."""
+    losses: list[torch.Tensor] = []
+    stage.pipeline_schedule.step(*((x,) if stage.first else ()), target=y if stage.last else None,
+                                 losses=losses)
+    optimizer.step()
+    return torch.stack(losses).mean() if losses else None
+
+
+def _pp_global_loss(loss: Optional[torch.Tensor], world_size: int) -> float:
+    """The last stage holds the global batch's loss: broadcast it to every rank."""
+    value = torch.zeros(1, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1).cpu()
+    dist.broadcast(value, src=world_size - 1)
+    return float(value)
+
+
+register(Strategy("pp", "ours: pipeline parallel, 2 stages (one per rank), 1F1B over 4 micro-batches "
+                  "(activations through workbench.comm isend/irecv)", True, _wrap_pp, batch=whole_batch,
+                  step=_pp_step, global_loss=_pp_global_loss, world_size=2))

@@ -55,6 +55,7 @@ import torch.nn as nn
 
 from workbench import comm
 from workbench.comm.group import resolve_group
+from workbench.parallel import pipeline_backward as split_backward
 from workbench.parallel import pipeline_schedules as plans
 from workbench.parallel.pipeline_schedules import Action
 
@@ -409,6 +410,8 @@ class _Schedule:
             elif a.kind == "W":
                 self._weight_backward(s, i, inputs, outputs, grad_out)
             records.append((self._rank, s, a.kind, i, start - t0, time.perf_counter() - t0))
+            if a.kind in ("F", "B", "W") and sends:  # let go of sent tensors as soon as they left
+                sends = [(w, t) for w, t in sends if not (w.is_completed() and w.wait())]
         for work, _ in sends:
             work.wait()
         if self._loss_fn is not None:
@@ -426,8 +429,8 @@ class _Schedule:
             g = grad_in.pop((s + 1, i))
         x = [t for t in inputs[(s, i)] if t.requires_grad]
         if (s, i) in self._split:
-            grads = torch.autograd.grad(out, x, g, retain_graph=True) if x else ()
-            grad_out[(s, i)] = g  # W needs it again
+            grads, grad_out[(s, i)] = split_backward.backward_input(out, g, x, self._params(s))
+            del outputs[(s, i)]
         else:
             torch.autograd.backward(out, g)
             grads = tuple(t.grad for t in x) if s > 0 else ()
@@ -436,10 +439,13 @@ class _Schedule:
             grad_in[(s, i)] = grads[0]
 
     def _weight_backward(self, s: int, i: int, inputs, outputs, grad_out) -> None:
-        """W: dL/dW of micro-batch i, from the graph B kept; then its activations are freed."""
-        params = [p for p in self._stages[s].submodule.parameters() if p.requires_grad]
-        torch.autograd.backward(outputs.pop((s, i)), grad_out.pop((s, i)), inputs=params)
+        """W: dL/dW of micro-batch i from what B kept (see pipeline_backward); then its
+        activations are freed."""
+        split_backward.backward_weight(grad_out.pop((s, i)), self._params(s))
         del inputs[(s, i)]
+
+    def _params(self, s: int) -> list[nn.Parameter]:
+        return [p for p in self._stages[s].submodule.parameters() if p.requires_grad]
 
     def _sum_shared_gradients(self) -> None:
         """Sum the gradients of parameters held by several stages on different ranks (the tied
@@ -564,3 +570,4 @@ class ScheduleZBV(_Schedule):
 
     def _build(self, p, m):
         return plans.zbv(p, m)
+

@@ -50,7 +50,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zbv", "with_comms",
-           "stage_to_rank", "simulate", "bubble", "bubble_formula", "live_microbatches",
+           "stage_to_rank", "simulate", "bubble", "bubble_formula", "live_microbatches", "peak_live_bytes",
            "min_microbatches"]
 
 
@@ -331,6 +331,21 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 2) -> float:
         return bubble(simulate(with_comms(zbv(p, m), 2 * p, "v"), 2 * p, f=0.5, w=0.5, style="v"), p)
     raise ValueError(f"bubble_formula: schedule={schedule!r} is not known: use gpipe, 1f1b, "
                      "interleaved, zb_h1 or zbv")
+
+
+def peak_live_bytes(actions: list[Action], one: dict[int, float]) -> float:
+    """The most activation bytes one rank's list keeps alive at once, given ``one[stage]`` bytes
+    per live micro-batch of each stage (with several stages per rank their peaks need not
+    coincide, so this is at most ``sum(live[s] * one[s])``)."""
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    total = peak = 0.0
+    for a in actions:
+        if a.kind == "F":
+            total += one[a.stage]
+            peak = max(peak, total)
+        elif (a.kind == "B" and (a.stage, a.microbatch) not in split) or a.kind == "W":
+            total -= one[a.stage]
+    return peak
 
 
 def live_microbatches(actions: list[Action]) -> dict[int, int]:
