@@ -216,6 +216,23 @@ def _errors() -> dict:
     return out
 
 
+def _side_effects() -> dict:
+    """tensor_parallel draws no random numbers (the caller's stream stays in step with one process's),
+    and a head with a bias is split too (its padding entries ignored)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=1, tie_weights=False))
+    model.lm_head = nn.Linear(64, 65)
+    ref = copy.deepcopy(model)
+    state = torch.get_rng_state()
+    tensor_parallel(model)
+    untouched = torch.equal(state, torch.get_rng_state())
+    x = torch.randint(0, 65, (2, 8))
+    full = full_state_dict(model)
+    return {"rng untouched": untouched,
+            "biased head loss diff": abs(model(x, x)[1].item() - ref(x, x)[1].item()),
+            "biased head state diff": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+
+
 def _memory(sp: bool) -> dict:
     t = workbench.world_size()
     b, s = 4, 64
@@ -253,6 +270,7 @@ def _world2() -> dict:
     res["layers"] = _layers_alone()
     res["comm"] = {sp: _layer_comm(sp) for sp in (False, True)}
     res["errors"] = _errors()
+    res["side effects"] = _side_effects()
     res["memory"] = {sp: _memory(sp) for sp in (False, True)}
     res["params"] = _params_per_rank()
     from workbench.train import TrainConfig, train
@@ -397,6 +415,13 @@ def test_registered_in_compare(world2):
             assert r["tokens_per_step"] == single["tokens_per_step"]
             assert max(abs(a - b) for a, b in zip(r["losses"], single["losses"])) <= 1e-6, (name, r["losses"])
             assert r["model_state"]["params"] == 4 * parameters_per_rank(GPTConfig.preset("tiny"), 2)
+
+
+def test_no_random_numbers_drawn_and_biased_head(world2):
+    for res in world2:
+        r = res["side effects"]
+        assert r["rng untouched"] is True
+        assert r["biased head loss diff"] <= 1e-6 and r["biased head state diff"] == 0.0, r
 
 
 def test_bad_input_errors(world2):

@@ -61,6 +61,11 @@ def torch_tensor_parallel(model: nn.Module, *, sequence_parallel: bool = False, 
     first; and the attention must run on ``n_head/t`` local heads, so each attention module is
     replaced by our :class:`~workbench.parallel.tensor.ParallelSelfAttention`, local arithmetic
     only (DTensor does every message). A tied head is re-tied after parallelising.
+
+    All of this runs on gloo and CPU tensors in torch 2.13 (the tests check it at t = 2, tied and
+    untied, with and without sequence parallelism), ``loss_parallel`` included, and with the
+    65-character vocabulary sharded unevenly (33 + 32 rows: DTensor splits like ``torch.chunk``,
+    no padding needed).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -517,8 +517,12 @@ def tensor_parallel(model: nn.Module, *, group=None, sequence_parallel: bool = F
     sequence (``T`` must then be divisible by ``t``). ``algorithm``: the :mod:`workbench.comm`
     algorithm of every collective ("native", "ring", ...).
 
-    Dropout: with ``dropout > 0`` every rank draws its own masks; the parity with one process
-    holds for ``dropout=0`` (the default of ``GPTConfig``).
+    Dropout: the ranks' random generators run in step (same seed), so a dropout on a replicated
+    tensor draws the same mask on every rank, as it must. Inside the split regions (attention
+    probabilities of each rank's heads) and on sequence shards each rank should draw its own
+    masks, for which Megatron forks a per-rank generator; this module does not, so with
+    ``dropout > 0`` those masks repeat across ranks. Parity with one process holds for
+    ``dropout=0`` (``GPTConfig``'s default).
     """
     t, r = group_size(group), group_rank(group)
     attns, mlps = _validate(model, t, algorithm)
@@ -541,21 +545,32 @@ def tensor_parallel(model: nn.Module, *, group=None, sequence_parallel: bool = F
                 _set_submodule(model, name, SequenceParallelLayerNorm(m, **kw))
 
     model.wte = VocabParallelEmbedding.from_embedding(model.wte, sequence_parallel=sp, **kw)
-    head = model.lm_head
-    padded = nn.Linear(head.in_features, model.wte.padded_num_embeddings, bias=False,
-                       device=head.weight.device, dtype=head.weight.dtype)
-    with torch.no_grad():
-        padded.weight.zero_()
-        padded.weight[:vocab].copy_(head.weight)
-    model.lm_head = ColumnParallelLinear.from_linear(padded, sequence_parallel=sp, **kw)
+    model.lm_head = _vocab_parallel_head(model.lm_head, model.wte.padded_num_embeddings, sp, **kw)
     if tied:
         model.lm_head.weight = model.wte.weight
-    else:
-        _mark(model.lm_head.weight, 0, vocab=vocab)
 
     model._tensor_parallel = TensorParallelInfo(group, t, r, sp, algorithm, vocab, model.wte.padded_num_embeddings)
     model.__class__ = _tensor_parallel_class(type(model))
     return model
+
+
+def _vocab_parallel_head(head: nn.Linear, padded_vocab: int, sequence_parallel: bool, group, algorithm: str):
+    """``head`` (C -> V) as a column-parallel layer over the padded vocabulary: rank r holds the
+    same rows as the embedding's shard; padding rows (and bias entries) are zero."""
+    t, r = group_size(group), group_rank(group)
+    vocab = head.out_features
+    with _skip_init():
+        layer = ColumnParallelLinear(head.in_features, padded_vocab, head.bias is not None, group=group,
+                                     sequence_parallel=sequence_parallel, algorithm=algorithm,
+                                     device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        for mine, full in ((layer.weight, head.weight), (layer.bias, head.bias)):
+            if full is not None:
+                padded = torch.zeros((padded_vocab,) + tuple(full.shape[1:]), device=full.device, dtype=full.dtype)
+                padded[:vocab] = full
+                mine.copy_(padded.chunk(t, 0)[r])
+                mine._tp_vocab = vocab
+    return layer
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
