@@ -286,6 +286,8 @@ class DistributedDataParallel(nn.Module):
                 b, _, _ = self._slot[id(self._params[i])]
                 self._ready[i] = True
                 self.buckets[b].pending -= 1
+                if self.buckets[b].pending == 0:
+                    self._current["buckets"][b]["ready"] = _now()
         self.finish_gradient_synchronization()
 
     def finish_gradient_synchronization(self) -> None:
