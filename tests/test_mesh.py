@@ -1,6 +1,7 @@
-"""workbench.parallel.mesh: the grid's layout (Megatron order), and parallelize() against
-single-process training: the loss of every step and the full state after 3 AdamW steps, for each
-pair of dimensions on 4 ranks (ZeRO 0, 1 and 3 over dp) and for dp = tp = pp = 2 on 8 ranks.
+"""workbench.parallel.mesh: the grid's layout (Megatron order; the same groups as torch's DeviceMesh
+with the same named dimensions), and parallelize() against single-process training: the loss of
+every step and the full state after 3 AdamW steps, for each pair of dimensions on 4 ranks (ZeRO 0,
+1 and 3 over dp) and for dp = tp = pp = 2 on 8 ranks.
 
 Parity runs in float64, so 3 AdamW steps stay within 1e-5 (in float32, Adam turns rounding noise
 in near-zero gradients into updates of lr size). Each world size runs its whole list of cases
@@ -72,6 +73,17 @@ def _parity_rank(cases) -> list[str]:
             mine = dist.get_process_group_ranks(mesh.group(dim))
             if mine not in groups[dim] or rank not in mine:
                 bad.append(f"{tag}: rank {rank}'s {dim} group is {mine}, layout says {groups[dim]}")
+        if kwargs.pop("against_torch", False):  # PyTorch's DeviceMesh with the same named dimensions
+            from torch.distributed.device_mesh import init_device_mesh
+
+            theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            for dim in ("dp", "tp", "pp"):
+                a = dist.get_process_group_ranks(mesh.group(dim))
+                b = dist.get_process_group_ranks(theirs.get_group(dim))
+                if a != b:
+                    bad.append(f"{tag}: rank {rank}'s {dim} group {a}, torch's DeviceMesh {b}")
+            if list(theirs.get_coordinate()) != [mesh.coords[d] for d in ("pp", "dp", "tp")]:
+                bad.append(f"{tag}: coords {mesh.coords}, torch's {theirs.get_coordinate()}")
         trained = parallelize(model, mesh, lr=1e-2, **kwargs)
         for i, (x, y) in enumerate(batches):
             loss = float(trained.step(x, y))
@@ -99,6 +111,7 @@ def test_parity_pairs_4_ranks():
     """Each pair of dimensions on 4 ranks; ZeRO 0 (DDP), 1 (ShardedOptimizer) and 3 (FSDP) over
     dp; sequence parallelism and GPipe once each; the tied embedding across stages throughout."""
     cases = [(2, 2, 1, dict(zero_stage=z)) for z in (0, 1, 3)]
+    cases[0][3]["against_torch"] = True
     cases += [(2, 1, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
     cases += [(1, 2, 2, dict()), (1, 2, 2, dict(sequence_parallel=True, schedule="gpipe", n_microbatches=4)),
               (2, 2, 1, dict(zero_stage=2, sequence_parallel=True))]
@@ -109,6 +122,7 @@ def test_parity_pairs_4_ranks():
 def test_parity_3d_8_ranks():
     """dp = tp = pp = 2: 1F1B over tensor-parallel stages, ZeRO 0, 1 and 3 across the replicas."""
     cases = [(2, 2, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
+    cases[0][3]["against_torch"] = True
     cases += [(2, 2, 2, dict(zero_stage=1, sequence_parallel=True, n_microbatches=4))]
     preload()
     _check(workbench.launch(_parity_rank, world_size=8, args=(cases,), timeout=300))
@@ -164,3 +178,20 @@ def test_grid_figure():
     assert "pipeline stage 1" in texts and "dp1 tp0" in texts
     assert {"tp group", "dp group"} <= set(fig.axes[0].get_legend_handles_labels()[1])
     plt.close(fig)
+
+
+def test_compare_3d_on_request(tmp_path, capsys):
+    """``workbench compare --strategies 3d``: 8 ranks, same losses as one process; 2d runs by
+    default, 3d (too slow for every run on 2 cores) only when named."""
+    import json
+
+    from workbench import cli, strategies
+
+    out = tmp_path / "report"
+    assert cli.main(["compare", "--strategies", "single,3d", "--steps", "2", "--batch-size", "8",
+                     "--out", str(out)]) == 0
+    capsys.readouterr()
+    rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows["3d"]["world_size"] == 8 and rows["3d"]["loss_diff"] < 1e-5
+    assert strategies.get("2d").default and strategies.get("2d").world_size == 4
+    assert not strategies.get("3d").default
