@@ -153,6 +153,19 @@ def _errors_rank() -> list[str]:
     expect(lambda: parallelize(model, mesh, sequence_parallel=True), "sequence_parallel=True", "tp > 1")
     expect(lambda: parallelize(model, mesh, zero_stage=2), "zero_stage=2", "tied")
     expect(lambda: parallelize(model, Mesh(dp=4), n_microbatches=2), "n_microbatches=2", "pp > 1")
+    # a mesh inside a sub-group: ranks numbered in the group, its sub-groups made by its members
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    rank = dist.get_rank()
+    inner = Mesh(tp=2, group=halves[0]) if rank < 2 else Mesh(dp=2, group=halves[1])
+    want = {"dp": 0, "tp": rank % 2, "pp": 0} if rank < 2 else {"dp": rank % 2, "tp": 0, "pp": 0}
+    dim = "tp" if rank < 2 else "dp"
+    if inner.coords != want or dist.get_process_group_ranks(inner.group(dim)) != ([0, 1] if rank < 2 else [2, 3]):
+        bad.append(f"mesh in a sub-group: coords {inner.coords} (want {want}), {dim} group "
+                   f"{dist.get_process_group_ranks(inner.group(dim))}")
+    total = torch.ones(1)
+    dist.all_reduce(total, group=inner.group(dim))
+    if float(total) != 2:
+        bad.append(f"mesh in a sub-group: all-reduce over {dim} gave {float(total)}")
     trained = parallelize(model, Mesh(dp=4))
     expect(lambda: trained.step(torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long)),
            "batch size 6", "multiple of 4")

@@ -85,6 +85,19 @@ def layout(dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, Any]:
             "pp": grid.permute(1, 2, 0).reshape(-1, pp).tolist()}    # first axis varies
 
 
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # made once per set of ranks, shared by meshes
+
+
+def _new_group(ranks: list[int], local: bool) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks)``, once per set of ranks. Over the whole world every
+    rank creates every group, in the same order (torch's rule); inside a sub-group only the
+    members do (``use_local_synchronization``, which names a group by its ranks: hence made once)."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=local) if local else dist.new_group(ranks)
+    return _GROUPS[key]
+
+
 class Mesh:
     """The 3D process-group manager: ``Mesh(dp=2, tp=2, pp=2)`` on 8 ranks.
 
@@ -112,11 +125,13 @@ class Mesh:
         p, d, t = (self.grid == self.rank).nonzero()[0].tolist()
         self.coords = {"dp": d, "tp": t, "pp": p}
         self._groups: dict[str, dist.ProcessGroup] = {}
-        for dim in ("tp", "dp", "pp"):  # every rank creates every group, in the same order
+        whole = group is None or group == dist.group.WORLD
+        for dim in ("tp", "dp", "pp"):
             for ranks in groups[dim]:
-                pg = dist.new_group([view.global_rank(r) for r in ranks])
-                if self.rank in ranks:
-                    self._groups[dim] = pg
+                if whole or self.rank in ranks:
+                    pg = _new_group([view.global_rank(r) for r in ranks], local=not whole)
+                    if self.rank in ranks:
+                        self._groups[dim] = pg
         self.groups = {dim: groups[dim] for dim in ("tp", "dp", "pp")}
 
     def _dim(self, dim: str) -> str:
