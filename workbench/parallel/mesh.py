@@ -190,15 +190,20 @@ class ParallelModel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, *, zero_stage: int,
-                 schedule=None, stage_module: nn.Module, owners: dict[str, int], shapes: dict, tp_info=None):
+                 schedule, stage_module: nn.Module, owners: dict[str, int], shapes: dict, tp_info,
+                 tp_marks: dict[str, dict], sharded_ties: dict):
         super().__init__()
-        self.module = module
+        self.module = module            # this rank's stage, wrapped for data parallelism
         self.optimizer = optimizer
         self.mesh = mesh
         self.zero_stage = zero_stage
-        self.schedule = schedule
-        self._stage_module = stage_module
-        self._owners, self._shapes, self._tp_info = owners, shapes, tp_info
+        self.schedule = schedule        # the pipeline schedule (None when pp = 1)
+        self._stage_module = stage_module                 # the stage unwrapped (tensor-parallel layers)
+        self._owners = owners           # parameter name -> the stage holding it
+        self._shapes = shapes           # name -> (shape, dtype, device) in the single model
+        self._tp_info, self._tp_marks = tp_info, tp_marks  # how each parameter is split over tp
+        self._sharded_ties = sharded_ties                 # tied name -> its stages (ZeRO-3 sums them here)
+        _, self._dtype, self._device = next(iter(shapes.values()))
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("ParallelModel runs whole training steps: call step(batch, targets)")
@@ -217,9 +222,8 @@ class ParallelModel(nn.Module):
         if not isinstance(targets, torch.Tensor) or not isinstance(batch, torch.Tensor) \
                 or targets.shape[:1] != batch.shape[:1]:
             raise ValueError("ParallelModel.step(batch, targets): pass two tensors with the same batch size")
-        device = next(iter(self._shapes.values()))[2]
-        x = self._local_rows(batch, "batch").to(device)
-        y = self._local_rows(targets, "targets").to(device)
+        x = self._local_rows(batch, "batch").to(self._device)
+        y = self._local_rows(targets, "targets").to(self._device)
         self.optimizer.zero_grad(set_to_none=True)
         from workbench.parallel.ddp import DistributedDataParallel
 
@@ -249,7 +253,7 @@ class ParallelModel(nn.Module):
             self.schedule.step(*args, target=target, losses=losses)
         if self._sharded_ties:
             self._sum_sharded_ties()
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=self._loss_dtype(), device=x.device)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=self._dtype, device=self._device)
         comm.broadcast(loss, group=self.mesh.group("pp"), group_src=p - 1)  # the last stage's, to every stage
         return loss
 
@@ -262,7 +266,7 @@ class ParallelModel(nn.Module):
         fsdp = self.module
         fsdp.finish_gradient_synchronization()
         pp_group = self.mesh.group("pp")
-        for k, (name, (_, holders)) in enumerate(sorted(self._sharded_ties.items())):
+        for k, (name, holders) in enumerate(sorted(self._sharded_ties.items())):
             unit, i = next((u, i) for u in fsdp.units for i, uses in enumerate(u.uses)
                            if any(n == name for _, _, n in uses))
             if unit.shard.grad is None:
@@ -279,9 +283,6 @@ class ParallelModel(nn.Module):
             mine += theirs
             unit.shard.grad.copy_(full.chunk(unit.world)[fsdp.rank])
 
-    def _loss_dtype(self) -> torch.dtype:
-        return next(iter(self._shapes.values()))[1]
-
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the original model, unsharded, on every rank (collective:
@@ -292,10 +293,9 @@ class ParallelModel(nn.Module):
         if isinstance(self.module, FullyShardedDataParallel):
             local = self.module.full_state_dict()
             if self._tp_info is not None:  # mark the gathered tensors as the originals were split
-                marks = {n: v for n, v in self._stage_module_marks.items()}
                 for name, value in local.items():
                     for attr in ("_tp_dim", "_tp_chunks", "_tp_vocab"):
-                        setattr(value, attr, marks.get(name, {}).get(attr))
+                        setattr(value, attr, self._tp_marks.get(name, {}).get(attr))
                 local = tensor.full_state_dict(_StateView(local, self._tp_info))
         elif self._tp_info is not None:
             local = tensor.full_state_dict(self._stage_module)
@@ -336,7 +336,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     """Compose tensor, pipeline and data parallelism (ZeRO ``zero_stage``) on ``model`` over ``mesh``.
 
     ``model``: a workbench GPT (``wte, wpe, blocks, ln_f, lm_head``), built identically on every
-    rank (same seed); it is split in place, and this rank keeps its stage. ``schedule``:
+    rank (same seed); it is split in place (tensor parallelism replaces its layers) and this rank
+    keeps its stage: drop your own reference to ``model`` so the other stages' layers are freed.
+    ``schedule``:
     ``"1f1b"`` or ``"gpipe"`` (with ``pp > 1``); ``n_microbatches``: per data-parallel rank
     (default ``pp``; 1F1B needs ``>= pp``). ``sequence_parallel``: split norms and residuals by
     sequence too (needs ``tp > 1``). ``optimizer_cls(params, **optimizer_kwargs)`` builds the
@@ -416,7 +418,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
              for name, p in stage_module.named_parameters(remove_duplicate=False)}
 
     # the tied tensors, under this stage's name for them (the last stage calls wte.weight lm_head.weight)
-    ties = {_name_in(stage_module, name): (None, holders)
+    ties = {_name_in(stage_module, name): holders
             for name, (_, holders) in getattr(stage_module, "shared_parameters", {}).items()}
 
     # 3. data parallelism over dp, on this rank's stage
@@ -449,11 +451,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         pipeline = cls(PipelineStage(wrapped, mesh.coords["pp"], pp, device=device, group=mesh.group("pp")),
                        n_microbatches, loss_fn=loss_fn)
-    out = ParallelModel(wrapped, optimizer, mesh, zero_stage=zero_stage, schedule=pipeline,
-                        stage_module=stage_module, owners=owners, shapes=shapes, tp_info=tp_info)
-    out._stage_module_marks = marks
-    out._sharded_ties = sharded_ties
-    return out
+    return ParallelModel(wrapped, optimizer, mesh, zero_stage=zero_stage, schedule=pipeline,
+                         stage_module=stage_module, owners=owners, shapes=shapes, tp_info=tp_info,
+                         tp_marks=marks, sharded_ties=sharded_ties)
 
 
 def _name_in(module: nn.Module, name: str) -> str:
