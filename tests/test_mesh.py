@@ -31,7 +31,8 @@ def test_layout_is_megatron_order():
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     g = layout(dp=3, tp=2, pp=1)          # uneven sizes: every rank once in each dimension's groups
-    assert g["tp"] == [[0, 1], [2, 3], [4, 5]] and g["dp"] == [[0, 2, 4], [1, 3, 5]] and g["pp"] == [[r] for r in range(6)]
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5]] and g["dp"] == [[0, 2, 4], [1, 3, 5]]
+    assert g["pp"] == [[r] for r in range(6)]
     with pytest.raises(ValueError, match=r"tp=0 must be a whole number >= 1"):
         layout(dp=2, tp=0)
 

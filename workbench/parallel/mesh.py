@@ -60,8 +60,8 @@ from workbench.comm.group import resolve_group
 
 __all__ = ["Mesh", "layout", "parallelize", "ParallelModel", "DIMS", "SCHEDULES"]
 
-DIMS = ("pp", "dp", "tp")
-_TIE_TAG = 1 << 24  # tags of the ZeRO-3 tied-gradient swap between the first and the last stage  # the grid's axes, outermost first (Megatron's order)
+DIMS = ("pp", "dp", "tp")  # the grid's axes, outermost first (Megatron's order)
+_TIE_TAG = 1 << 24  # tags of the ZeRO-3 tied-gradient swap between the first and the last stage
 SCHEDULES = ("gpipe", "1f1b")
 
 
