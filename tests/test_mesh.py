@@ -35,6 +35,12 @@ def test_layout_is_megatron_order():
     assert g["pp"] == [[r] for r in range(6)]
     with pytest.raises(ValueError, match=r"tp=0 must be a whole number >= 1"):
         layout(dp=2, tp=0)
+    # another order: tensor parallelism outermost-but-one, data parallelism adjacent (TP across nodes)
+    g = layout(dp=2, tp=2, pp=2, order=("pp", "tp", "dp"))
+    assert g["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and g["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["pp"] == [[0, 4], [2, 6], [1, 5], [3, 7]] and g["grid"][1, 0, 1] == 6
+    with pytest.raises(ValueError, match=r"order=\('pp', 'tp'\) must name 'pp', 'dp' and 'tp' once each"):
+        layout(dp=2, order=("pp", "tp"))
 
 
 def _batches(steps=3, b=8, t=8, seed=1):
@@ -66,8 +72,9 @@ def _parity_rank(cases) -> list[str]:
         model = GPT(CONFIG).double()
         batches = _batches()
         want_losses, want_state = _reference(model, batches, lr=1e-2)
-        mesh = Mesh(dp=dp, tp=tp, pp=pp)
-        groups = layout(dp=dp, tp=tp, pp=pp)
+        order = kwargs.pop("order", ("pp", "dp", "tp"))
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, order=order)
+        groups = layout(dp=dp, tp=tp, pp=pp, order=order)
         if mesh.rank_of(**mesh.coords) != rank:
             bad.append(f"{tag}: rank_of({mesh.coords}) = {mesh.rank_of(**mesh.coords)} on rank {rank}")
         for dim in ("dp", "tp", "pp"):
@@ -115,7 +122,8 @@ def test_parity_pairs_4_ranks():
     cases[0][3]["against_torch"] = True
     cases += [(2, 1, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
     cases += [(1, 2, 2, dict()), (1, 2, 2, dict(sequence_parallel=True, schedule="gpipe", n_microbatches=4)),
-              (2, 2, 1, dict(zero_stage=2, sequence_parallel=True))]
+              (2, 2, 1, dict(zero_stage=2, sequence_parallel=True)),
+              (2, 1, 2, dict(zero_stage=1, order=("dp", "pp", "tp"))), (2, 2, 1, dict(order=("tp", "dp", "pp")))]
     preload()
     _check(workbench.launch(_parity_rank, world_size=4, args=(cases,), timeout=240))
 

@@ -227,7 +227,8 @@ def pipeline_schedule(plan, ax=None, *, num_stages: int | None = None, style: st
 def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     """The ranks of a 3D mesh and the groups they form (``workbench.parallel.mesh.layout(dp, tp, pp)``).
 
-    ``layout["grid"]`` is the ``(pp, dp, tp)`` array of ranks (a tensor or nested lists). Each
+    ``layout["grid"]`` is the ``(pp, dp, tp)`` array of ranks (a tensor or nested lists), indexed
+    by coordinates whatever ``layout["order"]`` placed where. Each
     pipeline stage is a panel of ``dp`` rows by ``tp`` columns; a tensor-parallel group is a row
     (solid box: adjacent ranks, one node's fast links), a data-parallel group a column within a
     stage (dashed box), and a pipeline group the cells at the same place in every stage (arrows
@@ -271,7 +272,10 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     ax.set_ylim(-dp + 0.3, 1.2)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(title or f"Mesh dp={dp} x tp={tp} x pp={pp}: rank = (pp x {dp} + dp) x {tp} + tp")
+    order = tuple(layout.get("order", ("pp", "dp", "tp")))
+    formula = f"rank = (pp x {dp} + dp) x {tp} + tp" if order == ("pp", "dp", "tp") else \
+        f"order {' > '.join(order)} (outermost first)"
+    ax.set_title(title or f"Mesh dp={dp} x tp={tp} x pp={pp}: {formula}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 

@@ -71,15 +71,28 @@ def _check_sizes(**sizes: int) -> None:
             raise ValueError(f"Mesh: {name}={value!r} must be a whole number >= 1")
 
 
-def layout(dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+def _check_order(order) -> tuple[str, ...]:
+    if not isinstance(order, (tuple, list)) or sorted(order) != sorted(DIMS):
+        raise ValueError(f"Mesh: order={order!r} must name 'pp', 'dp' and 'tp' once each, outermost first "
+                         f"(Megatron's, the default: {DIMS})")
+    return tuple(order)
+
+
+def layout(dp: int = 1, tp: int = 1, pp: int = 1, *, order=DIMS) -> dict[str, Any]:
     """The mesh's grid and groups, computed without any process group (for figures and checks).
 
-    Returns ``{"grid": tensor (pp, dp, tp), "tp": [[ranks], ...], "dp": [...], "pp": [...]}``:
-    each list holds every group of that dimension, each group's ranks in coordinate order.
+    Returns ``{"grid": tensor (pp, dp, tp), "order", "tp": [[ranks], ...], "dp": [...], "pp": [...]}``:
+    ``grid[p, d, t]`` is the rank at those coordinates, and each list holds every group of that
+    dimension, each group's ranks in coordinate order. ``order``: the dimensions from outermost
+    (ranks furthest apart) to innermost (adjacent ranks); Megatron's ``("pp", "dp", "tp")`` by
+    default, ``("pp", "tp", "dp")`` to place tensor parallelism across nodes instead, for example.
     """
     _check_sizes(dp=dp, tp=tp, pp=pp)
-    grid = torch.arange(pp * dp * tp).view(pp, dp, tp)
-    return {"grid": grid,
+    order = _check_order(order)
+    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    grid = torch.arange(pp * dp * tp).view(*(sizes[d] for d in order))   # the layout, in one line
+    grid = grid.permute(*(order.index(d) for d in DIMS))                  # indexed [pp, dp, tp]
+    return {"grid": grid, "order": order,
             "tp": grid.reshape(-1, tp).tolist(),                     # last axis varies: rows
             "dp": grid.permute(0, 2, 1).reshape(-1, dp).tolist(),    # middle axis varies
             "pp": grid.permute(1, 2, 0).reshape(-1, pp).tolist()}    # first axis varies
@@ -105,10 +118,12 @@ class Mesh:
     Every rank of ``group`` must build the same mesh (creating the sub-groups is collective).
     ``coords``: this rank's ``{"dp", "tp", "pp"}``; ``group(dim)``: its group along ``dim``;
     ``rank_of(dp=, tp=, pp=)``: the rank at those coordinates; ``size(dim)``: the dimension's size.
+    ``order``: outermost dimension first (see :func:`layout`); Megatron's by default.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, group=None):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, group=None, order=DIMS):
         _check_sizes(dp=dp, tp=tp, pp=pp)
+        order = _check_order(order)
         view = resolve_group(group)
         if view is None:
             raise ValueError("Mesh(group=...): this rank is not in group; build the mesh on the group's ranks only")
@@ -120,7 +135,8 @@ class Mesh:
         self.shape = {"dp": dp, "tp": tp, "pp": pp}
         self.parent = group
         self.rank = view.rank
-        groups = layout(dp, tp, pp)
+        self.order = order
+        groups = layout(dp, tp, pp, order=order)
         self.grid = groups["grid"]
         p, d, t = (self.grid == self.rank).nonzero()[0].tolist()
         self.coords = {"dp": d, "tp": t, "pp": p}
@@ -147,7 +163,8 @@ class Mesh:
         return self.shape[self._dim(dim)]
 
     def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
-        """The rank (in the mesh's group) at coordinates ``dp, tp, pp``: ``(pp dp_size + dp) tp_size + tp``."""
+        """The rank (in the mesh's group) at coordinates ``dp, tp, pp``: in Megatron's order
+        ``(pp dp_size + dp) tp_size + tp``."""
         for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.shape[name]:
                 raise ValueError(f"Mesh.rank_of: {name}={value!r} is out of range 0..{self.shape[name] - 1}")
