@@ -239,7 +239,7 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     grid = layout["grid"]
     grid = grid.tolist() if hasattr(grid, "tolist") else [list(map(list, stage)) for stage in grid]
     pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0])
-    fig, ax = _axes(ax, figsize=(1.6 + 1.3 * pp * (tp + 0.8), 1.4 + 1.0 * dp))
+    fig, ax = _axes(ax, figsize=(1.6 + 1.3 * pp * (tp + 0.8), 1.8 + 1.0 * dp))
     colors = {"tp": "#4c72b0", "dp": "#dd8452", "pp": "#55a868"}
     gap = 1.0  # empty columns between stages
 
@@ -267,7 +267,8 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
                     ax.annotate("", xy=(x_of(p + 1, t) - 0.2, -d + 0.32), xytext=(x_of(p, t) + 0.2, -d + 0.32),
                                 arrowprops=dict(arrowstyle="->", color=colors["pp"], alpha=0.8, linewidth=1.5,
                                                 connectionstyle=f"arc3,rad={-0.15 - 0.1 * t}"), zorder=1)
-    ax.plot([], [], color=colors["pp"], label="pp group (same place, every stage)")
+    if pp > 1:
+        ax.plot([], [], color=colors["pp"], label="pp group (same place, every stage)")
     ax.set_xlim(-0.7, x_of(pp - 1, tp - 1) + 0.7)
     ax.set_ylim(-dp + 0.3, 1.2)
     ax.set_aspect("equal")
@@ -276,7 +277,7 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     formula = f"rank = (pp x {dp} + dp) x {tp} + tp" if order == ("pp", "dp", "tp") else \
         f"order {' > '.join(order)} (outermost first)"
     ax.set_title(title or f"Mesh dp={dp} x tp={tp} x pp={pp}: {formula}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False)
     return fig
 
 
