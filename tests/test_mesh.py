@@ -215,5 +215,16 @@ def test_compare_3d_on_request(tmp_path, capsys):
     capsys.readouterr()
     rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert rows["3d"]["world_size"] == 8 and rows["3d"]["loss_diff"] < 1e-5
+    # model state per rank against the formula: a stage's share of the tensor-parallel model (the
+    # tied embedding's shard on both the first and the last stage), Adam's 2 moments of it / dp
+    from workbench.parallel.tensor import parameters_per_rank
+
+    cfg = GPTConfig.preset("tiny")
+    state = rows["3d"]["model_state"]
+    vocab_shard = -(-cfg.vocab_size // 2) * 2 * cfg.n_embd // 2
+    for rank in range(4):  # rank r and r + 4 hold the two stages of the same (dp, tp) coordinates
+        assert state[rank]["params"] + state[rank + 4]["params"] == 4 * (parameters_per_rank(cfg, 2) + vocab_shard)
+    for s in state:  # ZeRO-1 over dp = 2: half the moments, plus padding and step counters
+        assert 0 <= s["optimizer"] - 8 * (s["params"] // 4) // 2 <= 64, s
     assert strategies.get("2d").default and strategies.get("2d").world_size == 4
     assert not strategies.get("3d").default

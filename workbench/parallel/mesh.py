@@ -358,8 +358,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     ``schedule``:
     ``"1f1b"`` or ``"gpipe"`` (with ``pp > 1``); ``n_microbatches``: per data-parallel rank
     (default ``pp``; 1F1B needs ``>= pp``). ``sequence_parallel``: split norms and residuals by
-    sequence too (needs ``tp > 1``). ``optimizer_cls(params, **optimizer_kwargs)`` builds the
-    optimizer (ZeRO-1/2 wrap it in :class:`ShardedOptimizer`). Returns a :class:`ParallelModel`.
+    sequence too (needs ``tp > 1``). ``zero_stage``: 0 DDP, 1-2 :class:`ShardedOptimizer`, 3
+    :class:`FullyShardedDataParallel`, over ``dp`` (with ``dp = 1`` there is nothing to shard and
+    it has no effect). ``optimizer_cls(params, **optimizer_kwargs)`` builds the optimizer.
+    Returns a :class:`ParallelModel`.
     """
     from workbench import runtime
     from workbench.parallel.ddp import DistributedDataParallel
