@@ -20,7 +20,7 @@ def test_compare_end_to_end(tmp_path, capsys):
     report = (out / "report.md").read_text()
     table = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| strategy")
              and not line.startswith("| ---")]
-    assert [line.split("|")[1].strip() for line in table] == strategies.names()
+    assert [line.split("|")[1].strip() for line in table] == [s.name for s in strategies.all_strategies() if s.default]
     assert all(line in printed for line in table)
     header = "| strategy | world size | tokens/s | peak memory per rank | final loss | max abs loss diff vs single |"
     assert header in report
@@ -32,6 +32,11 @@ def test_compare_end_to_end(tmp_path, capsys):
     # same seed, same global batches, global mean loss: PyTorch's DDP and FSDP2 match one process
     assert ddp["loss_diff"] < 1e-5 and fsdp["loss_diff"] < 1e-5
     assert max(abs(a - b) for a, b in zip(ddp["losses"], single["losses"])) < 1e-5
+    assert rows["2d"]["world_size"] == 4 and rows["2d"]["loss_diff"] < 1e-5  # the dp x tp mesh
+    from workbench.models import GPTConfig
+    from workbench.parallel.tensor import parameters_per_rank
+
+    assert all(s["params"] == 4 * parameters_per_rank(GPTConfig.preset("tiny"), 2) for s in rows["2d"]["model_state"])
     assert single["losses"][-1] < single["losses"][0]  # it trains
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert all(len(r["peak_bytes"]) == r["world_size"] and min(r["peak_bytes"]) > 0 for r in rows.values())

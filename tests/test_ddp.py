@@ -282,6 +282,22 @@ def _unused_parameters():
                       and b["ready"] <= b["start"] <= b["end"]) for b in step_events["buckets"]]
     out["buckets"] = len(ddp.buckets)
     out["lanes"] = sorted({e["lane"] for e in ddp.timeline_events()})
+
+    # synchronize_accumulated_gradients: backwards under no_sync (a pipeline's micro-batches),
+    # then one average of what they accumulated
+    model.zero_grad(set_to_none=True)
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+        ddp(2 * x).pow(2).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for g in want:
+        dist.all_reduce(g)
+        g /= world
+    ddp.synchronize_accumulated_gradients()
+    out["no_sync then synchronize averages"] = all(torch.allclose(g, p.grad, rtol=1e-6, atol=1e-7)
+                                                   for g, p in zip(want, model.parameters()))
+    out["no_sync then synchronize events"] = all(b["ready"] is not None and b["end"] is not None
+                                                 for b in ddp.events[-1]["buckets"])
     return out
 
 
@@ -290,7 +306,7 @@ def test_unused_parameters_errors_and_api():
     for rank, out in enumerate(results):
         for key, value in out.items():
             if key.startswith(("unused grad", "sometimes grad", "module is", "idempotent", "grads equal",
-                               "no_sync", "unused weight")):
+                               "no_sync", "unused weight")):  # "no_sync then synchronize ..." too
                 assert value is True, f"rank {rank}: {key}"
         assert out["unused-parity"] <= 1e-6, out["unused-parity"]
         assert "unused.weight" in out["error"] and "find_unused_parameters=True" in out["error"], out["error"]

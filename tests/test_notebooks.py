@@ -95,6 +95,8 @@ def test_lesson_04b_script_under_torchrun_standalone():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_torchrun_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("check passed") == 2
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_every_lesson_ends_with_a_check_cell(script):
     """The last code cell asserts the lesson's claim (issue 16): a lesson ends by checking what it taught."""
@@ -103,3 +105,11 @@ def test_every_lesson_ends_with_a_check_cell(script):
     last = code[-1]
     asserts = [line for line in last.splitlines() if line.lstrip().startswith("assert ")]
     assert asserts, f"{script.name}: the last code cell asserts nothing; end the lesson with a check cell"
+
+
+def test_lesson_05_script_under_torchrun_standalone():
+    script = REPO / "notebooks" / "05_pipeline_parallel.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_torchrun_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("all checks passed") == 2

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default: {d.lr})")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed of the weights and batches (default: {d.seed})")
     parser.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
-                        help="strategies to run, space- or comma-separated (default: every registered one)")
+                        help="strategies to run, space- or comma-separated (default: every registered one "
+                             "except those registered with default=False, such as 3d)")
     parser.add_argument("--out", default=None, help="report directory (default: runs/<timestamp>)")
     parser.add_argument("--precision", default=d.precision, choices=["fp32", "bf16"],
                         help="fp32, or bf16: MixedPrecision(param_dtype=bfloat16) for every strategy, float32 "
@@ -77,7 +78,7 @@ def _load_strategy_modules() -> None:
 
 def _selected(requested: list[str] | None) -> list[strategies.Strategy]:
     if not requested:
-        return strategies.all_strategies()
+        return [s for s in strategies.all_strategies() if s.default]
     names = [n for item in requested for n in item.split(",") if n]
     chosen = [strategies.get(n) for n in names]  # ValueError listing the registered ones
     if len(set(names)) != len(names):

@@ -8,6 +8,8 @@ the ``matplotlib`` Figure, with a title, axis units and a legend, so a lesson ce
     plots.memory_breakdown(rows)           # stacked bars: peak bytes per rank, by category
     plots.loss_curves({"single": losses, "torch-ddp": ddp_losses})
     plots.timeline(None, events)           # Gantt chart: what each rank did when
+    plots.pipeline_schedule(schedule.actions, num_stages=4)   # a pipeline's planned grid
+    plots.pipeline_schedule(schedule.timeline)                # ... and the measured one
 
 matplotlib is imported when a function is called, so importing the workbench stays cheap and
 works where no display exists (set ``MPLBACKEND=Agg`` to draw to files).
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["throughput", "memory_breakdown", "loss_curves", "timeline", "CATEGORY_COLORS"]
+__all__ = ["throughput", "memory_breakdown", "loss_curves", "timeline", "pipeline_schedule",
+           "CATEGORY_COLORS"]
 
 CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                    "comm": "#8172b3", "other": "#937860"}
@@ -185,3 +188,121 @@ def holdings(ax, rows: Sequence[Sequence[float | None] | None], title: str, high
     for side in ax.spines.values():
         side.set_visible(False)
     return ax
+PIPELINE_COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "send": "#8172b3", "recv": "#b0b0b0"}
+
+
+def pipeline_schedule(plan, ax=None, *, num_stages: int | None = None, style: str = "loop",
+                      title: str | None = None, messages: bool = False):
+    """The classic pipeline grid, one row per rank, each box one action labelled with its
+    micro-batch (and stage, when a rank holds several): forwards blue, backwards green, weight
+    gradients orange.
+
+    ``plan`` is either a schedule's ``actions`` (a list of action lists, one per rank: drawn
+    *planned*, each action laid out by ``pipeline_schedules.simulate`` with F = 1, B = W = 1
+    (a full backward 2) for a whole model's share, divided by the stages per rank, ``num_stages`` and ``style`` as the schedule has them) or a
+    ``timeline`` (records with rank, stage, kind, microbatch, start, end: drawn *measured*, in
+    ms). ``messages=True`` also draws the (thin) send and receive waits of a measured timeline.
+    """
+    from workbench.parallel import pipeline_schedules as plans
+
+    plan = list(plan)
+    measured = bool(plan) and isinstance(plan[0], Mapping)
+    if measured:
+        records = [dict(r) for r in plan if messages or r["kind"] in ("F", "B", "W")]
+        scale, unit = 1e3, "time (ms)"
+    else:
+        if num_stages is None:
+            num_stages = 1 + max((a.stage for acts in plan for a in acts), default=0)
+        v = max(1, num_stages // max(1, len(plan)))  # stages per rank: each costs 1/v of a stage
+        records = plans.simulate(plan, num_stages, f=1 / v, w=1 / v, style=style)
+        scale, unit = 1.0, "time (one forward = 1)"
+    ranks = sorted({r["rank"] for r in records}) or [0]
+    stages_per_rank = {}
+    for r in records:
+        stages_per_rank.setdefault(r["rank"], set()).add(r["stage"])
+    several = any(len(v) > 1 for v in stages_per_rank.values())
+    fig, ax = _axes(ax, figsize=(10, 0.6 + 0.45 * len(ranks)))
+    t0 = min((r["start"] for r in records), default=0.0)
+    for r in records:
+        y = len(ranks) - 1 - ranks.index(r["rank"])
+        left, width = (r["start"] - t0) * scale, (r["end"] - r["start"]) * scale
+        if r["kind"] in ("send", "recv"):
+            ax.barh(y - 0.35, width, left=left, height=0.12, color=PIPELINE_COLORS[r["kind"]])
+            continue
+        ax.barh(y, width, left=left, height=0.8, color=PIPELINE_COLORS[r["kind"]],
+                edgecolor="black", linewidth=0.4)
+        label = f"{r['microbatch']}" if not several else f"{r['microbatch']}\n s{r['stage']}"
+        ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks([len(ranks) - 1 - i for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.set_xlabel(unit)
+    from matplotlib.patches import Patch
+
+    kinds = [k for k in ("F", "B", "W") if any(r["kind"] == k for r in records)]
+    names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input grad)",
+             "W": "backward (weight grad)"}
+    ax.legend(handles=[Patch(color=PIPELINE_COLORS[k], label=names[k]) for k in kinds], fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    bubble = plans.bubble(records, len(ranks))
+    ax.set_title(title or f"{'Measured' if measured else 'Planned'} schedule (idle {bubble:.0%})")
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
+    """The ranks of a 3D mesh and the groups they form (``workbench.parallel.mesh.layout(dp, tp, pp)``).
+
+    ``layout["grid"]`` is the ``(pp, dp, tp)`` array of ranks (a tensor or nested lists), indexed
+    by coordinates whatever ``layout["order"]`` placed where. Each
+    pipeline stage is a panel of ``dp`` rows by ``tp`` columns; a tensor-parallel group is a row
+    (solid box: adjacent ranks, one node's fast links), a data-parallel group a column within a
+    stage (dashed box), and a pipeline group the cells at the same place in every stage (arrows
+    from stage to stage).
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+    grid = layout["grid"]
+    grid = grid.tolist() if hasattr(grid, "tolist") else [list(map(list, stage)) for stage in grid]
+    pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    fig, ax = _axes(ax, figsize=(1.6 + 1.3 * pp * (tp + 0.8), 1.8 + 1.0 * dp))
+    colors = {"tp": "#4c72b0", "dp": "#dd8452", "pp": "#55a868"}
+    gap = 1.0  # empty columns between stages
+
+    def x_of(p: int, t: int) -> float:
+        return p * (tp + gap) + t
+
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                ax.add_patch(FancyBboxPatch((x_of(p, t) - 0.32, -d - 0.32), 0.64, 0.64,
+                                            boxstyle="round,pad=0.02", facecolor="white", edgecolor="black", zorder=2))
+                ax.text(x_of(p, t), -d + 0.06, f"rank {grid[p][d][t]}", ha="center", va="center", fontsize=9)
+                ax.text(x_of(p, t), -d - 0.16, f"dp{d} tp{t}", ha="center", va="center", fontsize=6, color="0.4")
+            ax.add_patch(FancyBboxPatch((x_of(p, 0) - 0.42, -d - 0.42), tp - 1 + 0.84, 0.84,
+                                        boxstyle="round,pad=0.02", fill=False, edgecolor=colors["tp"], linewidth=2,
+                                        label="tp group" if p == d == 0 else None))
+        for t in range(tp):
+            ax.add_patch(FancyBboxPatch((x_of(p, t) - 0.47, -(dp - 1) - 0.47), 0.94, dp - 1 + 0.94,
+                                        boxstyle="round,pad=0.02", fill=False, edgecolor=colors["dp"], linewidth=1.5,
+                                        linestyle="--", label="dp group" if p == t == 0 else None))
+        ax.text(x_of(p, (tp - 1) / 2), 0.75, f"pipeline stage {p}", ha="center", fontsize=10)
+        if p + 1 < pp:
+            for d in range(dp):
+                for t in range(tp):
+                    ax.annotate("", xy=(x_of(p + 1, t) - 0.2, -d + 0.32), xytext=(x_of(p, t) + 0.2, -d + 0.32),
+                                arrowprops=dict(arrowstyle="->", color=colors["pp"], alpha=0.8, linewidth=1.5,
+                                                connectionstyle=f"arc3,rad={-0.15 - 0.1 * t}"), zorder=1)
+    if pp > 1:
+        ax.plot([], [], color=colors["pp"], label="pp group (same place, every stage)")
+    ax.set_xlim(-0.7, x_of(pp - 1, tp - 1) + 0.7)
+    ax.set_ylim(-dp + 0.3, 1.2)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    order = tuple(layout.get("order", ("pp", "dp", "tp")))
+    formula = f"rank = (pp x {dp} + dp) x {tp} + tp" if order == ("pp", "dp", "tp") else \
+        f"order {' > '.join(order)} (outermost first)"
+    ax.set_title(title or f"Mesh dp={dp} x tp={tp} x pp={pp}: {formula}")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False)
+    return fig
+
+
+__all__.append("mesh_grid")

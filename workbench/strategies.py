@@ -28,7 +28,9 @@ so whatever a data-parallel strategy does (all-reducing gradients, sharding opti
 gathering parameters) happens inside the wrapped model's forward/backward and the optimizer's
 step. ``distributed=False`` means one process trains on the whole global batch (the reference).
 ``world_size`` pins the number of ranks a strategy needs (a 2 x 2 mesh needs 4), whatever
-``--world-size`` says; None uses ``--world-size``.
+``--world-size`` says; None uses ``--world-size``. ``default=False`` leaves a strategy out of a
+``workbench compare`` run that names none (one too slow for every run, e.g. 8 ranks on 2 cores);
+``--strategies NAME`` still runs it.
 
 Adding a strategy is one call, typically at the end of the module that implements it::
 
@@ -101,7 +103,8 @@ class Strategy:
     report. ``distributed``: False for one process on the whole global batch, True for several
     ranks. ``wrap(model, make_optimizer) -> (model, optimizer)``. ``batch``, ``step`` and
     ``global_loss``: see the module docstring (defaults: data parallelism). ``world_size``: the
-    ranks this strategy needs, or None for the command line's ``--world-size``.
+    ranks this strategy needs, or None for the command line's ``--world-size``. ``default``: whether
+    ``workbench compare`` without ``--strategies`` runs it.
     """
 
     name: str
@@ -113,6 +116,7 @@ class Strategy:
         data_parallel_step
     global_loss: Callable[[Optional[torch.Tensor], int], float] = mean_over_ranks
     world_size: Optional[int] = None
+    default: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() or c == "," for c in self.name):
@@ -129,6 +133,8 @@ class Strategy:
                                             or self.world_size < 1):
             raise ValueError(f"Strategy {self.name!r}: world_size={self.world_size!r} must be a whole number >= 1 "
                              "or None (use --world-size)")
+        if not isinstance(self.default, bool):
+            raise TypeError(f"Strategy {self.name!r}: default={self.default!r} must be True or False")
         if not self.distributed and self.world_size not in (None, 1):
             raise ValueError(f"Strategy {self.name!r}: distributed=False trains in one process, so "
                              f"world_size={self.world_size} must be 1 or None")
@@ -315,3 +321,44 @@ register(Strategy("tp", "ours: tensor parallelism (Megatron), t=2: heads, MLP an
 register(Strategy("tp-sp", "ours: tensor + sequence parallelism, t=2: norms and residuals split by sequence, "
                   "all-gather + reduce-scatter", True, _wrap_tp(True), batch=whole_batch,
                   global_loss=same_on_every_rank, world_size=2))
+
+
+def _wrap_pp(model: nn.Module, make_optimizer: OptimizerFactory):
+    """Ours (workbench.parallel.pipeline): the GPT cut into one stage per rank (rank r runs stage
+    r), 1F1B over 4 micro-batches; each rank's optimizer updates its own stage (the tied
+    embedding on the first and last, with the summed gradient). Returns this rank's stage
+    module, carrying its schedule. Memory per rank: its stage's model state, plus the
+    activations of up to p - r micro-batches."""
+    from workbench import runtime
+    from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, partition
+
+    rank, world = runtime.rank(), runtime.world_size()
+    stage = partition(model.to(runtime.device()), world)[rank]
+    stage.pipeline_schedule = Schedule1F1B(PipelineStage(stage, rank, world), 4, loss_fn=_gpt_loss)
+    return stage, make_optimizer(stage.parameters())
+
+
+def _gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _pp_step(stage: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    """One pipeline step: the first stage feeds x, the last gets y and returns the batch's mean
+    loss (the mean of the equal micro-batches' means); middle stages return None."""
+    losses: list[torch.Tensor] = []
+    stage.pipeline_schedule.step(*((x,) if stage.first else ()), target=y if stage.last else None,
+                                 losses=losses)
+    optimizer.step()
+    return torch.stack(losses).mean() if losses else None
+
+
+def _pp_global_loss(loss: Optional[torch.Tensor], world_size: int) -> float:
+    """The last stage holds the global batch's loss: broadcast it to every rank."""
+    value = torch.zeros(1, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1).cpu()
+    dist.broadcast(value, src=world_size - 1)
+    return float(value)
+
+
+register(Strategy("pp", "ours: pipeline parallel, 2 stages (one per rank), 1F1B over 4 micro-batches "
+                  "(activations through workbench.comm isend/irecv)", True, _wrap_pp, batch=whole_batch,
+                  step=_pp_step, global_loss=_pp_global_loss, world_size=2))

@@ -30,6 +30,9 @@ one machine behaves like a cluster whose links between nodes are slower than ins
 link ``algorithm="native"`` then runs the hand-written algorithm gloo uses (torch's messages
 cannot be held back), with a warning.
 
+Point-to-point: ``send``, ``recv``, ``isend``, ``irecv`` (torch's signatures, ``p2p.py``), counted
+as ``("send", "native")`` etc.
+
 Every algorithm works for every group size (recursive doubling/halving fold non-powers of two
 in and out), every tensor size (uneven, smaller than the group, empty), ``ReduceOp`` SUM,
 PRODUCT, MIN, MAX and AVG (floating point only, as a SUM then a division), the dtypes gloo
@@ -65,6 +68,7 @@ from workbench.comm.counters import Counters, LinkStat, Stat, counters
 from workbench.comm.emulation import emulate
 from workbench.comm.topology import Link, Topology, node_groups
 from workbench.comm.ops import ReduceOp
+from workbench.comm.p2p import irecv, isend, recv, send
 from workbench.comm.reduce import ALGORITHMS as _REDUCE, reduce
 from workbench.comm.reduce_scatter import ALGORITHMS as _REDUCE_SCATTER, reduce_scatter
 from workbench.comm.scatter_gather import GATHER_ALGORITHMS as _GATHER, SCATTER_ALGORITHMS as _SCATTER
@@ -95,6 +99,6 @@ TOPOLOGY_ALGORITHMS: dict[str, tuple[str, ...]] = {
     for name, algs in (("all_reduce", _ALL_REDUCE), ("all_gather", _ALL_GATHER), ("reduce_scatter", _REDUCE_SCATTER))
 }
 
-__all__ = ["broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "reduce_scatter",
-           "ALGORITHMS", "TOPOLOGY_ALGORITHMS", "NEEDS_TOPOLOGY", "ReduceOp", "counters", "Counters", "Stat", "LinkStat", "Work",
-           "Link", "Topology", "emulate", "node_groups"]
+__all__ = ["send", "recv", "isend", "irecv", "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
+           "reduce_scatter", "ALGORITHMS", "TOPOLOGY_ALGORITHMS", "NEEDS_TOPOLOGY", "ReduceOp", "counters", "Counters",
+           "Stat", "LinkStat", "Work", "Link", "Topology", "emulate", "node_groups"]

@@ -152,12 +152,18 @@ class Comm:
                  dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag))
         return _Timed(works, stat, until=free, keep=stamp)
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
-        """Receive from ``peer``. Messages with the same (peer, tag) match in posting order."""
+    def irecv(self, tensor: torch.Tensor, peer: int | None, tag: int = 0):
+        """Receive from ``peer`` (None: from any rank of the group). Messages with the same
+        (peer, tag) match in posting order."""
         if tensor.numel() == 0:
             return _Done()
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_received += nbytes
+        if peer is None:  # from any source: the link is unknown until the message arrives
+            if self.topology.emulated:
+                raise ValueError("a receive from any source (src=None) cannot be emulated on a topology with "
+                                 "slowed links: name the sender (src= or group_src=)")
+            return dist.irecv(tensor, group=self.pg, tag=tag)
         stat, cls, link = self._link(peer)
         stat.bytes_received += nbytes
         if link is None:
@@ -167,11 +173,11 @@ class Comm:
                  dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag))
         return _Timed(works, stat, stamp=stamp)
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
-        self.isend(tensor, peer).wait()
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.isend(tensor, peer, tag).wait()
 
-    def recv(self, tensor: torch.Tensor, peer: int) -> None:
-        self.irecv(tensor, peer).wait()
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.irecv(tensor, peer, tag).wait()
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         """Send to ``dst`` and receive from ``src`` at the same time (both posted, then waited)."""

@@ -371,7 +371,7 @@ class DistributedDataParallel(nn.Module):
             if self.overlap:
                 self._launch_ready_buckets()
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, from_engine: bool = True) -> None:
         self._in_backward = True
         self._ready = [False] * len(self._params)
         self._next_bucket = 0
@@ -381,8 +381,8 @@ class DistributedDataParallel(nn.Module):
                          "buckets": [{"bucket": bk.index, "bytes": bk.nbytes, "params": len(bk.params),
                                       "ready": None, "start": None, "end": None} for bk in self.buckets]}
         self.events.append(self._current)
-        # run finish_gradient_synchronization when the autograd engine has finished this backward
-        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if from_engine:  # run finish_gradient_synchronization when autograd has finished this backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         self._current["backward_end"] = _now()
@@ -415,6 +415,29 @@ class DistributedDataParallel(nn.Module):
                 else:
                     still.append((handle, record))
             self._inflight = still
+
+    def synchronize_accumulated_gradients(self) -> None:
+        """Average over the ranks, now, the gradients accumulated under :meth:`no_sync`.
+
+        For loops that run several backwards per step in an order the forward cannot announce
+        (a pipeline's micro-batches: the last forward is not followed by the last backward): run
+        every forward and backward under ``no_sync()``, then call this once before
+        ``optimizer.step()``. Same buckets, same order, same unused-parameter rules as the end of
+        a synchronising backward. (``torch.distributed.pipelining`` reaches into DDP's reducer,
+        ``prepare_for_backward``, for the same purpose.)
+        """
+        self.finish_gradient_synchronization()  # a backward still in flight, if any
+        self._expect_sync = True
+        self._begin_backward(from_engine=False)
+        self._current["backward_end"] = _now()
+        for i, used in enumerate(self._locally_used.tolist()):
+            if used:  # got a gradient since the last synchronisation: its bucket slot holds it
+                b, _, _ = self._slot[id(self._params[i])]
+                self._ready[i] = True
+                self.buckets[b].pending -= 1
+                if self.buckets[b].pending == 0:
+                    self._current["buckets"][b]["ready"] = _now()
+        self.finish_gradient_synchronization()
 
     def finish_gradient_synchronization(self) -> None:
         """Wait until every gradient is averaged over the ranks. Idempotent.

@@ -1,0 +1,230 @@
+"""workbench.parallel.mesh: the grid's layout (Megatron order; the same groups as torch's DeviceMesh
+with the same named dimensions), and parallelize() against single-process training: the loss of
+every step and the full state after 3 AdamW steps, for each pair of dimensions on 4 ranks (ZeRO 0,
+1 and 3 over dp) and for dp = tp = pp = 2 on 8 ranks.
+
+Parity runs in float64, so 3 AdamW steps stay within 1e-5 (in float32, Adam turns rounding noise
+in near-zero gradients into updates of lr size). Each world size runs its whole list of cases
+inside ONE launch, and every rank returns its mismatches as readable strings.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import workbench
+from workbench.models.gpt import GPT, GPTConfig
+from workbench.parallel.mesh import Mesh, layout, parallelize
+from workbench.train import preload
+
+CONFIG = GPTConfig(vocab_size=65, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def test_layout_is_megatron_order():
+    """tp ranks adjacent, then dp, then pp: the groups read straight off arange(8).view(2, 2, 2)."""
+    g = layout(dp=2, tp=2, pp=2)
+    assert g["grid"].tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    g = layout(dp=3, tp=2, pp=1)          # uneven sizes: every rank once in each dimension's groups
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5]] and g["dp"] == [[0, 2, 4], [1, 3, 5]]
+    assert g["pp"] == [[r] for r in range(6)]
+    with pytest.raises(ValueError, match=r"tp=0 must be a whole number >= 1"):
+        layout(dp=2, tp=0)
+    # another order: tensor parallelism outermost-but-one, data parallelism adjacent (TP across nodes)
+    g = layout(dp=2, tp=2, pp=2, order=("pp", "tp", "dp"))
+    assert g["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and g["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["pp"] == [[0, 4], [2, 6], [1, 5], [3, 7]] and g["grid"][1, 0, 1] == 6
+    with pytest.raises(ValueError, match=r"order=\('pp', 'tp'\) must name 'pp', 'dp' and 'tp' once each"):
+        layout(dp=2, order=("pp", "tp"))
+
+
+def _batches(steps=3, b=8, t=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 65, (b, t), generator=g), torch.randint(0, 65, (b, t), generator=g))
+            for _ in range(steps)]
+
+
+def _reference(model, batches, lr):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, model.state_dict()
+
+
+def _parity_rank(cases) -> list[str]:
+    """Every case on this rank: the mesh's coordinates and groups, then 3 steps against one process."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    bad = []
+    for dp, tp, pp, kwargs in cases:
+        tag = f"dp={dp} tp={tp} pp={pp} {kwargs}"
+        torch.manual_seed(0)
+        model = GPT(CONFIG).double()
+        batches = _batches()
+        want_losses, want_state = _reference(model, batches, lr=1e-2)
+        order = kwargs.pop("order", ("pp", "dp", "tp"))
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, order=order)
+        groups = layout(dp=dp, tp=tp, pp=pp, order=order)
+        if mesh.rank_of(**mesh.coords) != rank:
+            bad.append(f"{tag}: rank_of({mesh.coords}) = {mesh.rank_of(**mesh.coords)} on rank {rank}")
+        for dim in ("dp", "tp", "pp"):
+            mine = dist.get_process_group_ranks(mesh.group(dim))
+            if mine not in groups[dim] or rank not in mine:
+                bad.append(f"{tag}: rank {rank}'s {dim} group is {mine}, layout says {groups[dim]}")
+        if kwargs.pop("against_torch", False):  # PyTorch's DeviceMesh with the same named dimensions
+            from torch.distributed.device_mesh import init_device_mesh
+
+            theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            for dim in ("dp", "tp", "pp"):
+                a = dist.get_process_group_ranks(mesh.group(dim))
+                b = dist.get_process_group_ranks(theirs.get_group(dim))
+                if a != b:
+                    bad.append(f"{tag}: rank {rank}'s {dim} group {a}, torch's DeviceMesh {b}")
+            if list(theirs.get_coordinate()) != [mesh.coords[d] for d in ("pp", "dp", "tp")]:
+                bad.append(f"{tag}: coords {mesh.coords}, torch's {theirs.get_coordinate()}")
+        trained = parallelize(model, mesh, lr=1e-2, **kwargs)
+        for i, (x, y) in enumerate(batches):
+            loss = float(trained.step(x, y))
+            if abs(loss - want_losses[i]) > 1e-5:
+                bad.append(f"{tag}: step {i} loss {loss:.8f}, one process {want_losses[i]:.8f}")
+        state = trained.full_state_dict()
+        if list(state) != list(want_state):
+            bad.append(f"{tag}: full_state_dict keys {list(state)} != {list(want_state)}")
+        for name, value in want_state.items():
+            got = state.get(name)
+            if got is None or got.shape != value.shape or not torch.allclose(got, value, rtol=0, atol=1e-5):
+                diff = "missing" if got is None else (f"shape {tuple(got.shape)}" if got.shape != value.shape
+                                                      else f"max diff {(got - value).abs().max():.2e}")
+                bad.append(f"{tag}: {name} {diff}")
+    assert world == dp * tp * pp
+    return bad
+
+
+def _check(results):
+    bad = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_parity_pairs_4_ranks():
+    """Each pair of dimensions on 4 ranks; ZeRO 0 (DDP), 1 (ShardedOptimizer) and 3 (FSDP) over
+    dp; sequence parallelism and GPipe once each; the tied embedding across stages throughout."""
+    cases = [(2, 2, 1, dict(zero_stage=z)) for z in (0, 1, 3)]
+    cases[0][3]["against_torch"] = True
+    cases += [(2, 1, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
+    cases += [(1, 2, 2, dict()), (1, 2, 2, dict(sequence_parallel=True, schedule="gpipe", n_microbatches=4)),
+              (2, 2, 1, dict(zero_stage=2, sequence_parallel=True)),
+              (2, 1, 2, dict(zero_stage=1, order=("dp", "pp", "tp"))), (2, 2, 1, dict(order=("tp", "dp", "pp")))]
+    preload()
+    _check(workbench.launch(_parity_rank, world_size=4, args=(cases,), timeout=240))
+
+
+def test_parity_3d_8_ranks():
+    """dp = tp = pp = 2: 1F1B over tensor-parallel stages, ZeRO 0, 1 and 3 across the replicas."""
+    cases = [(2, 2, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
+    cases[0][3]["against_torch"] = True
+    cases += [(2, 2, 2, dict(zero_stage=1, sequence_parallel=True, n_microbatches=4))]
+    preload()
+    _check(workbench.launch(_parity_rank, world_size=8, args=(cases,), timeout=300))
+
+
+def _errors_rank() -> list[str]:
+    """Bad input: a ValueError naming the argument and the fix, raised on every rank before any
+    group is made or message sent (a valid mesh built afterwards would hang otherwise)."""
+    bad = []
+
+    def expect(fn, *words):
+        try:
+            fn()
+        except ValueError as e:
+            if not all(w in str(e) for w in words):
+                bad.append(f"message {str(e)!r} lacks {words}")
+        else:
+            bad.append(f"no ValueError for {words}")
+
+    expect(lambda: Mesh(dp=3, tp=2), "dp x tp x pp = 6", "4 ranks")
+    expect(lambda: Mesh(dp=2, tp=2, pp=2), "dp x tp x pp = 8", "4 ranks")
+    expect(lambda: Mesh(dp=2, tp=2).rank_of(tp=2), "tp=2", "0..1")
+    mesh = Mesh(dp=2, pp=2)
+    model = GPT(CONFIG)
+    expect(lambda: parallelize(model, mesh, zero_stage=4), "zero_stage=4")
+    expect(lambda: parallelize(model, mesh, schedule="zigzag"), "schedule='zigzag'")
+    expect(lambda: parallelize(model, mesh, n_microbatches=1), "n_microbatches >= pp", "1 < 2")
+    expect(lambda: parallelize(model, mesh, sequence_parallel=True), "sequence_parallel=True", "tp > 1")
+    expect(lambda: parallelize(model, mesh, zero_stage=2), "zero_stage=2", "tied")
+    expect(lambda: parallelize(model, Mesh(dp=4), n_microbatches=2), "n_microbatches=2", "pp > 1")
+    # a mesh inside a sub-group: ranks numbered in the group, its sub-groups made by its members
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    rank = dist.get_rank()
+    inner = Mesh(tp=2, group=halves[0]) if rank < 2 else Mesh(dp=2, group=halves[1])
+    want = {"dp": 0, "tp": rank % 2, "pp": 0} if rank < 2 else {"dp": rank % 2, "tp": 0, "pp": 0}
+    dim = "tp" if rank < 2 else "dp"
+    if inner.coords != want or dist.get_process_group_ranks(inner.group(dim)) != ([0, 1] if rank < 2 else [2, 3]):
+        bad.append(f"mesh in a sub-group: coords {inner.coords} (want {want}), {dim} group "
+                   f"{dist.get_process_group_ranks(inner.group(dim))}")
+    total = torch.ones(1)
+    dist.all_reduce(total, group=inner.group(dim))
+    if float(total) != 2:
+        bad.append(f"mesh in a sub-group: all-reduce over {dim} gave {float(total)}")
+    trained = parallelize(model, Mesh(dp=4))
+    expect(lambda: trained.step(torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long)),
+           "batch size 6", "multiple of 4")
+    return bad
+
+
+def test_bad_input():
+    preload()
+    _check(workbench.launch(_errors_rank, world_size=4, timeout=120))
+
+
+def test_grid_figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from workbench import plots
+
+    fig = plots.mesh_grid(layout(dp=2, tp=2, pp=2))
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert sorted(t for t in texts if t.startswith("rank ")) == [f"rank {r}" for r in range(8)]
+    assert "pipeline stage 1" in texts and "dp1 tp0" in texts
+    assert {"tp group", "dp group"} <= set(fig.axes[0].get_legend_handles_labels()[1])
+    plt.close(fig)
+
+
+def test_compare_3d_on_request(tmp_path, capsys):
+    """``workbench compare --strategies 3d``: 8 ranks, same losses as one process; 2d runs by
+    default, 3d (too slow for every run on 2 cores) only when named."""
+    import json
+
+    from workbench import cli, strategies
+
+    out = tmp_path / "report"
+    assert cli.main(["compare", "--strategies", "single,3d", "--steps", "2", "--batch-size", "8",
+                     "--out", str(out)]) == 0
+    capsys.readouterr()
+    rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows["3d"]["world_size"] == 8 and rows["3d"]["loss_diff"] < 1e-5
+    # model state per rank against the formula: a stage's share of the tensor-parallel model (the
+    # tied embedding's shard on both the first and the last stage), Adam's 2 moments of it / dp
+    from workbench.parallel.tensor import parameters_per_rank
+
+    cfg = GPTConfig.preset("tiny")
+    state = rows["3d"]["model_state"]
+    vocab_shard = -(-cfg.vocab_size // 2) * 2 * cfg.n_embd // 2
+    for rank in range(4):  # rank r and r + 4 hold the two stages of the same (dp, tp) coordinates
+        assert state[rank]["params"] + state[rank + 4]["params"] == 4 * (parameters_per_rank(cfg, 2) + vocab_shard)
+    for s in state:  # ZeRO-1 over dp = 2: half the moments, plus padding and step counters
+        assert 0 <= s["optimizer"] - 8 * (s["params"] // 4) // 2 <= 64, s
+    assert strategies.get("2d").default and strategies.get("2d").world_size == 4
+    assert not strategies.get("3d").default

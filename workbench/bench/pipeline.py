@@ -1,0 +1,409 @@
+"""Our pipeline schedules against torch.distributed.pipelining, and against the formulas.
+
+``workbench bench pipeline`` measures three things, each in its own launch:
+
+1. **Step time** (``--parts time``): GPT ``small`` cut into stages, world size 2, the same
+   batch through our schedule and torch's (``ScheduleGPipe``, ``Schedule1F1B``,
+   ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``; ZB-H1 has no torch twin and is timed
+   alone) for m = 4 and 8 micro-batches. Candidates take turns inside every trial in rotating
+   order; a trial's number is the slowest rank's mean step time (forward, backward, AdamW step);
+   the report gives the median over trials and ours / torch. Target: <= 1.10x. Before timing,
+   ours and torch's gradients are compared on the same weights and batch.
+2. **Bubble** (``--parts bubble``): stages that sleep a fixed time in forward, input-gradient
+   and weight-gradient backward (:class:`~workbench.models.sleep.SleepStage`; a full backward
+   sleeps both), so p = 2, 4, 8 ranks give real schedules on 2 cores. For every schedule, p and
+   m in {1, 2, 4, 8, 16} (where allowed), the idle fraction measured from ``schedule.timeline``
+   (the least idle of ``--bubble-steps`` steps: noise only adds idle time) against
+   ``pipeline_schedules.bubble_formula``. Target: within 0.03.
+3. **Activation memory and bytes** (``--parts memory``): real GPT stages, p = 2. Per rank, the
+   peak bytes of activations during a step (:class:`~workbench.memory.MemoryMeter`) over
+   (micro-batches alive at once, from the plan) x (one micro-batch's activations, measured by
+   running one micro-batch forward alone): target 1.00-1.10. A second ratio adds what one
+   backward needs on top (the gradients of activations in flight, measured on one micro-batch
+   alone): the peak is reached while one micro-batch is in its backward, so with few
+   micro-batches alive that transient is a visible share. And the bytes each boundary
+   carried in one step (``comm.counters()``) against 2 x m x one micro-batch's boundary
+   activation (exact).
+
+Writes ``pipeline.json`` and ``pipeline.png`` (ratios; measured bubbles on the formula curves;
+activation memory per stage). CPU timings are noisy while other processes run: the load
+average is recorded with the results; read the ratios, not the milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from workbench.bench import _common
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
+TORCH_TWIN = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+              "zbv": "ScheduleZBVZeroBubble"}
+PARTS = ("time", "bubble", "memory")
+TARGET_RATIO = 1.10
+BUBBLE_TOLERANCE = 0.03
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated: time, bubble, memory")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"subset of {', '.join(SCHEDULES)}")
+    parser.add_argument("--microbatches", default="4,8", help="m for the step-time part (default 4,8)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences of 128 tokens) for timing")
+    parser.add_argument("--trials", type=int, default=5, help="interleaved trials (default 5)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per trial (default 3)")
+    parser.add_argument("--stages", default="2,4,8", help="p for the bubble part (default 2,4,8)")
+    parser.add_argument("--bubble-m", default="1,2,4,8,16", help="m for the bubble part")
+    parser.add_argument("--bubble-steps", type=int, default=3,
+                        help="steps per bubble point; the least idle one is reported (default 3)")
+    parser.add_argument("--sleep-ms", type=float, default=20.0,
+                        help="forward time of a whole sleeping stage, ms (B and W the same; default 20)")
+    parser.add_argument("--out", default=None, help="folder for pipeline.json/png (default runs/pipeline-<time>)")
+    parser.add_argument("--no-plot", action="store_true", help="do not draw pipeline.png")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"--{what}={text!r}: give whole numbers >= 1, comma-separated")
+    return values
+
+
+def _names(text: str, allowed, what: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise ValueError(f"--{what}={text!r}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
+    return items
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _ours(name: str):
+    from workbench.parallel import pipeline as pp
+
+    return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
+            "zb_h1": pp.ScheduleZeroBubble, "zbv": pp.ScheduleZBV}[name]
+
+
+def _local(name: str, p: int, rank: int) -> tuple[int, list[int]]:
+    from workbench.parallel import pipeline_schedules as plans
+
+    cls = _ours(name)
+    S = (2 if cls.multi else 1) * p
+    owner = plans.stage_to_rank(S, p, cls.style)
+    return S, [s for s in range(S) if owner[s] == rank]
+
+
+def _pipeline(name: str, model, p: int, rank: int, m: int, impl: str):
+    """(schedule, local stage modules, S, local ids) for ``impl`` = "ours" or "torch"."""
+    from workbench.parallel import pipeline as pp
+
+    S, local = _local(name, p, rank)
+    parts = pp.partition(model, S)
+    if impl == "ours":
+        stages = [pp.PipelineStage(parts[s], s, S) for s in local]
+        cls = _ours(name)
+    else:
+        from torch.distributed import pipelining as tp
+
+        stages = [tp.PipelineStage(parts[s], s, S, torch.device("cpu")) for s in local]
+        cls = getattr(tp, TORCH_TWIN[name])
+    schedule = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=loss_fn)
+    return schedule, [parts[s] for s in local], S, local
+
+
+def _step(schedule, S, local, x, y, losses=None):
+    schedule.step(*((x,) if 0 in local else ()), target=y if S - 1 in local else None, losses=losses)
+
+
+# ------------------------------------------------------------------------------------- 1. time
+
+def _time_rank(schedules, ms, batch, trials, steps) -> dict:
+    import torch.distributed as dist
+
+    from workbench.data import synthetic_batch
+    from workbench.models import GPT, GPTConfig
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    # untied head: torch's pipelining does not sum a tied embedding's two gradients (ours does)
+    config = GPTConfig.preset("small", tie_weights=False)
+    x, y = synthetic_batch(batch, block_size=config.block_size, seed=0)
+    rows = []
+    for m in ms:
+        candidates, runs = [], {}
+        for name in schedules:
+            for impl in ("torch", "ours"):
+                if impl == "torch" and name not in TORCH_TWIN:
+                    continue
+                torch.manual_seed(0)
+                model = GPT(config)
+                schedule, mods, S, local = _pipeline(name, model, p, rank, m, impl)
+                params = list({id(q): q for mod in mods for q in mod.parameters()}.values())
+                runs[(name, impl)] = (schedule, mods, S, local, torch.optim.AdamW(params, lr=1e-4))
+                candidates.append(f"{impl}:{name}")
+        # same weights, same batch: our gradients against torch's, before any update
+        grad_diff = {}
+        for name in schedules:
+            if name not in TORCH_TWIN:
+                continue
+            for impl in ("ours", "torch"):
+                schedule, mods, S, local, _ = runs[(name, impl)]
+                _step(schedule, S, local, x, y)
+            ours = [q.grad for mod in runs[(name, "ours")][1] for q in mod.parameters()]
+            theirs = [q.grad for mod in runs[(name, "torch")][1] for q in mod.parameters()]
+            diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+            grad_diff[name] = _common.max_over_ranks(diff)
+
+        def train_step(key):
+            schedule, mods, S, local, opt = runs[key]
+            _step(schedule, S, local, x, y)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for key in runs:  # warm-up
+            train_step(key)
+
+        def measure(c):
+            impl, name = c.split(":")
+            return _common.max_over_ranks(_common.timed(lambda: train_step((name, impl)), steps))
+
+        samples = _common.interleaved_trials(candidates, trials, measure)
+        for name in schedules:
+            row = {"m": m, "schedule": name, "ours_ms": 1e3 * _common.median(samples[f"ours:{name}"]),
+                   "ours_samples_ms": [1e3 * s for s in samples[f"ours:{name}"]]}
+            if name in TORCH_TWIN:
+                row["torch_ms"] = 1e3 * _common.median(samples[f"torch:{name}"])
+                row["torch_samples_ms"] = [1e3 * s for s in samples[f"torch:{name}"]]
+                row["ratio"] = row["ours_ms"] / row["torch_ms"]
+                row["max_grad_diff_vs_torch"] = grad_diff[name]
+            rows.append(row)
+        del runs
+    return {"rows": rows, "load": os.getloadavg()}
+
+
+# ----------------------------------------------------------------------------------- 2. bubble
+
+def _bubble_rank(schedules, ms, sleep_s, steps) -> list[dict]:
+    import torch.distributed as dist
+
+    from workbench.models.sleep import SleepStage
+    from workbench.parallel import pipeline as pp
+    from workbench.parallel import pipeline_schedules as plans
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for name in schedules:
+        for m in ms:
+            if m < plans.min_microbatches(name, p):
+                continue
+            cls = _ours(name)
+            v = 2 if cls.multi else 1
+            S, local = _local(name, p, rank)
+            stages = [pp.PipelineStage(SleepStage(sleep_s / v), s, S) for s in local]
+            schedule = cls(stages if cls.multi else stages[0], m, loss_fn=lambda out, tgt: out.sum())
+            x = torch.zeros(m, 4, requires_grad=True)
+            measured = []
+            for i in range(steps + 1):  # the first step exchanges shapes: not counted
+                _step(schedule, S, local, x, x.detach())
+                if i:
+                    measured.append(plans.bubble(schedule.timeline, p))
+            # noise (a rank waiting for a core, a late wake-up) only ever adds idle time, so the
+            # least idle of the steps is the best estimate of the schedule's own bubble
+            rows.append({"schedule": name, "p": p, "m": m, "measured": min(measured),
+                         "formula": plans.bubble_formula(name, p, m),
+                         "planned": plans.bubble(schedule.planned_timeline(), p)})
+    return rows
+
+
+# ----------------------------------------------------------------------------------- 3. memory
+
+def _memory_rank(schedules, m: int) -> list[dict]:
+    import torch.distributed as dist
+
+    from workbench import comm
+    from workbench.data import synthetic_batch
+    from workbench.memory import MemoryMeter
+    from workbench.models import GPT, GPTConfig
+    from workbench.parallel import pipeline_schedules as plans
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig.preset("tiny", n_layer=8, tie_weights=False)
+    batch = 4 * m
+    x, y = synthetic_batch(batch, block_size=config.block_size, seed=0)
+    rows = []
+    for name in schedules:
+        if m < plans.min_microbatches(name, p):
+            continue
+        torch.manual_seed(0)
+        model = GPT(config)
+        schedule, mods, S, local = _pipeline(name, model, p, rank, m, "ours")
+        _step(schedule, S, local, x, y)  # shapes, warm-up
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+        # one micro-batch alone: the activations its forward keeps for backward
+        # and the extra a backward needs on top (gradients of activations in flight)
+        one, extra = {}, {}
+        for s, mod in zip(local, mods):
+            shape = (batch // m, config.block_size)
+            with MemoryMeter(device="cpu") as meter:
+                inp = x[:batch // m] if s == 0 else torch.zeros(*shape, config.n_embd, requires_grad=True)
+                out = mod(inp)
+                if s == S - 1:
+                    out = loss_fn(out, y[:batch // m])
+                one[s] = meter.current_by_category.get("activations", 0)
+                out.backward(None if s == S - 1 else torch.ones_like(out))
+            extra[s] = meter.peak_by_category.get("activations", 0) - one[s]
+            mod.zero_grad(set_to_none=True)
+            del out, inp
+        with comm.counters() as c, MemoryMeter(device="cpu") as meter:
+            _step(schedule, S, local, x, y)
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+        live = plans.live_microbatches(schedule.actions[rank])
+        count_bytes = plans.peak_live_bytes(schedule.actions[rank], one)
+        peak = meter.peak_by_category.get("activations", 0)
+        boundary = (batch // m) * config.block_size * config.n_embd * 4
+        sent = c.stats[("isend", "native")].bytes_sent if ("isend", "native") in c.stats else 0
+        # messages this rank sends: m activations over each boundary to a later stage on another
+        # rank, m gradients over each boundary to an earlier one
+        boundaries_sent = sum(1 for s in local if s + 1 < S and s + 1 not in local) \
+            + sum(1 for s in local if s > 0 and s - 1 not in local)
+        rows.append({"schedule": name, "rank": rank, "stages": local, "live": {str(s): live[s] for s in local},
+                     "one_microbatch_bytes": {str(s): one[s] for s in local},
+                     "peak_activation_bytes": peak, "ratio": peak / count_bytes if count_bytes else float("nan"),
+                     "ratio_with_backward": peak / (count_bytes + max(extra.values())),
+                     "bytes_sent": sent, "bytes_expected": boundaries_sent * m * boundary})
+    return rows
+
+
+# ----------------------------------------------------------------------------------- report
+
+def main(args: argparse.Namespace) -> int:
+    import workbench
+
+    parts = _names(args.parts, PARTS, "parts")
+    schedules = _names(args.schedules, SCHEDULES, "schedules")
+    ms = _ints(args.microbatches, "microbatches")
+    ps = _ints(args.stages, "stages")
+    bubble_ms = _ints(args.bubble_m, "bubble-m")
+    for name in ("trials", "steps", "batch", "bubble_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} must be at least 1")
+    if any(args.batch % m for m in ms):
+        raise ValueError(f"--batch={args.batch} must split into every --microbatches {ms}")
+    start = time.time()
+    results: dict = {"load_before": os.getloadavg()}
+    ok = True
+    lines = []
+    if "time" in parts:
+        res = workbench.launch(_time_rank, world_size=2, args=(schedules, ms, args.batch, args.trials, args.steps),
+                               timeout=3600)[0]
+        results["time"] = res
+        lines.append(_common.format_table(res["rows"], [
+            ("schedule", "schedule", "s"), ("m", "m", "{:d}"), ("ours_ms", "ours ms", "{:.1f}"),
+            ("torch_ms", "torch ms", "{:.1f}"), ("ratio", "x torch", "{:.3f}"),
+            ("max_grad_diff_vs_torch", "grad diff", "{:.1e}")],
+            title=f"bench pipeline: GPT small, 2 stages/ranks (4 stages for interleaved, zbv), batch "
+                  f"{args.batch}x128, median of {args.trials} interleaved trials x {args.steps} steps; "
+                  f"load {res['load'][0]:.1f}"))
+        worst = max((r["ratio"] for r in res["rows"] if "ratio" in r), default=float("nan"))
+        ok &= worst <= TARGET_RATIO
+        lines.append(f"# worst ours / torch = {worst:.3f}: {'meets' if worst <= TARGET_RATIO else 'MISSES'} "
+                     f"the target <= {TARGET_RATIO:.2f}\n")
+    if "bubble" in parts:
+        rows = []
+        for p in ps:
+            rows += workbench.launch(_bubble_rank, world_size=p,
+                                     args=(schedules, bubble_ms, args.sleep_ms / 1e3, args.bubble_steps),
+                                     timeout=3600)[0]
+        for r in rows:
+            r["error"] = r["measured"] - r["formula"]
+        results["bubble"] = rows
+        lines.append(_common.format_table(rows, [
+            ("schedule", "schedule", "s"), ("p", "p", "{:d}"), ("m", "m", "{:d}"),
+            ("formula", "formula", "{:.3f}"), ("planned", "planned", "{:.3f}"),
+            ("measured", "measured", "{:.3f}"), ("error", "error", "{:+.3f}")],
+            title=f"bubble: sleeping stages ({args.sleep_ms:g} ms per F, B and W of a whole stage), "
+                  f"load {os.getloadavg()[0]:.1f}"))
+        worst = max(abs(r["error"]) for r in rows)
+        ok &= worst <= BUBBLE_TOLERANCE
+        lines.append(f"# worst |measured - formula| = {worst:.3f}: "
+                     f"{'meets' if worst <= BUBBLE_TOLERANCE else 'MISSES'} the target <= {BUBBLE_TOLERANCE}\n")
+    if "memory" in parts:
+        rows = [r for rank_rows in workbench.launch(_memory_rank, world_size=2, args=(schedules, 8), timeout=3600)
+                for r in rank_rows]
+        results["memory"] = rows
+        lines.append(_common.format_table(rows, [
+            ("schedule", "schedule", "s"), ("rank", "rank", "{:d}"), ("stages", "stages", "s"),
+            ("live", "live mb", "s"), ("peak_activation_bytes", "peak act B", "{:d}"),
+            ("ratio", "/ (live x one)", "{:.3f}"), ("ratio_with_backward", "/ (.. + bwd)", "{:.3f}"),
+            ("bytes_sent", "sent B", "{:d}"),
+            ("bytes_expected", "2m x act B", "{:d}")],
+            title="activation memory and boundary bytes: GPT tiny (8 blocks), 2 ranks, m = 8"))
+        bytes_ok = all(r["bytes_sent"] == r["bytes_expected"] for r in rows)
+        mem_ok = all(1.0 <= r["ratio"] <= 1.10 for r in rows)
+        ok &= bytes_ok and mem_ok
+        lines.append(f"# bytes: {'exact' if bytes_ok else 'MISMATCH'}; activation memory / (live x one "
+                     f"micro-batch): {'within' if mem_ok else 'OUTSIDE'} 1.00-1.10\n")
+    results["load_after"] = os.getloadavg()
+    print("\n".join(lines))
+    _common.save_outputs(args, "pipeline", {"results": results, "elapsed_s": time.time() - start},
+                         None if args.no_plot else (lambda: plot(results)))
+    return 0 if ok else 1
+
+
+def plot(results: dict):
+    """Left: ours / torch step time. Middle: measured bubbles on the formula curves. Right:
+    activation memory per rank over the plan's count."""
+    import matplotlib.pyplot as plt
+
+    from workbench.parallel import pipeline_schedules as plans
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), layout="constrained")
+    ax = axes[0]
+    rows = [r for r in results.get("time", {}).get("rows", []) if "ratio" in r]
+    if rows:
+        labels = [f"{r['schedule']} m={r['m']}" for r in rows]
+        ax.barh(labels[::-1], [r["ratio"] for r in rows][::-1], color="#4c72b0")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.axvline(TARGET_RATIO, color="#c44e52", ls="--", lw=0.8, label=f"target {TARGET_RATIO:.2f}x")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("step time / torch.distributed.pipelining's")
+    ax.set_title("GPT small, 2 ranks")
+    ax = axes[1]
+    colors = dict(zip(SCHEDULES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    bubble = results.get("bubble", [])
+    for (name, p) in sorted({(r["schedule"], r["p"]) for r in bubble}):
+        pts = sorted((r["m"], r["measured"]) for r in bubble if r["schedule"] == name and r["p"] == p)
+        ms = list(range(min(m for m, _ in pts), max(m for m, _ in pts) + 1))
+        ax.plot(ms, [plans.bubble_formula(name, p, m) for m in ms], color=colors[name], lw=0.8,
+                ls=["-", "--", ":"][[2, 4, 8].index(p)] if p in (2, 4, 8) else "-")
+        ax.plot([m for m, _ in pts], [b for _, b in pts], "o", color=colors[name], ms=4,
+                label=f"{name} p={p}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("idle fraction")
+    ax.set_title("bubble: measured (dots) on the formulas (lines)")
+    if bubble:
+        ax.legend(fontsize=6, ncol=3)
+    ax = axes[2]
+    mem = results.get("memory", [])
+    if mem:
+        labels = [f"{r['schedule']} rank {r['rank']}" for r in mem]
+        ax.barh(labels[::-1], [r["peak_activation_bytes"] / 2**20 for r in mem][::-1], color="#c44e52")
+        for y, r in enumerate(mem[::-1]):
+            ax.text(r["peak_activation_bytes"] / 2**20, y, f" live {r['live']}, x{r['ratio']:.2f}",
+                    va="center", fontsize=7)
+    ax.set_xlabel("peak activation MiB (one step)")
+    ax.set_title("activation memory per rank, m = 8")
+    return fig

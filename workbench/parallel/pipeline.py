@@ -1,0 +1,573 @@
+"""Pipeline parallelism: cut the model into stages, one (or a few) per rank, and stream
+micro-batches through them. Mirrors ``torch.distributed.pipelining``::
+
+    stages = partition(GPT(cfg), num_stages=2)              # stage k: blocks of stage k only
+    stage = PipelineStage(stages[rank], rank, 2)
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss)
+    losses = []
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+    optimizer.step()                                        # each rank updates its own stage
+
+The idea. Stage k holds layers [a_k, a_{k+1}); the global batch is split along dim 0 into m
+micro-batches; the first stage runs the forward of micro-batch i and sends its output (an
+activation of ``b/m x T x C`` floats for our GPT) to stage k+1, which runs its forward, and so
+on; the last stage computes the loss, and gradients flow back the same way. While stage 1 works
+on micro-batch 0, stage 0 can already start micro-batch 1: that overlap is the whole point.
+Who does what when is the *schedule* (:mod:`workbench.parallel.pipeline_schedules`): a list of
+actions per rank, built before the run (``schedule.actions``) and run here by ONE interpreter,
+whatever the schedule. After ``step()``, ``schedule.timeline`` holds the measured start and end
+of every action of every rank (gathered to every rank), which the same plot draws. The ranks
+start a step together (a 4-byte all-reduce lines them up), so times on different ranks, each
+counted from its own start of the step, can be compared.
+
+Cost. Per step each boundary carries 2 m messages (m activations forward, m gradients back),
+``2 x b x T x C x 4`` bytes in all for a float32 GPT, whatever m is. Idle time ("bubble")
+(p-1)/(m+p-1) of the step for GPipe and 1F1B, less for interleaved and zero-bubble schedules.
+Memory: stage k holds ~1/p of the parameters, gradients and optimizer state, plus the
+activations of every micro-batch between its forward and its backward: m for GPipe, p - k for
+1F1B (so stage 0 holds the most).
+
+Gradients. The last stage's loss per micro-batch is the mean over the micro-batch; backward
+runs on ``loss / m``, so after ``step()`` every ``.grad`` equals single-process backward of the
+mean loss over the whole batch (torch's ``scale_grads=True``). Tied embeddings: with
+``tie_weights=True`` the first stage uses ``wte.weight`` to embed and the last stage uses the
+same matrix as its head. After partitioning, each holds its own copy (same values); each gets
+only its own use's gradient, so after backward the two gradients are summed between the two
+ranks (Megatron's "embedding group"), and both copies take the same optimizer step and stay
+equal -- exactly the tied single-process model. Any module can declare such sharing through a
+``shared_parameters`` attribute (see :func:`partition`).
+
+Messages go through :func:`workbench.comm.isend` / :func:`workbench.comm.irecv` only, so
+``comm.counters()`` sees every byte. Every message has its own tag (stage, micro-batch, and
+direction), so a receive matches its send whatever order the two ranks post them in, and sends
+never block: the only waits are for data a rank really needs, and a schedule that respects the
+data dependencies cannot deadlock (``pipeline_schedules.simulate`` proves each plan). On NCCL,
+which ignores tags, messages between two ranks must be posted in the same order on both ends.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from workbench import comm
+from workbench.comm.group import resolve_group
+from workbench.parallel import pipeline_backward as split_backward
+from workbench.parallel import pipeline_schedules as plans
+from workbench.parallel.pipeline_schedules import Action
+
+__all__ = ["partition", "PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+           "ScheduleZeroBubble", "ScheduleZBV", "GPTStage", "Action"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+_META_LEN = 12         # shape message: ndim, dtype code, up to 10 sizes
+_META_TAG = 1 << 22    # tags of the one-off shape messages and the tied-gradient sums
+_TIE_TAG = 1 << 23
+
+
+# ----------------------------------------------------------------------------- partition a GPT
+
+class GPTStage(nn.Module):
+    """The part of a :class:`~workbench.models.GPT` one stage runs (torchtitan's way).
+
+    Holds the *same* submodules as the model (no copy): the first stage the embeddings, every
+    stage its blocks under their original indices in ``blocks`` (a ``ModuleDict``), the last
+    stage ``ln_f`` and ``lm_head``. So ``named_parameters()`` are the whole model's names
+    (``blocks.3.attn.c_attn.weight``) and optimizer state can be checkpointed by name.
+    ``forward`` takes token ids (first stage) or the previous stage's activation and returns
+    the activation (or logits, last stage). ``shared_parameters`` maps a name to
+    ``(parameter, stages)`` for parameters another stage holds a copy of (the tied embedding).
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool,
+                 stage_index: int, num_stages: int):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.shared_parameters: dict[str, tuple[nn.Parameter, tuple[int, ...]]] = {}
+        if model.config.tie_weights and (first or last) and num_stages > 1:
+            self.shared_parameters["wte.weight"] = (model.wte.weight, (0, num_stages - 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def partition(model: nn.Module, num_stages: int, *, layers_per_stage: Sequence[int] | None = None
+              ) -> list[GPTStage]:
+    """Cut a GPT into ``num_stages`` :class:`GPTStage` s (blocks balanced, or ``layers_per_stage``).
+
+    The stages share their modules with ``model``: build the same model on every rank (same
+    seed), partition it, and keep the stage(s) this rank runs. With tied embeddings the first
+    and last stages both hold ``wte.weight`` (see the module docstring for how its gradient is
+    summed).
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
+        raise TypeError(f"partition() cuts a workbench GPT (wte, blocks, ln_f, lm_head), got "
+                        f"{type(model).__name__}: for another model, write its stages as modules and "
+                        "wrap each in PipelineStage")
+    n = len(blocks)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= n:
+        raise ValueError(f"partition: num_stages={num_stages!r} must be between 1 and the model's "
+                         f"{n} blocks (each stage needs at least one block): use fewer stages or a "
+                         "deeper model (GPTConfig(n_layer=...))")
+    if layers_per_stage is None:
+        layers_per_stage = [n // num_stages + (1 if k < n % num_stages else 0) for k in range(num_stages)]
+    layers_per_stage = list(layers_per_stage)
+    if (len(layers_per_stage) != num_stages or sum(layers_per_stage) != n
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in layers_per_stage)):
+        raise ValueError(f"partition: layers_per_stage={layers_per_stage} must be {num_stages} whole "
+                         f"numbers >= 1 adding up to the model's {n} blocks")
+    stages, start = [], 0
+    for k, count in enumerate(layers_per_stage):
+        stages.append(GPTStage(model, range(start, start + count), k == 0, k == num_stages - 1,
+                               k, num_stages))
+        start += count
+    return stages
+
+
+# ----------------------------------------------------------------------------- a stage
+
+class PipelineStage:
+    """One stage of a pipeline on this rank: ``submodule`` runs stage ``stage_index`` of
+    ``num_stages``. Any module works whose forward takes the previous stage's output tensor (the
+    micro-batch's inputs, for the first stage) and returns one tensor."""
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device | str | None = None, group=None):
+        if not isinstance(submodule, nn.Module):
+            raise TypeError(f"PipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}")
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"PipelineStage: num_stages={num_stages!r} must be a whole number >= 1")
+        if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+            raise ValueError(f"PipelineStage: stage_index={stage_index!r} is out of range: stages are "
+                             f"numbered 0..{num_stages - 1}")
+        view = resolve_group(group)
+        if view is None:
+            raise ValueError("PipelineStage: this rank is not in group: build stages only on the "
+                             "group's ranks")
+        self.submodule = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device) if device is not None else \
+            next((p.device for p in submodule.parameters()), torch.device("cpu"))
+        self.group = group
+        self.group_rank = view.rank
+        self.group_size = view.size
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def __repr__(self) -> str:
+        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, group rank {self.group_rank})"
+
+
+# ----------------------------------------------------------------------------- the interpreter
+
+class _Schedule:
+    """What every schedule shares: checks, the action lists, and the interpreter (``step``)."""
+
+    name = ""          # key in pipeline_schedules.min_microbatches / bubble_formula
+    multi = False      # several stages per rank?
+    style = "loop"     # stage -> rank mapping
+
+    def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None):
+        cls = type(self).__name__
+        if self.multi:
+            if isinstance(stages, PipelineStage) or not isinstance(stages, (list, tuple)):
+                raise ValueError(f"{cls} runs several stages per rank: pass a list of PipelineStage "
+                                 "(use ScheduleGPipe / Schedule1F1B / ScheduleZeroBubble for one stage)")
+            stages = list(stages)
+        else:
+            if isinstance(stages, (list, tuple)):
+                raise ValueError(f"{cls} runs one stage per rank: pass one PipelineStage, not a list "
+                                 "(use ScheduleInterleaved1F1B or ScheduleZBV for several)")
+            stages = [stages]
+        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise TypeError(f"{cls}: stages must be PipelineStage objects, got {stages!r}")
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"{cls}: n_microbatches={n_microbatches!r} must be a whole number >= 1")
+        first = stages[0]
+        p, rank, num_stages = first.group_size, first.group_rank, first.num_stages
+        v = self._chunks(len(stages))
+        if num_stages != v * p:
+            raise ValueError(f"{cls}: the pipeline has num_stages={num_stages} but the group has {p} "
+                             f"ranks and {cls} puts {v} stage(s) on each: num_stages must be {v * p}")
+        owner = plans.stage_to_rank(num_stages, p, self.style)
+        want = sorted(s for s in range(num_stages) if owner[s] == rank)
+        got = sorted(s.stage_index for s in stages)
+        if got != want:
+            raise ValueError(f"{cls}: group rank {rank} holds stages {got} but {cls} places stages "
+                             f"{want} on it ({self.style} placement): build those stages on this rank")
+        need = plans.min_microbatches(self.name, p)
+        if n_microbatches < need:
+            raise ValueError(f"{cls} needs n_microbatches >= {need} (the number of stages) so that a "
+                             f"steady state exists: got {n_microbatches} < {need}; use more "
+                             "micro-batches or ScheduleGPipe")
+        self._check_microbatches(n_microbatches, p)
+        self._stages = {s.stage_index: s for s in stages}
+        self._n = n_microbatches
+        self._loss_fn = loss_fn
+        self._p, self._rank, self._num_stages, self._owner = p, rank, num_stages, owner
+        self._group = first.group
+        self._compute = self._build(p, n_microbatches)
+        self.actions: list[list[Action]] = plans.with_comms(self._compute, num_stages, self.style)
+        self._split = {(a.stage, a.microbatch) for acts in self.actions for a in acts if a.kind == "W"}
+        self._shapes: dict[int, tuple[torch.Size, torch.dtype]] | None = None
+        self.timeline: list[dict] = []
+
+    # -- hooks for the subclasses
+    def _chunks(self, n_local: int) -> int:
+        return 1
+
+    def _check_microbatches(self, m: int, p: int) -> None:
+        return None
+
+    def _build(self, p: int, m: int) -> list[list[Action]]:
+        raise NotImplementedError
+
+    # -- public
+    @property
+    def n_microbatches(self) -> int:
+        return self._n
+
+    def planned_timeline(self, f: float = 1.0, w: float = 1.0) -> list[dict]:
+        """The plan replayed with fixed costs per action (see ``pipeline_schedules.simulate``)."""
+        return plans.simulate(self.actions, self._num_stages, f=f / self._chunks(len(self._stages)),
+                              w=w / self._chunks(len(self._stages)), style=self.style)
+
+    def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None):
+        """Run one training step (forward and backward of every micro-batch) on this rank's
+        stages. The first stage passes the batch, the last ``target`` (and gets one loss per
+        micro-batch appended to ``losses``). Returns the last stage's output (all micro-batches
+        concatenated) on the rank holding it, else None."""
+        m = self._n
+        first = self._stages.get(0)
+        last = self._stages.get(self._num_stages - 1)
+        arg_chunks = self._split_batch(args, "the batch (args)") if first is not None else None
+        train = self._loss_fn is not None
+        target_chunks = None
+        if last is not None and train:
+            if target is None:
+                raise ValueError(f"{type(self).__name__}.step: this rank holds the last stage and the "
+                                 "schedule has a loss_fn: pass target=")
+            target_chunks = self._split_batch((target,), "target")
+        if first is not None and not args:
+            raise ValueError(f"{type(self).__name__}.step: this rank holds the first stage: pass the "
+                             "batch, step(x)")
+        if self._shapes is None:
+            self._shapes = self._infer_shapes(arg_chunks)
+        actions = self.actions[self._rank] if train else \
+            [a for a in self.actions[self._rank] if a.kind == "F" or
+             (a.kind in ("send", "recv") and a.peer == a.stage + (1 if a.kind == "send" else -1))]
+        return self._run(actions, arg_chunks, target_chunks, losses)
+
+    # -- checks
+    def _split_batch(self, tensors, what: str) -> list[tuple]:
+        m = self._n
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % m:
+                size = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else t
+                raise ValueError(f"{type(self).__name__}.step: {what} has batch size {size!r}, which "
+                                 f"does not split into n_microbatches={m} equal micro-batches: use a "
+                                 f"batch size that is a multiple of {m}")
+        return list(zip(*(t.chunk(m, dim=0) for t in tensors)))
+
+    # -- shape inference (once, like torch: micro-batch shapes must stay the same across steps)
+    def _infer_shapes(self, arg_chunks) -> dict[int, tuple[torch.Size, torch.dtype]]:
+        """Each stage runs micro-batch 0 without gradients and tells the next stage the shape and
+        dtype of its output, so receive buffers can be allocated. Stages go in order."""
+        shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        pending = []
+        for s in sorted(self._stages):
+            stage = self._stages[s]
+            if s == 0:
+                inputs = tuple(t.to(stage.device) for t in arg_chunks[0])
+            else:
+                if self._owner[s - 1] != self._rank:
+                    meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                    comm.recv(meta, group=self._group, group_src=self._owner[s - 1], tag=_META_TAG + s)
+                    ndim, code = int(meta[0]), int(meta[1])
+                    shapes[s] = (torch.Size(meta[2:2 + ndim].tolist()), _DTYPES[code])
+                inputs = (torch.zeros(shapes[s][0], dtype=shapes[s][1], device=stage.device),)
+            with torch.no_grad():
+                out = stage.submodule(*inputs)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"stage {s}'s forward returned {type(out).__name__}: a pipeline stage "
+                                "must return one tensor")
+            if s + 1 < self._num_stages:
+                shapes[s + 1] = (out.shape, out.dtype)
+                if self._owner[s + 1] != self._rank:
+                    if out.dim() > _META_LEN - 2 or out.dtype not in _DTYPES:
+                        raise ValueError(f"stage {s} returns a {out.dim()}-d {out.dtype} tensor: stage "
+                                         f"outputs may have at most {_META_LEN - 2} dims and dtype in {_DTYPES}")
+                    meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                    meta[0], meta[1] = out.dim(), _DTYPES.index(out.dtype)
+                    meta[2:2 + out.dim()] = torch.tensor(out.shape)
+                    pending.append((comm.isend(meta, group=self._group, group_dst=self._owner[s + 1],
+                                               tag=_META_TAG + s + 1), meta))
+        for work, _ in pending:
+            work.wait()
+        return shapes
+
+    # -- the interpreter
+    def _tag(self, stage: int, mb: int, grad: bool) -> int:
+        """One tag per message of a step: (receiving stage's boundary, micro-batch, direction)."""
+        return (mb * self._num_stages + stage) * 2 + int(grad)
+
+    def _run(self, actions: list[Action], arg_chunks, target_chunks, losses):
+        m, n_stages, group = self._n, self._num_stages, self._group
+        inputs: dict[tuple, tuple] = {}      # (stage, mb) -> the forward's inputs
+        outputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> output (loss / m on the last stage)
+        grad_out: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> dL/d(output)
+        grad_in: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> dL/d(input), to send or pass on
+        results: list[torch.Tensor] = []
+        posted: dict[int, tuple] = {}        # action index -> (handle, buffer)
+        sends = []
+        records = []
+        compute_at = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
+        # line the ranks up (one 4-byte all-reduce), so that every rank's step starts together
+        # and the timelines of different ranks share their origin
+        comm.all_reduce(torch.zeros(1), group=group)
+        t0 = time.perf_counter()
+
+        def post(j: int) -> None:
+            a = actions[j]
+            if j in posted:
+                return
+            grad = a.peer == a.stage + 1
+            shape, dtype = self._shapes[a.stage + 1] if grad else self._shapes[a.stage]
+            buf = torch.empty(shape, dtype=dtype, device=self._stages[a.stage].device)
+            tag = self._tag(a.stage, a.microbatch, grad)
+            posted[j] = (comm.irecv(buf, group=group, group_src=self._owner[a.peer], tag=tag), buf)
+
+        nxt = 0
+        for j, a in enumerate(actions):
+            s, i = a.stage, a.microbatch
+            if a.kind in ("F", "B", "W"):
+                # post the receives the next compute action needs, so they arrive while this runs
+                nxt += 1
+                upto = compute_at[nxt] if nxt < len(compute_at) else len(actions)
+                for k in range(j + 1, upto):
+                    if actions[k].kind == "recv":
+                        post(k)
+            start = time.perf_counter()
+            if a.kind == "recv":
+                post(j)
+                work, buf = posted.pop(j)
+                work.wait()
+                if a.peer == s - 1:
+                    inputs[(s, i)] = (buf.requires_grad_(buf.is_floating_point()),)
+                else:
+                    grad_out[(s, i)] = buf
+            elif a.kind == "send":
+                if a.peer == s + 1:
+                    t = outputs[(s, i)].detach()
+                    tag = self._tag(s + 1, i, False)
+                else:
+                    t = grad_in.pop((s, i))
+                    tag = self._tag(s - 1, i, True)
+                sends.append((comm.isend(t, group=group, group_dst=self._owner[a.peer], tag=tag), t))
+            elif a.kind == "F":
+                stage = self._stages[s]
+                if s == 0:
+                    x = tuple(t.to(stage.device) for t in arg_chunks[i])
+                else:
+                    x = inputs.get((s, i))
+                    if x is None:  # the previous stage is on this rank (the tip of ZBV's V)
+                        x = (outputs[(s - 1, i)].detach().requires_grad_(),)
+                inputs[(s, i)] = x
+                out = stage.submodule(*x)
+                if s == n_stages - 1:
+                    results.append(out.detach())
+                    if self._loss_fn is not None:
+                        loss = self._loss_fn(out, target_chunks[i][0].to(out.device))
+                        if losses is not None:
+                            losses.append(loss.detach())
+                        out = loss / m
+                outputs[(s, i)] = out
+            elif a.kind == "B":
+                self._backward(s, i, inputs, outputs, grad_out, grad_in)
+            elif a.kind == "W":
+                self._weight_backward(s, i, inputs, outputs, grad_out)
+            records.append((self._rank, s, a.kind, i, start - t0, time.perf_counter() - t0))
+            if a.kind in ("F", "B", "W") and sends:  # let go of sent tensors as soon as they left
+                sends = [(w, t) for w, t in sends if not (w.is_completed() and w.wait())]
+        for work, _ in sends:
+            work.wait()
+        if self._loss_fn is not None:
+            self._sum_shared_gradients()
+        self.timeline = self._gather_timeline(records)
+        if self._num_stages - 1 in self._stages:
+            return torch.cat(results, dim=0)
+        return None
+
+    def _backward(self, s: int, i: int, inputs, outputs, grad_out, grad_in) -> None:
+        """B: the full backward, or (split) only dL/d(inputs), keeping the graph for W."""
+        out = outputs[(s, i)]
+        g = grad_out.pop((s, i), None)
+        if g is None and s < self._num_stages - 1:  # the next stage is on this rank
+            g = grad_in.pop((s + 1, i))
+        x = [t for t in inputs[(s, i)] if t.requires_grad]
+        if (s, i) in self._split:
+            grads, grad_out[(s, i)] = split_backward.backward_input(out, g, x, self._params(s))
+            del outputs[(s, i)]
+        else:
+            torch.autograd.backward(out, g)
+            grads = tuple(t.grad for t in x) if s > 0 else ()
+            del outputs[(s, i)], inputs[(s, i)]
+        if s > 0 and grads:
+            grad_in[(s, i)] = grads[0]
+
+    def _weight_backward(self, s: int, i: int, inputs, outputs, grad_out) -> None:
+        """W: dL/dW of micro-batch i from what B kept (see pipeline_backward); then its
+        activations are freed."""
+        split_backward.backward_weight(grad_out.pop((s, i)), self._params(s))
+        del inputs[(s, i)]
+
+    def _params(self, s: int) -> list[nn.Parameter]:
+        return [p for p in self._stages[s].submodule.parameters() if p.requires_grad]
+
+    def _sum_shared_gradients(self) -> None:
+        """Sum the gradients of parameters held by several stages on different ranks (the tied
+        embedding on the first and last stage) so every copy has the full gradient."""
+        seen = set()
+        names = sorted({name for st in self._stages.values()
+                        for name in getattr(st.submodule, "shared_parameters", {})})
+        for k, name in enumerate(names):
+            for st in self._stages.values():
+                entry = getattr(st.submodule, "shared_parameters", {}).get(name)
+                if entry is None or id(entry[0]) in seen:
+                    continue
+                param, holders = entry
+                seen.add(id(param))
+                ranks = sorted({self._owner[h] for h in holders})
+                if len(ranks) < 2:
+                    continue  # every holder is on this rank: the gradients already accumulated
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                mine = param.grad.detach().clone()
+                parts, works = {}, []
+                for q in ranks:
+                    if q == self._rank:
+                        parts[q] = mine
+                        continue
+                    parts[q] = torch.empty_like(mine)
+                    works.append(comm.irecv(parts[q], group=self._group, group_src=q, tag=_TIE_TAG + k))
+                    works.append(comm.isend(mine, group=self._group, group_dst=q, tag=_TIE_TAG + k))
+                for w in works:
+                    w.wait()
+                total = parts[ranks[0]].clone()
+                for q in ranks[1:]:
+                    total += parts[q]
+                param.grad.copy_(total)
+
+    def _gather_timeline(self, records) -> list[dict]:
+        """Every rank's records on every rank (two small all-gathers)."""
+        kinds = ["F", "B", "W", "send", "recv"]
+        mine = torch.tensor([[r, s, kinds.index(k), i, a, b] for r, s, k, i, a, b in records],
+                            dtype=torch.float64).reshape(-1, 6)
+        p = self._p
+        count = torch.tensor([mine.shape[0]], dtype=torch.int64)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(p)]
+        comm.all_gather(counts, count, group=self._group)
+        longest = max(int(c) for c in counts)
+        padded = torch.zeros(longest, 6, dtype=torch.float64)
+        padded[:mine.shape[0]] = mine
+        everyone = [torch.zeros(longest, 6, dtype=torch.float64) for _ in range(p)]
+        comm.all_gather(everyone, padded, group=self._group)
+        out = []
+        for c, rows in zip(counts, everyone):
+            for r, s, k, i, a, b in rows[:int(c)].tolist():
+                out.append({"rank": int(r), "stage": int(s), "kind": kinds[int(k)],
+                            "microbatch": int(i), "start": a, "end": b})
+        return out
+
+
+class ScheduleGPipe(_Schedule):
+    """GPipe: all m forwards, then all m backwards. Any m >= 1; m micro-batches alive."""
+
+    name = "gpipe"
+
+    def _build(self, p, m):
+        return plans.gpipe(p, m)
+
+
+class Schedule1F1B(_Schedule):
+    """1F1B: warm-up (p - s - 1 forwards on stage s), one forward one backward, cool-down.
+    Needs m >= p; at most p - s micro-batches alive on stage s."""
+
+    name = "1f1b"
+
+    def _build(self, p, m):
+        return plans.one_f_one_b(p, m)
+
+
+class ScheduleZeroBubble(_Schedule):
+    """ZB-H1 (Qi et al. 2023) on one stage per rank: backward split into B (input gradient) and
+    W (weight gradient), W's deferred into the cool-down. Needs m >= p; 1F1B's memory."""
+
+    name = "zb_h1"
+
+    def _build(self, p, m):
+        return plans.zero_bubble_h1(p, m)
+
+
+class ScheduleInterleaved1F1B(_Schedule):
+    """Interleaved 1F1B: v stages per rank (rank r holds r, r+p, ...). m must be a multiple of
+    ``max(1, m // p)`` (torch's rule); bubble (p-1)/(v m + p-1) for m >= p."""
+
+    name = "interleaved"
+    multi = True
+
+    def _chunks(self, n_local):
+        if n_local < 2:
+            raise ValueError(f"ScheduleInterleaved1F1B runs several stages per rank, got {n_local}: "
+                             "pass stages r, r+p, ... of this rank (or use Schedule1F1B for one)")
+        return n_local
+
+    def _check_microbatches(self, m, p):
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ValueError(f"ScheduleInterleaved1F1B: n_microbatches={m} must be a multiple of the "
+                             f"number of rounds max(1, m // p) = {rounds}: use a multiple of {p}")
+
+    def _build(self, p, m):
+        return plans.interleaved(p, len(self._stages), m)
+
+
+class ScheduleZBV(_Schedule):
+    """ZBV: the V-shaped zero-bubble schedule, two stages per rank (rank r holds r and 2p-1-r),
+    as torch's ``ScheduleZBVZeroBubble``. Any m >= 1."""
+
+    name = "zbv"
+    multi = True
+    style = "v"
+
+    def _chunks(self, n_local):
+        if n_local != 2:
+            raise ValueError(f"ScheduleZBV needs exactly 2 stages per rank (r and 2p-1-r), got {n_local}")
+        return 2
+
+    def _build(self, p, m):
+        return plans.zbv(p, m)
+

@@ -1,0 +1,363 @@
+"""Pipeline schedules as data: the list of actions each rank runs, and what the lists predict.
+
+A schedule is nothing but an order. Every schedule does the same work -- for every stage ``s``
+and micro-batch ``i`` one forward ``F(s, i)``, one backward, and the messages between stages --
+and differs from the others only in the order each rank does it. So each builder here returns,
+for every rank, a plain list of :class:`Action`::
+
+    F  forward of one micro-batch through one stage (keeps its activations for the backward)
+    B  backward: the full backward, or, in the zero-bubble schedules, only the input-gradient
+       half (dL/dx, which the previous stage is waiting for)
+    W  the weight-gradient half (dL/dW), which nobody waits for, so it can fill idle time
+    send / recv   the activation (forward) or gradient (backward) crossing a stage boundary
+
+and one interpreter (:mod:`workbench.parallel.pipeline`) runs any such list. Builders name their
+phases the way papers and picotron do, so a reader can follow one rank through them:
+
+``gpipe``        all m forwards, then all m backwards. Activations of m micro-batches alive.
+``one_f_one_b``  warm-up: ``p - s - 1`` forwards on stage s; steady: one forward, one backward;
+                 cool-down: the remaining backwards. At most ``p - s`` micro-batches alive on
+                 stage s (so the first stage holds the most), and it needs ``m >= p``.
+``interleaved``  v stages ("chunks") per rank, rank r holding stages r, r+p, r+2p...; 1F1B over
+                 the v*m (chunk, micro-batch) pairs, chunks taken in rounds of p micro-batches
+                 (Narayanan et al. 2021; torch's round rule: ``m`` a multiple of ``max(1, m // p)``).
+``zero_bubble_h1``  ZB-H1 (Qi et al. 2023) on one stage per rank: 1F1B's order with every
+                 backward split into B and W; stage s defers its W by s steady-state slots, so
+                 the B's (the critical path) run back-to-back through the cool-down and the W's
+                 fill the bubble. Every stage keeps up to p micro-batches alive (a W frees them):
+                 1F1B's peak (its first stage's), now on every stage.
+``zbv``          the V-shaped zero-bubble schedule: 2 stages per rank, rank r holding stages r
+                 and 2p-1-r, so the first and last stages share rank 0 (same phases as torch's
+                 ``ScheduleZBVZeroBubble``).
+
+Idle fraction ("bubble") with p stages, m micro-batches, F, B, W taking equal time (t each):
+
+=================  ==================================  ====================================
+schedule           bubble                               first stage's live micro-batches
+=================  ==================================  ====================================
+GPipe, 1F1B        (p-1) / (m + p - 1)                  m (GPipe), p (1F1B)
+interleaved (v)    (p-1) / (v m + p - 1), m >= p        see :func:`live_microbatches`
+ZB-H1              (p-1) / (3 m + p - 1)                p (on every stage)
+ZBV (m >= 2p)      (p-1) / (6 m + p - 1)                2p chunk micro-batches (half a stage each)
+=================  ==================================  ====================================
+
+:func:`simulate` replays the lists with fixed costs per action (every message instant) and gives
+the planned start and end of every action: the "planned" grid the plots draw, the predicted
+bubble, and a proof that the lists cannot deadlock (it raises if some rank would wait forever).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zbv", "with_comms",
+           "stage_to_rank", "simulate", "bubble", "bubble_formula", "live_microbatches", "peak_live_bytes",
+           "min_microbatches"]
+
+
+class Action(NamedTuple):
+    """One step of one rank: ``kind`` in F, B, W, send, recv; ``peer`` is the stage at the other
+    end of a message (``stage - 1`` for activations, ``stage + 1`` for gradients)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind in ("F", "B", "W"):
+            return f"{self.kind}{self.stage}.{self.microbatch}"
+        arrow = "->" if self.kind == "send" else "<-"
+        return f"{self.kind}{self.stage}.{self.microbatch}{arrow}{self.peer}"
+
+    __repr__ = __str__
+
+
+def stage_to_rank(num_stages: int, ranks: int, style: str = "loop") -> list[int]:
+    """Which rank holds each stage: ``loop`` (stage s on rank s % p) or ``v`` (rank r holds r
+    and 2p-1-r)."""
+    if style == "v":
+        return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
+    return [s % ranks for s in range(num_stages)]
+
+
+# ----------------------------------------------------------------------------- single stage per rank
+
+def gpipe(p: int, m: int) -> list[list[Action]]:
+    """GPipe (Huang et al. 2019): all forwards, then all backwards."""
+    return [[Action("F", s, i) for i in range(m)] + [Action("B", s, i) for i in range(m)]
+            for s in range(p)]
+
+
+def one_f_one_b(p: int, m: int) -> list[list[Action]]:
+    """1F1B (PipeDream-flush, Megatron): warm-up, steady one-forward-one-backward, cool-down."""
+    ranks = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)                         # forwards before the first backward
+        acts = [Action("F", s, i) for i in range(warmup)]
+        for i in range(m - warmup):                        # steady: F(warmup + i), then B(i)
+            acts += [Action("F", s, warmup + i), Action("B", s, i)]
+        acts += [Action("B", s, i) for i in range(m - warmup, m)]   # cool-down
+        ranks.append(acts)
+    return ranks
+
+
+def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Fig. 3).
+
+    1F1B with each backward split into B (input gradient) and W (weight gradient). Warm-up:
+    ``p - s - 1`` forwards. Steady: F, B, and a W -- except that stage s holds back its first
+    ``s`` W's (the last stage holds back the most), so the B's go up the pipeline one right after
+    the other; cool-down: the remaining B's, each followed by one held-back W, then the rest.
+    A stage keeps a micro-batch's activations until its W, so the count alive on stage s is
+    ``(p - s) + s = p``: 1F1B's first-stage peak, on every stage.
+    """
+    ranks = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        acts = [Action("F", s, i) for i in range(warmup)]
+        held = 0          # W's not yet done
+        next_w = 0
+        for i in range(m - warmup):
+            acts += [Action("F", s, warmup + i), Action("B", s, i)]
+            held += 1
+            if held > s:  # stage s defers s weight passes
+                acts.append(Action("W", s, next_w))
+                next_w += 1
+                held -= 1
+        for i in range(m - warmup, m):
+            acts.append(Action("B", s, i))
+            held += 1
+            if held > s:
+                acts.append(Action("W", s, next_w))
+                next_w += 1
+                held -= 1
+        acts += [Action("W", s, i) for i in range(next_w, m)]
+        ranks.append(acts)
+    return ranks
+
+
+# ----------------------------------------------------------------------------- several stages per rank
+
+def interleaved(p: int, v: int, m: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, stage of chunk c on rank r is
+    ``c p + r``. Forwards go through the chunks in rounds of ``m / rounds`` micro-batches (torch's
+    flexible rule, Megatron's when m is a multiple of p); backwards in the reverse chunk order.
+
+    Warm-up on rank r: ``(v - 1) * per_round + 2 (p - 1 - r)`` forwards (capped at v m), then
+    steady 1F1B over (chunk, micro-batch) pairs, then cool-down.
+    """
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    total = v * m
+    ranks = []
+    for r in range(p):
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+
+        def fwd(k: int) -> Action:
+            chunk = (k // per_round) % v
+            return Action("F", chunk * p + r, (k // (per_round * v)) * per_round + k % per_round)
+
+        def bwd(k: int) -> Action:
+            chunk = v - 1 - (k // per_round) % v
+            return Action("B", chunk * p + r, (k // (per_round * v)) * per_round + k % per_round)
+
+        acts = [fwd(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            acts += [fwd(warmup + k), bwd(k)]
+        acts += [bwd(k) for k in range(total - warmup, total)]
+        ranks.append(acts)
+    return ranks
+
+
+def zbv(p: int, m: int) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2023, section 6): rank r holds stages r (chunk 0) and 2p-1-r (chunk 1).
+
+    Warm-up: ``2(p - r) - 1`` forwards of chunk 0, then r pairs (chunk-1 forward, chunk-0
+    forward), then ``p - r`` triples (F, B, W) of chunk 1. Steady: chunk-0 F, B, W then chunk-1
+    F, B, W. Cool-down: B's of both chunks, then B+W of chunk 0, then the W's left. Built for
+    ``max(m, 2p - 1)`` micro-batches and cut back to m (as torch does), so any m works.
+    """
+    n = max(2 * p - 1, m)
+    S = 2 * p
+    ranks = []
+    for r in range(p):
+        c0, c1 = r, S - 1 - r
+        f0 = f1 = b0 = b1 = 0
+        acts: list[Action] = []
+        for _ in range(2 * (p - r) - 1):
+            acts.append(Action("F", c0, f0)); f0 += 1
+        for _ in range(r):
+            acts.append(Action("F", c1, f1)); f1 += 1
+            acts.append(Action("F", c0, f0)); f0 += 1
+        for _ in range(p - r):
+            acts += [Action("F", c1, f1), Action("B", c1, b1), Action("W", c1, b1)]
+            f1 += 1; b1 += 1
+        while f1 < f0 or f0 < n:
+            if f0 < n:
+                acts.append(Action("F", c0, f0)); f0 += 1
+            acts += [Action("B", c0, b0), Action("W", c0, b0)]; b0 += 1
+            acts += [Action("F", c1, f1), Action("B", c1, b1), Action("W", c1, b1)]
+            f1 += 1; b1 += 1
+        w0, w1 = b0, b1
+        for _ in range(r):
+            acts += [Action("B", c0, b0), Action("B", c1, b1)]; b0 += 1; b1 += 1
+        for _ in range(p - r):
+            acts += [Action("B", c0, b0), Action("W", c0, w0)]; b0 += 1; w0 += 1
+        acts += [Action("W", c1, i) for i in range(w1, b1)]
+        acts += [Action("W", c0, i) for i in range(w0, b0)]
+        ranks.append([a for a in acts if a.microbatch < m])
+    return ranks
+
+
+def min_microbatches(schedule: str, p: int, v: int = 1) -> int:
+    """The fewest micro-batches a schedule accepts (1F1B and ZB-H1: p, so that the steady state
+    exists: a stage cannot start backward i before forwards reached the last stage)."""
+    return {"gpipe": 1, "1f1b": p, "zb_h1": p, "interleaved": 1, "zbv": 1}[schedule]
+
+
+# ----------------------------------------------------------------------------- messages
+
+def with_comms(compute: list[list[Action]], num_stages: int, style: str = "loop") -> list[list[Action]]:
+    """Insert the messages: a ``recv`` right before the action that needs it, a ``send`` right
+    after the action that produced it. A boundary between two stages of the same rank (the tip of
+    ZBV's V) needs no message."""
+    owner = stage_to_rank(num_stages, len(compute), style)
+    out = []
+    for r, acts in enumerate(compute):
+        full = []
+        for a in acts:
+            s, i = a.stage, a.microbatch
+            if a.kind == "F":
+                if s > 0 and owner[s - 1] != r:
+                    full.append(Action("recv", s, i, s - 1))
+                full.append(a)
+                if s < num_stages - 1 and owner[s + 1] != r:
+                    full.append(Action("send", s, i, s + 1))
+            elif a.kind == "B":
+                if s < num_stages - 1 and owner[s + 1] != r:
+                    full.append(Action("recv", s, i, s + 1))
+                full.append(a)
+                if s > 0 and owner[s - 1] != r:
+                    full.append(Action("send", s, i, s - 1))
+            else:
+                full.append(a)
+        out.append(full)
+    return out
+
+
+# ----------------------------------------------------------------------------- what a plan predicts
+
+def simulate(actions: list[list[Action]], num_stages: int, *, f: float = 1.0, b: float | None = None,
+             w: float = 1.0, style: str = "loop") -> list[dict]:
+    """Replay the per-rank lists with fixed costs (messages instant): one record per compute
+    action, ``{"rank", "stage", "kind", "microbatch", "start", "end"}`` -- a planned timeline.
+
+    ``b`` defaults to ``f`` for a split backward (B then W) and ``f + w`` for a full one. Raises
+    ``RuntimeError`` naming the stuck actions if the lists would deadlock.
+    """
+    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+    done: dict[tuple, float] = {}
+    pos = [0] * len(actions)
+    clock = [0.0] * len(actions)
+    records = []
+    compute = [[a for a in acts if a.kind in ("F", "B", "W")] for acts in actions]
+    remaining = sum(len(c) for c in compute)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(compute):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                s, i = a.stage, a.microbatch
+                if a.kind == "F":
+                    deps = [("F", s - 1, i)] if s > 0 else []
+                    cost = f
+                elif a.kind == "B":
+                    deps = [("B", s + 1, i)] if s < num_stages - 1 else [("F", s, i)]
+                    cost = (b if b is not None else f) if (s, i) in split else \
+                        (b if b is not None else f + w)
+                else:
+                    deps = [("B", s, i)]
+                    cost = w
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[r]] + [done[d] for d in deps])
+                clock[r] = start + cost
+                done[(a.kind, s, i)] = clock[r]
+                records.append({"rank": r, "stage": s, "kind": a.kind, "microbatch": i,
+                                "start": start, "end": clock[r]})
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed and remaining:
+            stuck = {r: str(c[pos[r]]) for r, c in enumerate(compute) if pos[r] < len(c)}
+            raise RuntimeError(f"the schedule deadlocks: ranks wait forever at {stuck}")
+    return records
+
+
+def bubble(timeline: list[dict], ranks: int | None = None) -> float:
+    """Idle fraction of a (planned or measured) timeline: 1 - busy / (ranks x span), where busy
+    is the time in F, B and W and span runs from the first start to the last end of any rank."""
+    comp = [t for t in timeline if t["kind"] in ("F", "B", "W")]
+    if not comp:
+        return 0.0
+    if ranks is None:
+        ranks = len({t["rank"] for t in timeline})
+    span = max(t["end"] for t in comp) - min(t["start"] for t in comp)
+    busy = sum(t["end"] - t["start"] for t in comp)
+    return 1.0 - busy / (ranks * span)
+
+
+def bubble_formula(schedule: str, p: int, m: int, v: int = 2) -> float:
+    """The idle fraction with equal F, B and W times (full backward B + W = 2 F).
+
+    (p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v m + p-1) for interleaved (m >= p: every round
+    fills the p ranks); (p-1)/(3m + p-1) for ZB-H1 (Qi et al.: bubble (p-1)(T_F + T_B - T_W)
+    against 3 m T of work); (p-1)/(6m + p-1) for ZBV with m >= 2p (each chunk costs half a
+    stage, so the only idle time left is the chunk-forward ramp of the V, (p-1) T_F / 2, against
+    3 m T of work). Where a closed form does not apply (interleaved with m < p, ZBV with m < 2p)
+    the plan's own value, from :func:`simulate`, is returned.
+    """
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved":
+        if m >= p:
+            return (p - 1) / (v * m + p - 1)
+        return bubble(simulate(with_comms(interleaved(p, v, m), v * p), v * p, f=1 / v, w=1 / v), p)
+    if schedule == "zb_h1":
+        return (p - 1) / (3 * m + p - 1)
+    if schedule == "zbv":
+        if m >= 2 * p:
+            return (p - 1) / (6 * m + p - 1)
+        return bubble(simulate(with_comms(zbv(p, m), 2 * p, "v"), 2 * p, f=0.5, w=0.5, style="v"), p)
+    raise ValueError(f"bubble_formula: schedule={schedule!r} is not known: use gpipe, 1f1b, "
+                     "interleaved, zb_h1 or zbv")
+
+
+def peak_live_bytes(actions: list[Action], one: dict[int, float]) -> float:
+    """The most activation bytes one rank's list keeps alive at once, given ``one[stage]`` bytes
+    per live micro-batch of each stage (with several stages per rank their peaks need not
+    coincide, so this is at most ``sum(live[s] * one[s])``)."""
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    total = peak = 0.0
+    for a in actions:
+        if a.kind == "F":
+            total += one[a.stage]
+            peak = max(peak, total)
+        elif (a.kind == "B" and (a.stage, a.microbatch) not in split) or a.kind == "W":
+            total -= one[a.stage]
+    return peak
+
+
+def live_microbatches(actions: list[Action]) -> dict[int, int]:
+    """Per stage of one rank's list: the most micro-batches whose activations are alive at once
+    (a forward makes them, the backward -- or the W, when the backward is split -- frees them)."""
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for a in actions:
+        if a.kind == "F":
+            live[a.stage] = live.get(a.stage, 0) + 1
+            peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
+        elif (a.kind == "B" and (a.stage, a.microbatch) not in split) or a.kind == "W":
+            live[a.stage] -= 1
+    return peak
