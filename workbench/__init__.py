@@ -15,3 +15,16 @@ from workbench.runtime import backend, device, local_rank, rank, report, world_s
 __all__ = ["launch", "LaunchResult", "RankFailed", "LaunchTimeout",
            "rank", "world_size", "local_rank", "device", "backend", "report"]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext workbench``: the ``%ranks``/``%%ranks`` magics (see workbench.magic)."""
+    from workbench.magic import load_ipython_extension as load  # IPython only when a kernel asks
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from workbench.magic import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -81,13 +81,14 @@ class RankFailed(RuntimeError):
 class LaunchTimeout(RuntimeError):
     """Ranks did not finish in time. ``.stacks`` maps each unfinished rank to where it was stuck."""
 
-    def __init__(self, timeout: float, stacks: dict[int, str]):
+    def __init__(self, timeout: float, stacks: dict[int, str], what: str = "launch",
+                 outcome: str = "All ranks were stopped."):
         self.timeout = timeout
         self.ranks = sorted(stacks)
         self.stacks = stacks
         names = ", ".join(str(r) for r in self.ranks)
-        text = (f"launch timed out after {timeout:g} s: rank(s) {names} had not finished "
-                f"(raise timeout= if the work is just slow). All ranks were stopped.")
+        text = (f"{what} timed out after {timeout:g} s: rank(s) {names} had not finished "
+                f"(raise timeout= if the work is just slow). {outcome}")
         for r in self.ranks:
             text += f"\n\n--- rank {r} was here (most recent call first) ---\n{stacks[r].rstrip() or '(no stack received)'}"
         super().__init__(text)
