@@ -104,8 +104,25 @@ class _State:
     interrupted = False
 
 
-def _break_connections() -> None:
-    """Make every collective this rank is blocked in fail (see "Interrupting a rank")."""
+def _socket_inodes() -> set[int]:
+    """The sockets this process has open now (a forked rank inherits the notebook kernel's)."""
+    inodes = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _break_connections(inherited: set[int]) -> None:
+    """Make every collective this rank is blocked in fail (see "Interrupting a rank").
+
+    Sockets inherited from the parent (the kernel's own connections to the notebook) are never
+    touched: shutting one down here would cut the notebook off from its kernel.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return
     if runtime.backend() == "nccl":
@@ -118,6 +135,9 @@ def _break_connections() -> None:
     # gloo: shut down connected TCP sockets (gloo's pairs); listening sockets are left alone
     for name in os.listdir("/proc/self/fd"):
         try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if not target.startswith("socket:[") or int(target[8:-1]) in inherited:
+                continue
             sock = socket.socket(fileno=os.dup(int(name)))
         except (OSError, ValueError):
             continue
@@ -131,7 +151,7 @@ def _break_connections() -> None:
             sock.close()
 
 
-def _listen(control, state: _State, main_thread: int) -> None:
+def _listen(control, state: _State, main_thread: int, inherited: set[int]) -> None:
     """The rank's control thread: on "interrupt", break the group and interrupt the main thread."""
     while True:
         try:
@@ -140,7 +160,7 @@ def _listen(control, state: _State, main_thread: int) -> None:
             return
         if state.running:
             state.interrupted = True
-            _break_connections()
+            _break_connections(inherited)
             signal.pthread_kill(main_thread, signal.SIGINT)
 
 
@@ -204,13 +224,15 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
            parent_pid):
     """A live rank: set up like a launched rank, then answer requests until told to stop."""
     state = _State()
+    inherited = _socket_inodes()  # before this rank makes any connection of its own
     try:
         _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_timeout,
                             sink=None, parent_pid=parent_pid)
         _prepare_plotting_and_display()
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
         signal.signal(signal.SIGINT, _on_sigint(state))
-        threading.Thread(target=_listen, args=(control, state, threading.get_ident()), daemon=True).start()
+        threading.Thread(target=_listen, args=(control, state, threading.get_ident(), inherited),
+                         daemon=True).start()
         requests.send_bytes(pickle.dumps(("ok", os.getpid())))
     except BaseException as e:  # noqa: BLE001 - a rank that cannot start says why
         requests.send_bytes(pickle.dumps(("error", _describe(e))))
@@ -408,10 +430,7 @@ class LiveRanks:
         compile(source, "<ranks cell>", "exec")  # a SyntaxError is raised here, before any rank runs it
         results = {r: CellResult(r) for r in ranks}
         self._cells += 1  # names the cell in tracebacks: <ranks cell 3>, the same on every rank
-        try:
-            self._wait(ranks, timeout or self.timeout, ("exec", source, self._cells), results)
-        finally:
-            show([results[r] for r in ranks])
+        self._wait(ranks, timeout or self.timeout, ("exec", source, self._cells), results, show=show)
         return [results[r] for r in ranks]
 
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list:
@@ -441,8 +460,12 @@ class LiveRanks:
 
     # ------------------------------------------------------------------ the monitor
     def _wait(self, ranks: list[int], timeout: float, request, results: dict | None = None,
-              missing_ok: bool = False) -> dict:
-        """Send ``request`` to ``ranks`` and collect their replies, handling failure and hangs."""
+              missing_ok: bool = False, show: Callable | None = None) -> dict:
+        """Send ``request`` to ``ranks`` and collect their replies, handling failure and hangs.
+
+        The ranks' output goes into ``results`` and is shown (``show``) before any message about
+        an interrupt or a restart, and before the failure is raised.
+        """
         if request != "start":
             for r in ranks:
                 self._requests[r].send_bytes(pickle.dumps(request))
@@ -500,13 +523,14 @@ class LiveRanks:
             if failure is not None:
                 raise failure
             return replies
+        self._collect(results, ranks)
+        if show is not None and results is not None:
+            show([results[r] for r in ranks])
         if died or stuck:
             what = (f"rank {min(died)} died" if died else
                     f"rank(s) {', '.join(map(str, stuck))} did not stop within {GRACE:g} s of an interrupt")
-            self._collect(results, ranks)
             self.restart(what)
         elif interrupted:
-            self._collect(results, ranks)
             self._regroup()
             print(f"workbench: interrupted rank(s) {', '.join(map(str, pending))}; every rank joined a fresh "
                   "process group (names are kept; groups made with dist.new_group are not)")

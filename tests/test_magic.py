@@ -1,0 +1,214 @@
+"""The %ranks / %%ranks magics, driven through a real Jupyter kernel (the project's kernel spec).
+
+One kernel runs the tour of everything a learner does (cells that persist, subsets, pull/push,
+figures, a failing rank, a hang, a rank that dies); a second one is killed with SIGKILL to check
+that no rank outlives it. Rank processes are checked by pid.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+jupyter_client = pytest.importorskip("jupyter_client")
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Kernel:
+    """A workbench kernel and a helper that runs code in it and gathers what it shows."""
+
+    def __init__(self):
+        os.environ["JUPYTER_PATH"] = f"{REPO}" + (f":{os.environ['JUPYTER_PATH']}" if os.environ.get("JUPYTER_PATH") else "")
+        self.km = KernelManager(kernel_name="workbench")
+        self.km.start_kernel(cwd=str(REPO))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(self, code: str, timeout: float = 60) -> dict:
+        """Execute ``code``; return its stdout text, images, error (ename, evalue, traceback)."""
+        shown = {"stdout": "", "stderr": "", "images": 0, "plain": [], "error": None}
+
+        def hook(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                shown[content["name"]] += content["text"]
+            elif kind in ("display_data", "execute_result"):
+                shown["images"] += "image/png" in content["data"]
+                shown["plain"].append(content["data"].get("text/plain", ""))
+            elif kind == "error":
+                shown["error"] = (content["ename"], content["evalue"], "\n".join(content["traceback"]))
+
+        self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        return shown
+
+    def ok(self, code: str, timeout: float = 60) -> dict:
+        shown = self.run(code, timeout)
+        assert shown["error"] is None, shown["error"]
+        return shown
+
+    def pids(self) -> list[int]:
+        shown = self.ok("print(get_ipython()._workbench_ranks.group.pids)")
+        return eval(shown["stdout"].strip())
+
+    def shutdown(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone(pids, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    k.ok("%load_ext workbench")
+    yield k
+    k.shutdown()
+
+
+def test_usage_errors_before_start(kernel):
+    shown = kernel.run("%%ranks\nx = 1")
+    assert shown["error"][0] == "RanksUsageError" and "%ranks start 2" in shown["error"][1]
+    shown = kernel.run("%ranks start two")
+    assert shown["error"] and "N='two'" in shown["error"][1]
+
+
+def test_cells_persist_per_rank_with_subsets_pull_push_and_figures(kernel):
+    shown = kernel.ok("%ranks start 2 --timeout 30")
+    assert "2 rank(s) running (gloo" in shown["stdout"]
+    pids = kernel.pids()
+    assert len(pids) == 2 and all(_alive(p) for p in pids) and os.getpid() not in pids
+
+    shown = kernel.ok(
+        "%%ranks\n"
+        "import torch, torch.distributed as dist, workbench\n"
+        "x = torch.ones(3) * (workbench.rank() + 1)\n"
+        "dist.all_reduce(x)\n"
+        "class Scale:\n"
+        "    def __init__(self, k): self.k = k\n"
+        "    def __call__(self, t): return t * self.k\n"
+        "def double(t):\n"
+        "    return Scale(2)(t)\n"
+        "print('threads', torch.get_num_threads(), 'world', dist.get_world_size())\n"
+        "x")
+    assert shown["stdout"].splitlines() == [
+        "[rank 0] threads 1 world 2", "[rank 0] Out: tensor([3., 3., 3.])",
+        "[rank 1] threads 1 world 2", "[rank 1] Out: tensor([3., 3., 3.])"]
+
+    # the next cell sees the names, a function and a class defined in the last one; a subset runs alone
+    shown = kernel.ok("%%ranks --ranks 1\ny = double(x) + workbench.rank()\ny")
+    assert shown["stdout"].splitlines() == ["[rank 1] Out: tensor([7., 7., 7.])"]
+    shown = kernel.ok("%%ranks\nprint('y' in dir())")
+    assert shown["stdout"].splitlines() == ["[rank 0] False", "[rank 1] True"]
+
+    # pull: a list of each rank's value, CPU tensors, in the notebook's namespace
+    shown = kernel.ok("%ranks pull x\nprint(type(x).__name__, len(x), [t.tolist() for t in x], x[0].device)")
+    assert "list 2 [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]] cpu" in shown["stdout"]
+    shown = kernel.run("%ranks pull y")
+    assert shown["error"][0] == "NameError" and "rank(s) 0" in shown["error"][1]
+
+    # push: a notebook value reaches every rank
+    kernel.ok("import torch\nw = torch.arange(4.)")
+    kernel.ok("%ranks push w")
+    shown = kernel.ok("%%ranks\nprint((w * (workbench.rank() + 1)).sum().item())")
+    assert shown["stdout"].splitlines() == ["[rank 0] 6.0", "[rank 1] 12.0"]
+
+    # a figure drawn inside each rank is shown in the notebook as a PNG
+    shown = kernel.ok("%%ranks\nimport matplotlib.pyplot as plt\nplt.plot([0, workbench.rank()]);")
+    assert shown["images"] == 2 and shown["stdout"] == ""
+    assert kernel.pids() == pids  # nothing above restarted the ranks
+
+
+def test_failing_rank_hang_and_death(kernel):
+    kernel.ok("%ranks start 2 --timeout 30")
+    kernel.ok("%%ranks\nimport torch, torch.distributed as dist, workbench\nkept = workbench.rank() * 10")
+    pids = kernel.pids()
+
+    # rank 1 raises while rank 0 waits in a barrier: RankFailed with rank 1's own traceback
+    shown = kernel.run("%%ranks\nprint('before')\nif workbench.rank() == 1:\n"
+                       "    raise KeyError('no such shard')\ndist.barrier()")
+    ename, evalue, tb = shown["error"]
+    assert ename == "RankFailed" and "rank 1 failed with KeyError" in evalue
+    assert "<ranks cell" in evalue and "raise KeyError('no such shard')" in evalue
+    assert "[rank 0] before" in shown["stdout"] and "[rank 1] before" in shown["stdout"]
+    assert "interrupted rank(s) 0" in shown["stdout"]
+    # ... and the group is usable, with the names kept, on the same processes
+    shown = kernel.ok("%%ranks\nt = torch.ones(1) + kept\ndist.all_reduce(t)\nt.item()")
+    assert shown["stdout"].splitlines() == ["[rank 0] Out: 12.0", "[rank 1] Out: 12.0"]
+    assert kernel.pids() == pids
+
+    # a hang: LaunchTimeout with where each rank was stuck, then usable again
+    shown = kernel.run("%%ranks --timeout 2\nimport time\nif workbench.rank() == 0:\n"
+                       "    time.sleep(60)\ndist.barrier()")
+    ename, evalue, _ = shown["error"]
+    assert ename == "LaunchTimeout" and "rank(s) 0, 1 had not finished" in evalue
+    assert "--- rank 0 was here" in evalue and "line 4 in <module>" in evalue
+    assert "in barrier" in evalue  # rank 1 was stuck in the collective
+    shown = kernel.ok("%%ranks\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert shown["stdout"].splitlines() == ["[rank 0] Out: 2.0", "[rank 1] Out: 2.0"]
+    assert kernel.pids() == pids
+
+    # a rank that dies: RankFailed naming it, and the group restarts with fresh processes
+    shown = kernel.run("%%ranks\nimport os\nif workbench.rank() == 1:\n    os._exit(3)\ndist.barrier()")
+    ename, evalue, _ = shown["error"]
+    assert ename == "RankFailed" and "rank 1" in evalue and "exited with code 3" in evalue
+    assert "rank 1 died: restarted 2 fresh rank(s)" in shown["stdout"]
+    new_pids = kernel.pids()
+    assert _gone(pids) and all(_alive(p) for p in new_pids)
+    shown = kernel.ok("%%ranks\nimport torch, torch.distributed as dist\nprint('kept' in dir())\n"
+                      "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert shown["stdout"].splitlines() == ["[rank 0] False", "[rank 0] Out: 2.0",
+                                            "[rank 1] False", "[rank 1] Out: 2.0"]
+
+
+def test_stop_restart_and_no_orphans(kernel):
+    kernel.ok("%ranks start 2")
+    first = kernel.pids()
+    shown = kernel.ok("%ranks start 2")  # starting again stops the running group first, and says so
+    assert "stopping the 2 running rank(s) first" in shown["stdout"]
+    assert _gone(first)
+    second = kernel.pids()
+    kernel.ok("%ranks stop")
+    assert _gone(second)
+    kernel.ok("%ranks stop")  # always succeeds
+
+    # a kernel restart leaves no rank behind
+    kernel.ok("%ranks start 2")
+    third = kernel.pids()
+    kernel.km.restart_kernel(now=False)
+    kernel.kc.wait_for_ready(timeout=60)
+    assert _gone(third)
+    kernel.ok("%load_ext workbench")
+
+
+def test_ranks_die_with_a_killed_kernel():
+    k = Kernel()
+    try:
+        k.ok("%load_ext workbench\n%ranks start 2")
+        pids = k.pids()
+        assert all(_alive(p) for p in pids)
+        os.kill(k.km.provisioner.process.pid, signal.SIGKILL)
+        assert _gone(pids), "rank processes outlived the SIGKILLed kernel"
+    finally:
+        k.shutdown()
