@@ -16,8 +16,9 @@ import jupytext
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-SCRIPTS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py"))
+# NN_topic, and NNx_topic for a short lesson slotted in after NN (00b_live_ranks)
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+SCRIPTS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.py"))
 
 
 def _cells(notebook) -> list[tuple[str, str]]:
@@ -86,3 +87,12 @@ def test_lesson_00_script_across_two_nodes_on_localhost():
     for node, (agent, out) in enumerate(zip(agents, outputs)):
         assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
         assert "all checks passed" in out
+
+
+def test_lesson_00b_script_under_torchrun_standalone():
+    """The %%ranks lesson's script: magic lines are comments, each torchrun process runs the cells' bodies."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "notebooks" / "00b_live_ranks.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_torchrun_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("all checks passed") == 2
