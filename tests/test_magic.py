@@ -182,6 +182,43 @@ def test_failing_rank_hang_and_death(kernel):
                                             "[rank 1] False", "[rank 1] Out: 2.0"]
 
 
+def test_bad_arguments_name_the_value_and_the_fix(kernel):
+    kernel.ok("%ranks start 2 --timeout 30")
+    shown = kernel.run("%%ranks --ranks 0,5\nx = 1")
+    assert shown["error"][0] == "ValueError" and "[5] not in this group of 2" in shown["error"][1]
+    shown = kernel.run("%%ranks --ranks zero\nx = 1")
+    assert shown["error"][0] == "RanksUsageError" and "e.g. 0,2" in shown["error"][1]
+    shown = kernel.run("%ranks push not_defined_here")
+    assert shown["error"][0] == "RanksUsageError" and "no variable 'not_defined_here'" in shown["error"][1]
+    shown = kernel.run("%%ranks\nx = (")
+    assert shown["error"][0] == "SyntaxError"  # refused before any rank runs it
+
+
+def test_kernel_interrupt_and_a_rank_killed_between_cells(kernel):
+    kernel.ok("%ranks start 2 --timeout 30")
+    kernel.ok("%%ranks\nimport torch, torch.distributed as dist, workbench\nkept = workbench.rank() + 1")
+    pids = kernel.pids()
+    # the learner presses "interrupt" while rank 0 sleeps and rank 1 waits in a barrier
+    shown = {"error": None}
+    msg_id = kernel.kc.execute("%%ranks\nimport time\nif workbench.rank() == 0:\n    time.sleep(60)\ndist.barrier()")
+    time.sleep(2.0)
+    kernel.km.interrupt_kernel()
+    reply = kernel.kc.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    shown = kernel.ok("%%ranks\nt = torch.ones(1) * kept\ndist.all_reduce(t)\nt.item()")
+    assert shown["stdout"].splitlines() == ["[rank 0] Out: 3.0", "[rank 1] Out: 3.0"]
+    assert kernel.pids() == pids
+
+    # a rank killed from outside between cells: the next cell restarts the group and says why
+    os.kill(pids[1], signal.SIGKILL)
+    assert _gone([pids[1]])
+    shown = kernel.ok("%%ranks\nprint('fresh')")
+    assert "rank 1 had died since the last cell (killed by signal SIGKILL)" in shown["stdout"]
+    assert shown["stdout"].splitlines()[-2:] == ["[rank 0] fresh", "[rank 1] fresh"]
+    assert _gone(pids) and not set(kernel.pids()) & set(pids)
+
+
 def test_stop_restart_and_no_orphans(kernel):
     kernel.ok("%ranks start 2")
     first = kernel.pids()

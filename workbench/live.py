@@ -233,14 +233,14 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
         signal.signal(signal.SIGINT, _on_sigint(state))
         threading.Thread(target=_listen, args=(control, state, threading.get_ident(), inherited),
                          daemon=True).start()
-        requests.send_bytes(pickle.dumps(("ok", os.getpid())))
+        requests.send_bytes(pickle.dumps((0, "ok", os.getpid())))
     except BaseException as e:  # noqa: BLE001 - a rank that cannot start says why
-        requests.send_bytes(pickle.dumps(("error", _describe(e))))
+        requests.send_bytes(pickle.dumps((0, "error", _describe(e))))
         return
     namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
     while True:
         try:
-            op, *args = pickle.loads(requests.recv_bytes())
+            request_id, op, *args = pickle.loads(requests.recv_bytes())
         except (EOFError, OSError):
             break
         if op == "stop":
@@ -274,9 +274,9 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         try:
-            requests.send_bytes(pickle.dumps(reply))
+            requests.send_bytes(pickle.dumps((request_id, *reply)))
         except Exception as e:  # noqa: BLE001 - e.g. a value that cannot be pickled
-            requests.send_bytes(pickle.dumps(("error", _describe(e))))
+            requests.send_bytes(pickle.dumps((request_id, "error", _describe(e))))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - teardown is best effort
@@ -344,6 +344,7 @@ class LiveRanks:
         ctx = mp.get_context(self.start_method)
         self._dir = tempfile.mkdtemp(prefix="workbench-ranks-")
         self._stores = 0
+        self._request_id = 0
         store = self._new_store()
         self._procs, self._outputs, self._dumps, self._requests, self._controls = [], [], [], [], []
         for r in range(self.world_size):
@@ -374,7 +375,7 @@ class LiveRanks:
         """End every rank (politely, then by SIGKILL to its process group). Always succeeds."""
         for conn in getattr(self, "_requests", []):
             try:
-                conn.send_bytes(pickle.dumps(("stop",)))
+                conn.send_bytes(pickle.dumps((0, "stop")))
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + 2.0
@@ -407,9 +408,19 @@ class LiveRanks:
         return f"LiveRanks(world_size={self.world_size}, backend={self.backend!r}, {state}, pids={self.pids})"
 
     # ------------------------------------------------------------------ requests
-    def _check_ranks(self, ranks) -> list[int]:
-        if not self.running:
+    def _ensure_running(self) -> None:
+        """Refuse if stopped; restart, saying why, if a rank died since the last request."""
+        if not self._procs:
             raise RuntimeError("the ranks are not running: start them with LiveRanks(...) or %ranks start N")
+        died = self._died()
+        if died and self._request_id:  # (during the start, _wait reports the death itself)
+            rank = min(died)
+            code = died[rank]
+            why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            self.restart(f"rank {rank} had died since the last cell ({why})")
+
+    def _check_ranks(self, ranks) -> list[int]:
+        self._ensure_running()
         if ranks is None:
             return list(range(self.world_size))
         ranks = sorted(set(ranks))
@@ -466,9 +477,11 @@ class LiveRanks:
         The ranks' output goes into ``results`` and is shown (``show``) before any message about
         an interrupt or a restart, and before the failure is raised.
         """
+        self._ensure_running()
         if request != "start":
+            self._request_id += 1  # a late reply to an abandoned request is recognised and dropped
             for r in ranks:
-                self._requests[r].send_bytes(pickle.dumps(request))
+                self._requests[r].send_bytes(pickle.dumps((self._request_id, *request)))
         replies: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
         trouble_since = None
@@ -547,9 +560,12 @@ class LiveRanks:
         for r in ranks:
             if r not in replies and self._requests[r].poll():
                 try:
-                    replies[r] = pickle.loads(self._requests[r].recv_bytes())
+                    request_id, *reply = pickle.loads(self._requests[r].recv_bytes())
                 except (EOFError, OSError):
                     continue
+                if request_id != self._request_id:
+                    continue
+                replies[r] = tuple(reply)
                 if results is not None and replies[r][0] == "ok":
                     results[r].value, results[r].figures = replies[r][1]
         if results is not None:

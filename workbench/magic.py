@@ -118,7 +118,7 @@ class RanksMagics(Magics):
         self._cell_parser, self._line_parser = _parsers()
 
     def _running(self) -> LiveRanks:
-        if self.group is None or not self.group.running:
+        if self.group is None:
             raise RanksUsageError("%ranks: no ranks are running: start them first with %ranks start 2")
         return self.group
 
