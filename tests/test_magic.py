@@ -199,7 +199,6 @@ def test_kernel_interrupt_and_a_rank_killed_between_cells(kernel):
     kernel.ok("%%ranks\nimport torch, torch.distributed as dist, workbench\nkept = workbench.rank() + 1")
     pids = kernel.pids()
     # the learner presses "interrupt" while rank 0 sleeps and rank 1 waits in a barrier
-    shown = {"error": None}
     msg_id = kernel.kc.execute("%%ranks\nimport time\nif workbench.rank() == 0:\n    time.sleep(60)\ndist.barrier()")
     time.sleep(2.0)
     kernel.km.interrupt_kernel()

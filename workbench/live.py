@@ -71,6 +71,7 @@ __all__ = ["LiveRanks", "CellResult"]
 
 GRACE = 5.0  # seconds an interrupted rank has to come back before the group is restarted
 _INTERRUPTED = "KeyboardInterrupt"
+_WHAT = {"exec": "%%ranks cell", "pull": "%ranks pull", "push": "%ranks push", "regroup": "joining a fresh group"}
 
 
 @dataclass
@@ -501,7 +502,8 @@ class LiveRanks:
                 if time.monotonic() > deadline:
                     stacks = _collect_stacks(self._procs, self._dumps, pending, below="in _exec_cell")
                     cause = LaunchTimeout(timeout, {r: _main_thread(s) for r, s in stacks.items()},
-                                          what="ranks request", outcome="The ranks were interrupted.")
+                                          what=_WHAT.get(request[0], "ranks request") if request != "start"
+                                          else "starting the ranks", outcome="The ranks were interrupted.")
                     break
         except KeyboardInterrupt as e:
             cause = e

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
