@@ -46,6 +46,7 @@ import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -174,16 +175,26 @@ def _exception_name(e: BaseException) -> str:
 def _die_with_parent(parent_pid: int | None = None) -> None:
     """Ask Linux to SIGKILL this rank if the parent dies (no orphans after a kernel crash).
 
-    ``PR_SET_PDEATHSIG`` fires when the parent *thread* that forked this process ends, and it is
-    set only after the fork: a parent that died in between is caught by comparing ``getppid``.
+    ``PR_SET_PDEATHSIG`` is set only after the fork, so with ``parent_pid`` a parent that died in
+    between is caught by comparing ``getppid``, and a watchdog thread checks it twice a second
+    from then on (for long-lived ranks, and for platforms without the prctl).
     """
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)
+    if parent_pid is not None:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="workbench-watch-parent",
+                         daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _redirect_output(fd: int) -> None:

@@ -36,8 +36,10 @@ A rank that dies (a segfault, ``os._exit``, the OOM killer) takes its state with
 group is restarted, with a message saying so, and :class:`RankFailed` names the rank that died.
 So is a rank that does not come back within a few seconds of being interrupted.
 
-Costs: one request/reply round trip per cell (sub-millisecond), each figure re-rendered as a PNG
-in the rank, each pulled value pickled (tensors come back as CPU tensors).
+Costs, measured with 2 ranks on the 2-vCPU machine under a load average of 15: an empty cell
+is one request/reply round trip over pipes (median 0.13 ms); joining a fresh group after an
+interrupt, 32 ms; restarting the ranks, 0.8 s. Each figure is rendered to PNG in the rank and
+each pulled or pushed value is pickled once (tensors travel as CPU tensors).
 """
 from __future__ import annotations
 
@@ -176,7 +178,9 @@ def _prepare_plotting_and_display() -> None:
     """Figures render off-screen (Agg); IPython's display machinery of the parent is forgotten."""
     os.environ["MPLBACKEND"] = "Agg"
     if "matplotlib.pyplot" in sys.modules:
-        sys.modules["matplotlib.pyplot"].switch_backend("Agg")
+        plt = sys.modules["matplotlib.pyplot"]
+        plt.close("all")  # figures the notebook had open when this rank was forked are not this rank's
+        plt.switch_backend("Agg")
     elif "matplotlib" in sys.modules:
         sys.modules["matplotlib"].use("Agg")
     if "IPython" in sys.modules:  # a forked kernel's shell would write to the parent's sockets
@@ -230,7 +234,6 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
         _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_timeout,
                             sink=None, parent_pid=parent_pid)
         _prepare_plotting_and_display()
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
         signal.signal(signal.SIGINT, _on_sigint(state))
         threading.Thread(target=_listen, args=(control, state, threading.get_ident(), inherited),
                          daemon=True).start()
@@ -282,13 +285,6 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - teardown is best effort
         pass
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit if the notebook's process is gone (backs up PR_SET_PDEATHSIG, which is per thread)."""
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
 
 
 def _regroup(rank, world_size, store_path, backend, pg_timeout) -> None:
