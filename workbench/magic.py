@@ -130,14 +130,14 @@ class RanksMagics(Magics):
             return None
         args = self._line_parser.parse_args(shlex.split(line) or ["status"])
         if args.command == "start":
-            if self.group is not None and self.group.running:
+            if self.group is not None:  # (also a group with a dead rank: its live ones must go)
                 print(f"workbench: stopping the {self.group.world_size} running rank(s) first")
                 self.stop()
             self.group = LiveRanks(args.n, backend=args.backend, timeout=args.timeout)
             print(f"workbench: {args.n} rank(s) running ({self.group.backend}, timeout {args.timeout:g} s); "
                   f"run cells on them with %%ranks")
         elif args.command == "stop":
-            had = self.group.world_size if self.group is not None and self.group.running else 0
+            had = self.group.world_size if self.group is not None else 0
             self.stop()
             print(f"workbench: stopped {had} rank(s)" if had else "workbench: no ranks were running")
         elif args.command == "pull":
