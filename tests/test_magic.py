@@ -261,3 +261,25 @@ def test_ranks_die_with_a_killed_kernel():
         assert _gone(pids), "rank processes outlived the SIGKILLed kernel"
     finally:
         k.shutdown()
+
+
+def test_live_ranks_without_ipython():
+    """The engine on its own (a script or a test): results come back as data, figures as PNG bytes."""
+    import torch
+
+    import workbench
+
+    with workbench.LiveRanks(2, timeout=30) as group:
+        results = group.run("import torch, workbench\nimport matplotlib.pyplot as plt\n"
+                            "x = torch.full((2,), float(workbench.rank()))\nprint('hi')\n"
+                            "plt.plot([0, 1])\nx.sum().item()", show=lambda results: None)
+        assert [(r.rank, r.output, r.value) for r in results] == [(0, ["hi"], "0.0"), (1, ["hi"], "2.0")]
+        assert all(len(r.figures) == 1 and r.figures[0].startswith(b"\x89PNG") for r in results)
+        assert [t.tolist() for t in group.pull("x")] == [[0.0, 0.0], [1.0, 1.0]]
+        group.push("y", {"k": torch.ones(1)}, ranks=[1])
+        assert group.pull("y", ranks=[1])[0]["k"].tolist() == [1.0]
+        with pytest.raises(ValueError, match=r"ranks=\[2\]: \[2\] not in this group of 2"):
+            group.run("pass", ranks=[2])
+        pids = group.pids
+    assert _gone(pids) and not group.running
+
