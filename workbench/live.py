@@ -124,7 +124,8 @@ def _break_connections(inherited: set[int]) -> None:
     """Make every collective this rank is blocked in fail (see "Interrupting a rank").
 
     Sockets inherited from the parent (the kernel's own connections to the notebook) are never
-    touched: shutting one down here would cut the notebook off from its kernel.
+    touched: shutting one down here would cut the notebook off from its kernel. Other TCP
+    connections the rank's cells opened themselves are shut down with gloo's.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -516,7 +517,7 @@ class LiveRanks:
                 self._pump(ranks, replies, results, 0.05)
         self._pump(ranks, replies, results, 0.0)
         for out in self._outputs:
-            out.read()
+            out.finish()  # a last line printed without a newline belongs to this cell too
         died = self._died()
         stuck = [r for r in ranks if r not in replies]
 
