@@ -43,18 +43,21 @@
 #
 # Each rank is its own process with its own memory. The cell below runs on both; the names it
 # defines (`x`, `rank`) live on each rank separately and are there for the next `%%ranks` cell.
-# The value of the last expression is shown per rank, like `Out[...]` in a notebook. (The first
-# line joins the process group when there is none yet: under torchrun; in the notebook
-# `%ranks start` already did.)
+# The value of the last expression is shown per rank, like `Out[...]` in a notebook. (The `if`
+# joins the process group when there is none yet, which happens only under torchrun; in the
+# notebook `%ranks start` already did.)
 
 # %%
 # %%ranks
+import atexit
+
 import torch
 import torch.distributed as dist
 import workbench
 
 if not dist.is_initialized():  # under torchrun (the paired script); %ranks start made it here
     dist.init_process_group("gloo")
+    atexit.register(dist.destroy_process_group)
 rank = workbench.rank()
 x = torch.arange(4.0) + 10 * rank
 before = x.clone()
