@@ -278,6 +278,9 @@ def test_live_ranks_without_ipython():
         assert [t.tolist() for t in group.pull("x")] == [[0.0, 0.0], [1.0, 1.0]]
         group.push("y", {"k": torch.ones(1)}, ranks=[1])
         assert group.pull("y", ranks=[1])[0]["k"].tolist() == [1.0]
+        group.run("import threading\nlock = threading.Lock()", show=lambda results: None)
+        with pytest.raises(TypeError, match="rank 0: lock=lock cannot be pickled to send to the notebook"):
+            group.pull("lock")
         with pytest.raises(ValueError, match=r"ranks=\[2\]: \[2\] not in this group of 2"):
             group.run("pass", ranks=[2])
         pids = group.pids

@@ -233,7 +233,7 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
     inherited = _socket_inodes()  # before this rank makes any connection of its own
     try:
         _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_timeout,
-                            sink=None, parent_pid=parent_pid)
+                    sink=None, parent_pid=parent_pid)
         _prepare_plotting_and_display()
         signal.signal(signal.SIGINT, _on_sigint(state))
         threading.Thread(target=_listen, args=(control, state, threading.get_ident(), inherited),
@@ -260,7 +260,7 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
                 elif op == "pull":
                     if args[0] not in namespace:
                         raise NameError(f"name {args[0]!r} is not defined")
-                    answer = pickle.dumps(_to_cpu(namespace[args[0]]))
+                    answer = _pickle_for_pull(args[0], namespace[args[0]])
                 elif op == "push":
                     namespace[args[0]] = pickle.loads(args[1])
                     answer = None
@@ -286,6 +286,14 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - teardown is best effort
         pass
+
+
+def _pickle_for_pull(name: str, value) -> bytes:
+    try:
+        return pickle.dumps(_to_cpu(value))
+    except Exception as e:  # noqa: BLE001 - whatever pickle refuses, the learner can act on
+        raise TypeError(f"{name}={type(value).__name__} cannot be pickled to send to the notebook ({e}): "
+                        "pull tensors or plain Python objects, e.g. a dict of tensors") from None
 
 
 def _regroup(rank, world_size, store_path, backend, pg_timeout) -> None:
@@ -410,6 +418,9 @@ class LiveRanks:
         """Refuse if stopped; restart, saying why, if a rank died since the last request."""
         if not self._procs:
             raise RuntimeError("the ranks are not running: start them with LiveRanks(...) or %ranks start N")
+        for proc in self._procs:
+            if proc.exitcode is None and _is_zombie(proc.pid):
+                proc.join(2)  # killed, its threads still exiting: wait, so it is seen as dead now
         died = self._died()
         if died and self._request_id:  # (during the start, _wait reports the death itself)
             rank = min(died)
@@ -453,6 +464,8 @@ class LiveRanks:
             if kind == "NameError":
                 raise NameError(f"{name!r} is not defined on rank(s) {', '.join(map(str, missing))}: "
                                 f"define it in a %%ranks cell first")
+            if kind == "TypeError":
+                raise TypeError(f"rank {missing[0]}: {message}")
             raise RankFailed(missing[0], *replies[missing[0]][1])
         return [pickle.loads(replies[r][1]) for r in ranks]
 
@@ -585,6 +598,15 @@ class LiveRanks:
 
 def _start():  # a stand-in callable for launch's argument checks
     pass
+
+
+def _is_zombie(pid: int) -> bool:
+    """True if ``pid`` has exited and waits to be reaped (Linux; False where /proc is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _check_name(name) -> None:
