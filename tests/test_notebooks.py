@@ -16,6 +16,7 @@ import jupytext
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# NN_topic, and NNx_topic for a short lesson slotted in after NN (00b_live_ranks)
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 SCRIPTS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.py"))
 
@@ -111,5 +112,14 @@ def test_lesson_05_script_under_torchrun_standalone():
     script = REPO / "notebooks" / "05_pipeline_parallel.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_torchrun_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("all checks passed") == 2
+
+
+def test_lesson_00b_script_under_torchrun_standalone():
+    """The %%ranks lesson's script: magic lines are comments, each torchrun process runs the cells' bodies."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "notebooks" / "00b_live_ranks.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_torchrun_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("all checks passed") == 2

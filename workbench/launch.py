@@ -50,6 +50,7 @@ import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -85,13 +86,14 @@ class RankFailed(RuntimeError):
 class LaunchTimeout(RuntimeError):
     """Ranks did not finish in time. ``.stacks`` maps each unfinished rank to where it was stuck."""
 
-    def __init__(self, timeout: float, stacks: dict[int, str]):
+    def __init__(self, timeout: float, stacks: dict[int, str], what: str = "launch",
+                 outcome: str = "All ranks were stopped."):
         self.timeout = timeout
         self.ranks = sorted(stacks)
         self.stacks = stacks
         names = ", ".join(str(r) for r in self.ranks)
-        text = (f"launch timed out after {timeout:g} s: rank(s) {names} had not finished "
-                f"(raise timeout= if the work is just slow). All ranks were stopped.")
+        text = (f"{what} timed out after {timeout:g} s: rank(s) {names} had not finished "
+                f"(raise timeout= if the work is just slow). {outcome}")
         for r in self.ranks:
             text += f"\n\n--- rank {r} was here (most recent call first) ---\n{stacks[r].rstrip() or '(no stack received)'}"
         super().__init__(text)
@@ -174,13 +176,29 @@ def _exception_name(e: BaseException) -> str:
     return name
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank if the parent dies (no orphans after a kernel crash)."""
+def _die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask Linux to SIGKILL this rank if the parent dies (no orphans after a kernel crash).
+
+    ``PR_SET_PDEATHSIG`` is set only after the fork, so with ``parent_pid`` a parent that died in
+    between is caught by comparing ``getppid``, and a watchdog thread checks it twice a second
+    from then on (for long-lived ranks, and for platforms without the prctl).
+    """
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    if parent_pid is not None:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="workbench-watch-parent",
+                         daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _redirect_output(fd: int) -> None:
@@ -220,10 +238,15 @@ def _emulate(topology) -> None:
         emulation.emulate(topology)
 
 
-def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout,
-               topology=None):
+def _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_timeout, sink,
+                parent_pid=None) -> None:
+    """Everything a rank does before running user code (shared by launch and the live ranks).
+
+    One intra-op thread, die with the parent, own process group, output into the parent's pipe,
+    stacks on SIGUSR1, the rank's context, the process group, gloo's network thread demoted.
+    """
     runtime.limit_threads(1)  # before any tensor work (see module docstring)
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     try:
         os.setpgid(0, 0)  # own process group: the parent can kill this rank and its children at once
     except OSError:
@@ -234,19 +257,29 @@ def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, o
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    dev = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    runtime._set_context(runtime._RankContext(
+        rank=rank, world_size=world_size, local_rank=rank, backend=backend, device=dev, sink=sink))
+    init_group(rank, world_size, store_path, backend, pg_timeout)
+
+
+def init_group(rank, world_size, store_path, backend, pg_timeout) -> None:
+    """Join the default process group through a ``FileStore`` at ``store_path``."""
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=pg_timeout))
+    gloo_threads.demote_loop_threads()  # see gloo_threads.py: no 4 ms stalls on a busy machine
+
+
+def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout,
+               topology=None):
     code = 0
     try:
-        dev = torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            dev = torch.device("cuda", rank)
-        runtime._set_context(runtime._RankContext(
-            rank=rank, world_size=world_size, local_rank=rank, backend=backend, device=dev,
-            sink=lambda record: queue.put(("record", rank, record))))
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
-        gloo_threads.demote_loop_threads()  # see gloo_threads.py: no 4 ms stalls on a busy machine
+        _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_timeout,
+                    sink=lambda record: queue.put(("record", rank, record)))
         _emulate(topology)
         value = fn(*args, **kwargs)
         try:
@@ -367,14 +400,40 @@ def _kill(proc) -> None:
     _live.discard(proc)
 
 
-def _collect_stacks(procs, dumps, ranks) -> dict[int, str]:
-    """SIGUSR1 each unfinished rank; faulthandler writes its stacks to the rank's dump pipe."""
+def _start_rank(ctx, rank: int, target, make_args, stream: bool = False):
+    """Start one rank process running ``target(*make_args(out_pipe, dump_pipe))``.
+
+    The rank gets the write ends of two pipes (its output, its stacks on SIGUSR1); the parent keeps
+    the read ends, wrapped in :class:`_RankOutput`. The rank is put in its own process group and
+    registered so that it is killed if this interpreter exits. Returns (process, output, dump).
+    """
+    out_read, out_write = ctx.Pipe(duplex=False)
+    dump_read, dump_write = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, name=f"workbench-rank-{rank}", args=make_args(out_write, dump_write))
+    proc.start()
+    _live.add(proc)
+    try:
+        os.setpgid(proc.pid, proc.pid)
+    except OSError:
+        pass
+    out_write.close()
+    dump_write.close()
+    return proc, _RankOutput(rank, out_read, stream), _RankOutput(rank, dump_read, False)
+
+
+def _collect_stacks(procs, dumps, ranks, below: str = "in _rank_main") -> dict[int, str]:
+    """SIGUSR1 each unfinished rank; faulthandler writes its stacks to the rank's dump pipe.
+
+    Frames from the one containing ``below`` downwards (the launcher's own) are dropped.
+    """
     for r in ranks:
         try:
             os.kill(procs[r].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
     deadline, quiet_since = time.monotonic() + 3.0, time.monotonic()
+    for r in ranks:
+        dumps[r].lines.clear()  # a live rank may have been asked before
     while time.monotonic() < deadline:
         got = any(dumps[r].read() for r in ranks)
         now = time.monotonic()
@@ -391,7 +450,7 @@ def _collect_stacks(procs, dumps, ranks) -> dict[int, str]:
         for line in dumps[r].lines:
             if not line.startswith(" "):  # a "Thread 0x... (most recent call first):" header
                 skipping = False
-            elif "in _rank_main" in line:
+            elif below in line:
                 skipping = True  # everything below is the launcher and the parent's frames
             if not skipping:
                 lines.append(line)
@@ -438,28 +497,17 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     rendezvous = tempfile.TemporaryDirectory(prefix="workbench-launch-")
     store_path = os.path.join(rendezvous.name, "store")
     queue = ctx.Queue()
-    procs, outputs, dumps, child_ends = [], [], [], []
+    procs, outputs, dumps = [], [], []
     start = time.monotonic()
     try:
         for r in range(world_size):
-            out_read, out_write = ctx.Pipe(duplex=False)
-            dump_read, dump_write = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_rank_main, name=f"workbench-rank-{r}",
-                args=(r, world_size, store_path, backend, fn, tuple(args), kwargs, queue,
-                      out_write, dump_write, timeout + 60, topology))
-            proc.start()
-            _live.add(proc)
-            try:
-                os.setpgid(proc.pid, proc.pid)
-            except OSError:
-                pass
+            proc, output, dump = _start_rank(
+                ctx, r, _rank_main, lambda out, dump, r=r: (
+                    r, world_size, store_path, backend, fn, tuple(args), kwargs, queue, out, dump, timeout + 60, topology),
+                stream)
             procs.append(proc)
-            outputs.append(_RankOutput(r, out_read, stream))
-            dumps.append(_RankOutput(r, dump_read, False))
-            child_ends += [out_write, dump_write]
-        for conn in child_ends:
-            conn.close()
+            outputs.append(output)
+            dumps.append(dump)
         return _monitor(procs, outputs, dumps, queue, timeout, start)
     finally:
         for proc in procs:
