@@ -114,13 +114,18 @@ def loss_curves(curves: Mapping[str, Sequence], ax=None):
     return fig
 
 
-def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline", origin: float | None = None):
+def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline", origin: float | None = None,
+             queue: bool = True):
     """A per-rank Gantt chart. ``events``: dicts ``{"rank", "lane", "name", "start", "end"}`` (s).
 
     Each rank gets one row per lane (e.g. "compute", "comm"), rank 0 at the top; each event is
     a bar from ``start`` to ``end`` coloured by ``name``. Times are shown in milliseconds from
     ``origin`` (default: the earliest start). Overlap between a rank's lanes -- communication
     hidden behind compute, or pipeline bubbles -- is what the chart is for.
+
+    An event may also carry ``"issued"`` (a collective queued before the communication thread
+    began it, as ``workbench.comm`` handles record): with ``queue=True`` the wait in the queue,
+    ``issued`` to ``start``, is drawn as a thin line before the bar.
     """
     events = list(events)
     need = ("rank", "lane", "name", "start", "end")
@@ -134,7 +139,7 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     if not events:
         ax.set_title(f"{title} (no events)")
         return fig
-    t0 = min(e["start"] for e in events) if origin is None else origin
+    t0 = min(min(e["start"], e.get("issued") or e["start"]) for e in events) if origin is None else origin
     lanes: list[str] = []
     for e in events:
         if e["lane"] not in lanes:
@@ -149,6 +154,10 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     labelled: set = set()
     for e in events:
         y = y_of[(e["rank"], lanes.index(e["lane"]))]
+        if queue and e.get("issued") is not None and e["issued"] < e["start"]:
+            ax.hlines(y, (e["issued"] - t0) * 1e3, (e["start"] - t0) * 1e3, color=colors[e["name"]], linewidth=1.5,
+                      alpha=0.8, label=None if "queued" in labelled else "queued (issued, not yet running)")
+            labelled.add("queued")
         ax.barh(y, (e["end"] - e["start"]) * 1e3, left=(e["start"] - t0) * 1e3, height=0.8,
                 color=colors[e["name"]], edgecolor="black", linewidth=0.3,
                 label=None if e["name"] in labelled else e["name"])
