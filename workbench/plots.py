@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["throughput", "memory_breakdown", "loss_curves", "timeline", "CATEGORY_COLORS"]
+__all__ = ["throughput", "memory_breakdown", "loss_curves", "timeline", "zero_model_state", "CATEGORY_COLORS"]
 
 CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                    "comm": "#8172b3", "other": "#937860"}
@@ -167,4 +167,48 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def zero_model_state(ax=None, *, psi: float, world_size: int, optimizer: str = "adam", precision: str = "fp32",
+                     stage: int | None = None, measured: Sequence[Mapping] | None = None,
+                     measured_world_size: int | None = None):
+    """Stacked bars of model state per rank for ZeRO stages 0-3, from the ZeRO formulas
+    (:func:`workbench.parallel.zero_memory.model_state_per_rank`), in MiB.
+
+    ``stage`` outlines one stage's bar. ``measured``: rows with ``stage``, ``params``, ``grads``
+    and ``optimizer`` bytes (``workbench.bench.zero.state_and_traffic``), drawn hatched beside the
+    formula's bars, labelled with ``measured_world_size``, so the predictor sits next to a run.
+    """
+    from workbench.parallel.zero_memory import STAGES, model_state_per_rank
+
+    fig, ax = _axes(ax, figsize=(7, 4))
+    cats = ("params", "grads", "optimizer")
+    width = 0.38 if measured else 0.7
+    formula = [model_state_per_rank(psi, world_size, s, optimizer, precision) for s in STAGES]
+    bottom = [0.0] * len(STAGES)
+    xs = [s - (width / 2 if measured else 0) for s in STAGES]
+    for cat in cats:
+        heights = [f[cat] / _MIB for f in formula]
+        ax.bar(xs, heights, width, bottom=bottom, color=CATEGORY_COLORS[cat], label=f"{cat} (formula)")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for x, total in zip(xs, bottom):
+        ax.annotate(f"{total:,.1f}", (x, total), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+    if stage is not None:
+        ax.bar(xs[stage], bottom[stage], width, fill=False, edgecolor="black", linewidth=2, label="selected stage")
+    if measured:
+        by_stage = {r["stage"]: r for r in measured}
+        mbottom = [0.0] * len(STAGES)
+        mx = [s + width / 2 for s in STAGES]
+        for cat in cats:
+            heights = [by_stage[s][cat] / _MIB if s in by_stage else 0.0 for s in STAGES]
+            ax.bar(mx, heights, width, bottom=mbottom, color=CATEGORY_COLORS[cat], hatch="//", alpha=0.6,
+                   edgecolor="white")
+            mbottom = [b + h for b, h in zip(mbottom, heights)]
+        ax.bar([], [], color="0.7", hatch="//", label=f"measured, N = {measured_world_size}")
+    ax.set_xticks(list(STAGES), [f"stage {s}" for s in STAGES])
+    ax.set_ylim(0, None)
+    ax.set_ylabel("model state per rank (MiB)")
+    ax.set_title(f"ZeRO formula: {psi / 1e6:,.1f} M parameters, N = {world_size}, {optimizer}, {precision}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
