@@ -124,8 +124,8 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     hidden behind compute, or pipeline bubbles -- is what the chart is for.
 
     An event may also carry ``"issued"`` (a collective queued before the communication thread
-    began it, as ``workbench.comm`` handles record): with ``queue=True`` the wait in the queue,
-    ``issued`` to ``start``, is drawn as a thin line before the bar.
+    began it, as ``workbench.comm`` handles record): with ``queue=True`` a small triangle above
+    the bar marks when it was issued, so the gap to its bar is the time it waited in the queue.
     """
     events = list(events)
     need = ("rank", "lane", "name", "start", "end")
@@ -154,10 +154,11 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     labelled: set = set()
     for e in events:
         y = y_of[(e["rank"], lanes.index(e["lane"]))]
-        if queue and e.get("issued") is not None and e["issued"] < e["start"]:
-            ax.hlines(y, (e["issued"] - t0) * 1e3, (e["start"] - t0) * 1e3, color=colors[e["name"]], linewidth=1.5,
-                      alpha=0.8, label=None if "queued" in labelled else "queued (issued, not yet running)")
-            labelled.add("queued")
+        if queue and e.get("issued") is not None:
+            ax.plot([(e["issued"] - t0) * 1e3], [y + 0.5], marker="v", markersize=6, color=colors[e["name"]],
+                    markeredgecolor="black", markeredgewidth=0.3, linestyle="none", clip_on=False,
+                    label=None if "issued" in labelled else "issued (queued until its bar starts)")
+            labelled.add("issued")
         ax.barh(y, (e["end"] - e["start"]) * 1e3, left=(e["start"] - t0) * 1e3, height=0.8,
                 color=colors[e["name"]], edgecolor="black", linewidth=0.3,
                 label=None if e["name"] in labelled else e["name"])

@@ -84,8 +84,10 @@ def _weights(candidate: str, model: nn.Module) -> dict:
     return {k: v.detach() for k, v in getattr(model, "module", model).state_dict().items()}
 
 
-def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps: int, warmup: int) -> dict:
-    """Inside every rank: build, warm up, measure memory, time interleaved trials, check weights."""
+def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps: int, warmup: int,
+        seq_len: int | None = None) -> dict:
+    """Inside every rank: build, warm up, measure memory, time interleaved trials, check weights.
+    ``seq_len``: tokens per sequence (default: the preset's ``block_size``)."""
     import torch.distributed as dist
 
     from workbench.data import synthetic_batch
@@ -96,7 +98,7 @@ def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps:
     config = GPTConfig.preset(preset)
     torch.manual_seed(0)
     base = GPT(config)
-    x, y = synthetic_batch(batch_size, block_size=config.block_size, seed=rank)
+    x, y = synthetic_batch(batch_size, block_size=seq_len or config.block_size, seed=rank)
     pairs = {c: _wrap(c, copy.deepcopy(base)) for c in candidates}
 
     def step(c):
