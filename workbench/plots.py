@@ -206,10 +206,16 @@ def zero_model_state(ax=None, *, psi: float, world_size: int, optimizer: str = "
             ax.bar(mx, heights, width, bottom=mbottom, color=CATEGORY_COLORS[cat], hatch="//", alpha=0.6,
                    edgecolor="white")
             mbottom = [b + h for b, h in zip(mbottom, heights)]
-        ax.bar([], [], color="0.7", hatch="//", label=f"measured, N = {measured_world_size}")
+        from matplotlib.patches import Patch
+
+        measured_label = f"measured, N = {measured_world_size}" if measured_world_size else "measured"
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles + [Patch(facecolor="0.75", edgecolor="white", hatch="//")], labels + [measured_label],
+                  fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_xticks(list(STAGES), [f"stage {s}" for s in STAGES])
     ax.set_ylim(0, None)
     ax.set_ylabel("model state per rank (MiB)")
     ax.set_title(f"ZeRO formula: {psi / 1e6:,.1f} M parameters, N = {world_size}, {optimizer}, {precision}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if not measured:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
