@@ -8,6 +8,7 @@ collects mismatches as readable strings and returns them; the test asserts the l
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -280,6 +281,10 @@ def _async_rank() -> dict:
     for h in handles + [hn]:
         if h.wait() is not True or not h.is_completed():
             out["bad"].append("wait() did not return True / is_completed() False after wait")
+    # Each handle says when it ran on the thread: one at a time, in issue order.
+    order = [h for h in handles] + [hn]
+    out["ran_in_order"] = [i for i, h in enumerate(order)
+                           if not (h.issued <= h.started <= h.ended) or (i and h.started < order[i - 1].ended)]
     total = sum(range(p))
     for i, t in enumerate(big):
         if not torch.equal(t, torch.full_like(t, float(total + p * i))):
@@ -326,9 +331,23 @@ def test_async_handles_and_thread():
     assert len(parent_thread) == 1 and parent_thread[0].daemon
     for out in workbench.launch(_async_rank, world_size=3, timeout=120):
         assert out["bad"] == []
-        assert out["handle_types"] == ["NativeWork", "Work"] and out["all_have_api"]
+        assert out["handle_types"] == ["Work"] and out["all_have_api"]  # native ones run on the thread too
+        assert out["ran_in_order"] == [], out["ran_in_order"]
         assert out["error"] == "boom from the communication thread" and out["error_is_completed"]
         assert out["threads"] == [(True, True)]  # one daemon thread per process
+
+
+def test_work_records_queue_and_run_times():
+    # A slow task, then a quick one issued while the first runs: the second waits in the queue
+    # (issued before the first ends) and runs after it; its run time excludes the wait.
+    first = comm_work.submit(lambda: time.sleep(0.2), async_op=True)
+    second = comm_work.submit(lambda: None, async_op=True)
+    second.wait()
+    assert first.is_completed()
+    assert first.issued <= first.started < first.ended <= second.started <= second.ended
+    assert second.issued < first.ended  # it was queued while the first ran
+    assert first.ended - first.started >= 0.19
+    assert second.ended - second.started < 0.1 < second.ended - second.issued
 
 
 def test_sync_call_without_thread_runs_inline():

@@ -298,6 +298,13 @@ def _unused_parameters():
                                                    for g, p in zip(want, model.parameters()))
     out["no_sync then synchronize events"] = all(b["ready"] is not None and b["end"] is not None
                                                  for b in ddp.events[-1]["buckets"])
+    # The all-reduce bars are when the communication thread ran each bucket: inside issue..seen
+    # done, and one at a time (the thread runs them in turn), so the bars of one rank never overlap.
+    out["bars inside issue..done"] = all(b["start"] <= b["run_start"] <= b["run_end"] <= b["end"]
+                                         for b in step_events["buckets"])
+    bars = sorted((e for e in ddp.timeline_events() if e["lane"] == "all-reduce"), key=lambda e: e["start"])
+    out["bars one at a time"] = len(bars) == 8 and all(a["end"] <= b["start"] and b["issued"] <= b["start"]
+                                                       for a, b in zip(bars, bars[1:]))
     return out
 
 
@@ -306,7 +313,7 @@ def test_unused_parameters_errors_and_api():
     for rank, out in enumerate(results):
         for key, value in out.items():
             if key.startswith(("unused grad", "sometimes grad", "module is", "idempotent", "grads equal",
-                               "no_sync", "unused weight")):  # "no_sync then synchronize ..." too
+                               "no_sync", "unused weight", "bars")):  # "no_sync then synchronize ..." too
                 assert value is True, f"rank {rank}: {key}"
         assert out["unused-parity"] <= 1e-6, out["unused-parity"]
         assert "unused.weight" in out["error"] and "find_unused_parameters=True" in out["error"], out["error"]

@@ -39,6 +39,7 @@ def _parity_with_single_process():
         ref = copy.deepcopy(base)
         ref_opt = opt_cls(ref.parameters(), **kwargs)
         model = FullyShardedDataParallel(copy.deepcopy(base))
+        model.events = []
         opt = opt_cls(model.parameters(), **kwargs)
         for step, (x, y) in enumerate(_batches(steps)):
             model(_local(x), _local(y))[1].backward()
@@ -60,6 +61,12 @@ def _parity_with_single_process():
             opt.zero_grad()
             ref_opt.step()
             ref_opt.zero_grad()
+        # The comm events are when the communication thread ran each collective: after its issue,
+        # and one at a time (one thread), so a rank's comm bars never overlap.
+        comm_events = sorted((e for e in model.events if e["lane"] == "comm"), key=lambda e: e["start"])
+        out[(opt_name, "comm events")] = len(comm_events) == 15 * steps and all(
+            e["issued"] <= e["start"] <= e["end"] for e in comm_events) and all(
+            a["end"] <= b["start"] for a, b in zip(comm_events, comm_events[1:]))
         full = model.full_state_dict()
         out[(opt_name, "params")] = _max_diff(full, {k: v.detach() for k, v in ref.state_dict().items()})
     # What the optimizer sees: one float32 shard per unit (root + 4 blocks), ceil(n_unit / N) long.
@@ -79,7 +86,7 @@ def test_matches_single_process_training(world_size):
         for opt_name in ("adamw", "sgd"):
             assert out[(opt_name, "grads")] <= 1e-7
             assert out[(opt_name, "params")] <= 1e-6, (opt_name, out[(opt_name, "params")])
-            assert out[(opt_name, "idempotent")] and out[(opt_name, "freed")]
+            assert out[(opt_name, "idempotent")] and out[(opt_name, "freed")] and out[(opt_name, "comm events")]
         assert out["shards"] == out["expected_shards"]
         assert out["units"] == ["root", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
         assert out["psi"] / world_size <= sum(numel for _, numel in out["shards"]) < out["psi"] / world_size + 5

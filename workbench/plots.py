@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["throughput", "memory_breakdown", "loss_curves", "timeline", "pipeline_schedule",
-           "CATEGORY_COLORS"]
+__all__ = ["throughput", "memory_breakdown", "loss_curves", "timeline", "pipeline_schedule", "zero_model_state",
+           "holdings", "CATEGORY_COLORS"]
 
 CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                    "comm": "#8172b3", "other": "#937860"}
@@ -117,13 +117,18 @@ def loss_curves(curves: Mapping[str, Sequence], ax=None):
     return fig
 
 
-def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline", origin: float | None = None):
+def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline", origin: float | None = None,
+             queue: bool = True):
     """A per-rank Gantt chart. ``events``: dicts ``{"rank", "lane", "name", "start", "end"}`` (s).
 
     Each rank gets one row per lane (e.g. "compute", "comm"), rank 0 at the top; each event is
     a bar from ``start`` to ``end`` coloured by ``name``. Times are shown in milliseconds from
     ``origin`` (default: the earliest start). Overlap between a rank's lanes -- communication
     hidden behind compute, or pipeline bubbles -- is what the chart is for.
+
+    An event may also carry ``"issued"`` (a collective queued before the communication thread
+    began it, as ``workbench.comm`` handles record): with ``queue=True`` a small triangle above
+    the bar marks when it was issued, so the gap to its bar is the time it waited in the queue.
     """
     events = list(events)
     need = ("rank", "lane", "name", "start", "end")
@@ -137,7 +142,7 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     if not events:
         ax.set_title(f"{title} (no events)")
         return fig
-    t0 = min(e["start"] for e in events) if origin is None else origin
+    t0 = min(min(e["start"], e.get("issued") or e["start"]) for e in events) if origin is None else origin
     lanes: list[str] = []
     for e in events:
         if e["lane"] not in lanes:
@@ -152,6 +157,11 @@ def timeline(ax, events: Iterable[Mapping], *, title: str = "Per-rank timeline",
     labelled: set = set()
     for e in events:
         y = y_of[(e["rank"], lanes.index(e["lane"]))]
+        if queue and e.get("issued") is not None:
+            ax.plot([(e["issued"] - t0) * 1e3], [y + 0.5], marker="v", markersize=6, color=colors[e["name"]],
+                    markeredgecolor="black", markeredgewidth=0.3, linestyle="none", clip_on=False,
+                    label=None if "issued" in labelled else "issued (queued until its bar starts)")
+            labelled.add("issued")
         ax.barh(y, (e["end"] - e["start"]) * 1e3, left=(e["start"] - t0) * 1e3, height=0.8,
                 color=colors[e["name"]], edgecolor="black", linewidth=0.3,
                 label=None if e["name"] in labelled else e["name"])
@@ -188,6 +198,8 @@ def holdings(ax, rows: Sequence[Sequence[float | None] | None], title: str, high
     for side in ax.spines.values():
         side.set_visible(False)
     return ax
+
+
 PIPELINE_COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "send": "#8172b3", "recv": "#b0b0b0"}
 
 
@@ -306,3 +318,53 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
 
 
 __all__.append("mesh_grid")
+
+
+def zero_model_state(ax=None, *, psi: float, world_size: int, optimizer: str = "adam", precision: str = "fp32",
+                     stage: int | None = None, measured: Sequence[Mapping] | None = None,
+                     measured_world_size: int | None = None):
+    """Stacked bars of model state per rank for ZeRO stages 0-3, from the ZeRO formulas
+    (:func:`workbench.parallel.zero_memory.model_state_per_rank`), in MiB.
+
+    ``stage`` outlines one stage's bar. ``measured``: rows with ``stage``, ``params``, ``grads``
+    and ``optimizer`` bytes (``workbench.bench.zero.state_and_traffic``), drawn hatched beside the
+    formula's bars, labelled with ``measured_world_size``, so the predictor sits next to a run.
+    """
+    from workbench.parallel.zero_memory import STAGES, model_state_per_rank
+
+    fig, ax = _axes(ax, figsize=(7, 4))
+    cats = ("params", "grads", "optimizer")
+    width = 0.38 if measured else 0.7
+    formula = [model_state_per_rank(psi, world_size, s, optimizer, precision) for s in STAGES]
+    bottom = [0.0] * len(STAGES)
+    xs = [s - (width / 2 if measured else 0) for s in STAGES]
+    for cat in cats:
+        heights = [f[cat] / _MIB for f in formula]
+        ax.bar(xs, heights, width, bottom=bottom, color=CATEGORY_COLORS[cat], label=f"{cat} (formula)")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for x, total in zip(xs, bottom):
+        ax.annotate(f"{total:,.1f}", (x, total), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+    if stage is not None:
+        ax.bar(xs[stage], bottom[stage], width, fill=False, edgecolor="black", linewidth=2, label="selected stage")
+    if measured:
+        by_stage = {r["stage"]: r for r in measured}
+        mbottom = [0.0] * len(STAGES)
+        mx = [s + width / 2 for s in STAGES]
+        for cat in cats:
+            heights = [by_stage[s][cat] / _MIB if s in by_stage else 0.0 for s in STAGES]
+            ax.bar(mx, heights, width, bottom=mbottom, color=CATEGORY_COLORS[cat], hatch="//", alpha=0.6,
+                   edgecolor="white")
+            mbottom = [b + h for b, h in zip(mbottom, heights)]
+        from matplotlib.patches import Patch
+
+        measured_label = f"measured, N = {measured_world_size}" if measured_world_size else "measured"
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles + [Patch(facecolor="0.75", edgecolor="white", hatch="//")], labels + [measured_label],
+                  fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_xticks(list(STAGES), [f"stage {s}" for s in STAGES])
+    ax.set_ylim(0, None)
+    ax.set_ylabel("model state per rank (MiB)")
+    ax.set_title(f"ZeRO formula: {psi / 1e6:,.1f} M parameters, N = {world_size}, {optimizer}, {precision}")
+    if not measured:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig

@@ -84,8 +84,10 @@ def _weights(candidate: str, model: nn.Module) -> dict:
     return {k: v.detach() for k, v in getattr(model, "module", model).state_dict().items()}
 
 
-def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps: int, warmup: int) -> dict:
-    """Inside every rank: build, warm up, measure memory, time interleaved trials, check weights."""
+def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps: int, warmup: int,
+        seq_len: int | None = None) -> dict:
+    """Inside every rank: build, warm up, measure memory, time interleaved trials, check weights.
+    ``seq_len``: tokens per sequence (default: the preset's ``block_size``)."""
     import torch.distributed as dist
 
     from workbench.data import synthetic_batch
@@ -96,7 +98,7 @@ def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps:
     config = GPTConfig.preset(preset)
     torch.manual_seed(0)
     base = GPT(config)
-    x, y = synthetic_batch(batch_size, block_size=config.block_size, seed=rank)
+    x, y = synthetic_batch(batch_size, block_size=seq_len or config.block_size, seed=rank)
     pairs = {c: _wrap(c, copy.deepcopy(base)) for c in candidates}
 
     def step(c):
@@ -135,6 +137,47 @@ def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps:
     for row in rows:
         row["ratio"] = row["step_ms"] / reference
     return {"rows": rows, "weight_checks": checks, "parameters": base.num_parameters(), "preset": preset}
+
+
+def state_and_traffic(preset: str = "small", stages=(0, 1, 2, 3), batch_size: int = 2, seq_len: int = 64) -> list[dict]:
+    """Inside every rank: for each ZeRO stage, the model state this rank holds after a training
+    step and the bytes it sent during that step, beside the ZeRO formulas
+    (:mod:`workbench.parallel.zero_memory`). Rank 0's rows are returned on every rank.
+
+    Model state is ``model_state_bytes``: every storage of parameters, gradients and optimizer
+    state, counted once and in full, padding included. Bytes sent come from ``comm.counters()``;
+    for ``native`` calls (torch.distributed, which reports nothing) they are counted from the
+    call's sizes, as the ring algorithm would send them.
+    """
+    import torch.distributed as dist
+
+    from workbench import comm
+    from workbench.metrics import model_state_bytes
+    from workbench.models import GPT, GPTConfig
+    from workbench.parallel import zero
+    from workbench.parallel.zero_memory import bytes_sent_per_rank, model_state_per_rank
+
+    n, rows = dist.get_world_size(), []
+    for stage in stages:
+        torch.manual_seed(0)
+        module = GPT(GPTConfig.preset(preset))
+        psi = module.num_parameters()
+        model, optimizer = zero(module, torch.optim.AdamW, stage, **ADAMW)
+        x = torch.randint(0, module.config.vocab_size, (batch_size, seq_len),
+                          generator=torch.Generator().manual_seed(dist.get_rank()))
+        model(x, x)[1].backward()   # a first step creates the optimizer state
+        optimizer.step()
+        optimizer.zero_grad()
+        with comm.counters() as c:
+            model(x, x)[1].backward()
+            optimizer.step()
+        state = model_state_bytes(model, optimizer)
+        rows.append({"stage": stage, "N": n, "psi": psi, **state,
+                     "formula": model_state_per_rank(psi, n, stage)["total"], "sent": c.total_bytes_sent,
+                     "sent_formula": bytes_sent_per_rank(psi, n, stage)})
+    gathered = [None] * n
+    dist.all_gather_object(gathered, rows)
+    return gathered[0]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -26,21 +26,21 @@ def run_algorithm(collective: str, algorithm: str, view: GroupView,
 
 
 def run_native(collective: str, start: Callable[[bool], object], sent: int, received: int,
-               async_op: bool, finish: Callable[[], None] | None = None):
-    """Call torch.distributed (``start(async_op)``); count the bytes its algorithm would move."""
-    sinks = counters.active()
-    t0 = time.perf_counter()
+               async_op: bool):
+    """Call torch.distributed (``start(False)``, synchronous); count the bytes its algorithm would
+    move (torch reports none, so ``sent``/``received`` come from the call's sizes).
 
-    def done() -> None:
-        if finish is not None:
-            finish()
+    With ``async_op=True`` the synchronous call runs on the communication thread, in issue order
+    with every other asynchronous collective, and the handle records when it ran.
+    """
+    sinks = counters.active()
+
+    def task() -> None:
+        t0 = time.perf_counter()
+        start(False)
         counters.record(sinks, collective, "native", sent, received, time.perf_counter() - t0)
 
-    handle = start(async_op)
-    if async_op:
-        return work.NativeWork(handle, done)
-    done()
-    return None
+    return work.submit(task, async_op)
 
 
 def flat_buffer(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:

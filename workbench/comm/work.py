@@ -16,6 +16,23 @@ rank's thread runs them in issue order, so the messages of two collectives never
 deadlocks. A synchronous call made while the thread still has work queued goes through the queue
 too (and waits), so it runs after them; with nothing queued it runs directly in the caller.
 
+``torch.distributed``'s own collectives (``algorithm="native"``) called with ``async_op=True`` go
+through the same queue: the thread makes the synchronous torch call. So every asynchronous
+collective of a process, hand-written or native, runs on this one thread, one at a time, in issue
+order, and its handle can say when it *ran*, not only when it was issued or waited for::
+
+    work.issued    the caller queued it              (time.perf_counter() seconds)
+    work.started   the thread began running it       (issued..started: waiting in the queue)
+    work.ended     the thread finished it            (started..ended: the transfer itself)
+
+Timelines (DDP's buckets, FSDP's gathers) draw ``started..ended``: a bar from issue to wait would
+also count the time a collective sat in the queue behind others, and the time it sat finished
+until someone waited for it. (On NCCL the thread's synchronous call returns once the collective is
+queued on the GPU's communication stream, so there these stamps time the issue, not the transfer.)
+Because the thread issues native collectives while the caller goes on, a caller must not call
+``torch.distributed`` directly (outside ``workbench.comm``) on the same group while asynchronous
+work is still pending: ranks could then issue the two in different orders.
+
 The thread is a daemon (it never keeps the process alive at exit), is created lazily on first
 use, and is re-created in a forked child (a fork copies no threads; the child makes its own).
 """
@@ -24,6 +41,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from typing import Callable
 
 __all__ = ["Work", "submit"]
@@ -34,11 +52,16 @@ class Work:
 
     ``wait()`` blocks until the collective is done (the caller's tensors then hold the result) and
     re-raises, on the caller's thread, any error the collective hit; ``is_completed()`` polls.
+    ``issued``, ``started`` and ``ended`` (``time.perf_counter()`` seconds, ``None`` until they
+    happen) say when it was queued, and when the communication thread began and finished it.
     """
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.issued: float | None = time.perf_counter()
+        self.started: float | None = None
+        self.ended: float | None = None
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -61,36 +84,6 @@ class Work:
         return True
 
 
-class NativeWork(Work):
-    """Wraps a ``torch.distributed`` work handle so it looks like :class:`Work`.
-
-    ``finish`` runs once, after the first successful ``wait()`` (copy-back, AVG, counters).
-    """
-
-    def __init__(self, work, finish: Callable[[], None] | None = None) -> None:
-        super().__init__()
-        self._work = work
-        self._finish_fn = finish
-        self._lock = threading.Lock()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set() or self._work is None or self._work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        with self._lock:
-            if not self._done.is_set():
-                try:
-                    if self._work is not None:
-                        self._work.wait()
-                    if self._finish_fn is not None:
-                        self._finish_fn()
-                except BaseException as error:  # noqa: BLE001 -- re-raised below and on every later wait
-                    self._finish(error)
-                else:
-                    self._finish()
-        return super().wait(timeout)
-
-
 class _Worker:
     """The communication thread of one process and its FIFO queue."""
 
@@ -105,10 +98,12 @@ class _Worker:
         while True:
             task, work = self.queue.get()
             error = None
+            work.started = time.perf_counter()
             try:
                 task()
             except BaseException as e:  # noqa: BLE001 -- handed to the caller through wait()
                 error = e
+            work.ended = time.perf_counter()
             with self.lock:  # idle again before the caller wakes: its next sync call runs inline
                 self.pending -= 1
             work._finish(error)

@@ -38,10 +38,11 @@ Features and their PyTorch names
                           error that names it.
 ``finish_gradient_synchronization()``  waits for the all-reduces; runs by itself at the end of
                           backward, and is safe to call again.
-``events``                per step and bucket: ready time, all-reduce start and end
-                          (``time.perf_counter`` seconds), for the timeline plot. An end time
-                          is when completion was first seen (polled at every gradient hook,
-                          then waited for in order), so it is late by at most one hook.
+``events``                per step and bucket (``time.perf_counter`` seconds), for the timeline
+                          plot: ``ready`` (its last gradient arrived), ``start`` (its all-reduce
+                          was issued), ``run_start``/``run_end`` (when the communication thread
+                          ran it: ``workbench.comm.work``), ``end`` (completion first seen,
+                          polled at every gradient hook, then waited for in order).
 
 ``mp_policy``              :class:`~workbench.parallel.MixedPrecision`: forward and backward run on
                           16-bit copies of the float32 parameters (cast at each forward, freed
@@ -379,7 +380,8 @@ class DistributedDataParallel(nn.Module):
             bucket.reset()
         self._current = {"step": self._step, "backward_start": _now(), "backward_end": None,
                          "buckets": [{"bucket": bk.index, "bytes": bk.nbytes, "params": len(bk.params),
-                                      "ready": None, "start": None, "end": None} for bk in self.buckets]}
+                                      "ready": None, "start": None, "end": None, "run_start": None,
+                                      "run_end": None} for bk in self.buckets]}
         self.events.append(self._current)
         if from_engine:  # run finish_gradient_synchronization when autograd has finished this backward
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -467,6 +469,8 @@ class DistributedDataParallel(nn.Module):
             bucket.handle.wait()
             record = self._current["buckets"][bucket.index]
             record["end"] = record["end"] or _now()
+            record["run_start"] = getattr(bucket.handle, "started", None)  # when the thread ran it
+            record["run_end"] = getattr(bucket.handle, "ended", None)
             bucket.handle = None
         self._inflight = []
         self._locally_used.zero_()
@@ -501,7 +505,9 @@ class DistributedDataParallel(nn.Module):
         """The recorded steps as ``workbench.plots.timeline`` events, in seconds from ``origin``.
 
         Lanes: ``"backward"`` (first gradient ready to end of backward) and ``"all-reduce"``
-        (one box per bucket, ``b0``, ``b1``, ..., launch to completion). ``steps``: how many of
+        (one box per bucket, ``b0``, ``b1``, ..., from when the communication thread began its
+        all-reduce to when it finished; ``"issued"`` holds when it was queued, so
+        ``issued..start`` is time spent waiting behind earlier buckets). ``steps``: how many of
         the last steps (default all recorded). Times are ``time.perf_counter()`` readings, one
         clock for every process of a machine, so events gathered from all ranks line up.
         """
@@ -513,24 +519,34 @@ class DistributedDataParallel(nn.Module):
                 out.append({"rank": rank, "lane": "backward", "name": "backward", "step": step["step"],
                             "start": step["backward_start"] - origin, "end": step["backward_end"] - origin})
             for bk in step["buckets"]:
-                if bk["start"] is not None and bk["end"] is not None:
+                start, end = _ran(bk)
+                if start is not None and end is not None:
                     out.append({"rank": rank, "lane": "all-reduce", "name": f"b{bk['bucket']}", "step": step["step"],
-                                "start": bk["start"] - origin, "end": bk["end"] - origin})
+                                "start": start - origin, "end": end - origin, "issued": bk["start"] - origin})
         return out
 
     def hidden_communication_fraction(self, steps: int | None = None) -> float:
-        """Share of all-reduce time that ran while backward was still computing (0 to 1)."""
+        """Share of the all-reduces' running time that fell while backward was still computing (0 to 1)."""
         recorded = list(self.events)[-steps:] if steps else list(self.events)
         hidden = total = 0.0
         for step in recorded:
             end_bwd = step["backward_end"]
             for bk in step["buckets"]:
-                if bk["start"] is None or bk["end"] is None or end_bwd is None:
+                start, end = _ran(bk)
+                if start is None or end is None or end_bwd is None:
                     continue
-                total += bk["end"] - bk["start"]
-                hidden += max(0.0, min(bk["end"], end_bwd) - bk["start"])
+                total += end - start
+                hidden += max(0.0, min(end, end_bwd) - start)
         return hidden / total if total > 0 else 0.0
 
     def extra_repr(self) -> str:
         return (f"buckets={len(self.buckets)}, bucket_cap_mb={self.bucket_cap_mb:g}, overlap={self.overlap}, "
                 f"algorithm={self.algorithm!r}, world_size={self.world_size}")
+
+
+def _ran(bucket_record: dict) -> tuple:
+    """When a bucket's all-reduce ran on the communication thread; issue-to-completion where the
+    handle has no run times (a handle from outside ``workbench.comm``)."""
+    if bucket_record.get("run_start") is not None and bucket_record.get("run_end") is not None:
+        return bucket_record["run_start"], bucket_record["run_end"]
+    return bucket_record["start"], bucket_record["end"]

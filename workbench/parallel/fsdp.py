@@ -166,7 +166,7 @@ class _Unit:
             self.start_all_gather()
             buffer, work, start = self._gathering
             work.wait()
-            owner._event("comm", "all-gather", self, start)
+            owner._event("comm", "all-gather", self, start, work)
             self._gathering = None
             self.full = buffer
         return self.full
@@ -427,7 +427,7 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         for unit, out, work, start in pending:
             work.wait()
-            self._event("comm", "reduce-scatter", unit, start)
+            self._event("comm", "reduce-scatter", unit, start, work)
             if self.replicate_group is not None:  # HSDP: add up the replicas' shards across nodes
                 comm.all_reduce(out, group=self.replicate_group)
             grad = out.to(unit.shard.dtype).div_(self.world_size * self.replicate_size)
@@ -462,13 +462,17 @@ class FullyShardedDataParallel(nn.Module):
         order = {name: i for i, name in enumerate(self._param_names)}
         return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
-    def _event(self, lane: str, name: str, unit: _Unit, start: float) -> None:
+    def _event(self, lane: str, name: str, unit: _Unit, start: float, work=None) -> None:
         """Record ``{"rank", "lane", "name", "unit", "start", "end"}`` when ``self.events`` is a list.
-        A collective's bar runs from its issue to the end of its wait (the time it was in flight);
+        A collective's bar runs from when the communication thread began it to when it finished
+        (``work.started``/``work.ended``), and ``"issued"`` holds ``start``, when it was issued;
         the root's forward and backward are not drawn, since they enclose the blocks'."""
         if self.events is not None and not (lane == "compute" and unit is self._root):
-            self.events.append({"rank": self.rank, "lane": lane, "name": name, "unit": unit.name,
-                                "start": start, "end": time.perf_counter()})
+            end = time.perf_counter()
+            event = {"rank": self.rank, "lane": lane, "name": name, "unit": unit.name, "start": start, "end": end}
+            if getattr(work, "started", None) is not None and getattr(work, "ended", None) is not None:
+                event.update(start=work.started, end=work.ended, issued=start)
+            self.events.append(event)
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, units={[u.name for u in self.units]}, "

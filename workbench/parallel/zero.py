@@ -284,7 +284,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pending, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
         for bucket, out, work, start in pending:
             work.wait()
-            self._event("reduce-scatter", self.buckets.index(bucket), start)
+            self._event("reduce-scatter", self.buckets.index(bucket), start, work)
             out.div_(self.world_size)
             if bucket.master is not None:   # mixed precision: keep the chunk until step() casts it
                 bucket.grad_shard = out if bucket.grad_shard is None else bucket.grad_shard.add_(out)
@@ -320,7 +320,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             handles.append((i, work, time.perf_counter()))
         for i, work, start in handles:
             work.wait()
-            self._event("all-gather", i, start)
+            self._event("all-gather", i, start, work)
         self._consolidated = None
         return loss
 
@@ -460,12 +460,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
         self._consolidated = None
 
-    def _event(self, name: str, bucket: int, start: float) -> None:
+    def _event(self, name: str, bucket: int, start: float, work=None) -> None:
         """Record ``{"rank", "lane", "name", "bucket", "start", "end"}`` when ``self.events`` is a
-        list: a collective from its issue to the end of its wait."""
+        list: a collective from when the communication thread began it to when it finished
+        (``work.started``/``work.ended``; ``"issued"`` holds ``start``, when it was issued)."""
         if self.events is not None:
-            self.events.append({"rank": self.rank, "lane": "comm", "name": name, "bucket": bucket,
-                                "start": start, "end": time.perf_counter()})
+            event = {"rank": self.rank, "lane": "comm", "name": name, "bucket": bucket,
+                     "start": start, "end": time.perf_counter()}
+            if getattr(work, "started", None) is not None and getattr(work, "ended", None) is not None:
+                event.update(start=work.started, end=work.ended, issued=start)
+            self.events.append(event)
 
     def __repr__(self) -> str:
         stage = 2 if self.shard_gradients else 1
