@@ -25,20 +25,31 @@ Counting (see :mod:`workbench.comm.counters`): each call is one ``calls`` of its
 returns, an ``isend``/``irecv`` when its handle is first waited on (so wait on your handles).
 Empty tensors are not sent at all (both ends know the size), as in the collectives.
 
+A point-to-point message is posted at once from the caller's thread, never queued on the
+communication thread that runs asynchronous collectives (:mod:`workbench.comm.work`): a
+pipeline posts a receive from one neighbour and a send to the other and waits on them in any
+order, and torch matches messages by (peer, tag), not by issue order, so nothing needs the
+queue's ordering, and queueing a blocking send behind a receive could deadlock.
+
 Non-contiguous tensors work: a send copies into a contiguous buffer, a receive receives into one
 and copies back into the caller's tensor when the message has arrived. A rank that is not in
 ``group`` does nothing and gets None, with torch's warning.
 """
 from __future__ import annotations
 
+import threading
+import time
 import warnings
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from workbench.comm import checks
-from workbench.comm.dispatch import flat_buffer, nbytes, run_native
+from workbench.comm.counters import active as active_counters, record
+from workbench.comm.dispatch import flat_buffer, nbytes
 from workbench.comm.group import Comm, GroupView, resolve_group
+from workbench.comm.work import Work
 
 __all__ = ["send", "recv", "isend", "irecv"]
 
@@ -118,19 +129,61 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
     return _irecv(view, tensor, peer, tag, "recv", async_op=False)[1]
 
 
+class P2PWork(Work):
+    """The handle of a posted message (the point-to-point layer's own), shaped like :class:`Work`.
+
+    ``finish`` runs once, after the first successful ``wait()`` (copy-back into a non-contiguous
+    tensor, the counters). ``started`` is when the message was posted, ``ended`` when it was
+    first seen done.
+    """
+
+    def __init__(self, handle, finish: Callable[[], None]) -> None:
+        super().__init__()
+        self._handle = handle
+        self._finish_fn = finish
+        self._lock = threading.Lock()
+        self.started = self.issued
+
+    def is_completed(self) -> bool:
+        return self._done.is_set() or self._handle.is_completed()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            if not self._done.is_set():
+                try:
+                    self._handle.wait()
+                    self._finish_fn()
+                except BaseException as error:  # noqa: BLE001 -- re-raised below and on every later wait
+                    self._finish(error)
+                else:
+                    self.ended = time.perf_counter()
+                    self._finish()
+        return super().wait(timeout)
+
+
+def _post(name: str, start: Callable[[], object], sent: int, received: int, async_op: bool,
+          finish: Callable[[], None] | None = None):
+    """Post one message (``start()`` returns the point-to-point layer's handle); count it when done."""
+    sinks = active_counters()
+    t0 = time.perf_counter()
+
+    def done() -> None:
+        if finish is not None:
+            finish()
+        record(sinks, name, "native", sent, received, time.perf_counter() - t0)
+
+    handle = P2PWork(start(), done)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 def _isend(view: GroupView, tensor: torch.Tensor, peer: int, tag: int, name: str, async_op: bool):
     """Send through the counted point-to-point layer (:class:`~workbench.comm.group.Comm`)."""
     buf, _ = flat_buffer(tensor)  # a copy for a non-contiguous tensor; sending never writes back
     c = Comm(view)
-
-    def start(a: bool):
-        work = c.isend(buf, peer, tag)
-        if a:
-            return work
-        work.wait()
-        return None
-
-    return run_native(name, start, sent=nbytes(tensor), received=0, async_op=async_op)
+    return _post(name, lambda: c.isend(buf, peer, tag), sent=nbytes(tensor), received=0, async_op=async_op)
 
 
 def _irecv(view: GroupView, tensor: torch.Tensor, peer: int | None, tag: int, name: str, async_op: bool):
@@ -139,15 +192,16 @@ def _irecv(view: GroupView, tensor: torch.Tensor, peer: int | None, tag: int, na
     c = Comm(view)
     source = [view.global_rank(peer) if peer is not None else -1]
 
-    def start(a: bool):
-        work = c.irecv(buf, peer, tag)
-        if a:
-            return work
-        work.wait()
-        if peer is None and hasattr(work, "_source_rank"):  # torch's any-source receive
-            source[0] = view.global_rank(work._source_rank())
-        return None
+    posted = []
 
-    handle = run_native(name, start, sent=0, received=nbytes(tensor), async_op=async_op,
-                        finish=write_back)
+    def finish() -> None:
+        write_back()
+        if peer is None and hasattr(posted[0], "_source_rank"):  # torch's any-source receive
+            source[0] = view.global_rank(posted[0]._source_rank())
+
+    def start():
+        posted.append(c.irecv(buf, peer, tag))
+        return posted[0]
+
+    handle = _post(name, start, sent=0, received=nbytes(tensor), async_op=async_op, finish=finish)
     return handle, source[0]
