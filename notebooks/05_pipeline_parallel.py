@@ -318,7 +318,7 @@ display(Markdown(f"1F1B on 2 stages against one process, 3 AdamW steps, tied emb
 import ipywidgets as widgets  # noqa: E402
 
 
-def draw(schedule="1f1b", p=4, m=8):
+def draw(schedule="1F1B", p=4, m=8):
     name = {"GPipe": "gpipe", "1F1B": "1f1b", "interleaved": "interleaved", "ZB-H1": "zb_h1", "ZBV": "zbv"}.get(schedule, schedule)
     if m < plans.min_microbatches(name, p):
         print(f"{schedule} needs m >= {plans.min_microbatches(name, p)} for p = {p}")
@@ -334,10 +334,24 @@ def draw(schedule="1f1b", p=4, m=8):
     plt.show()
 
 
-controls = widgets.interactive(
-    draw, schedule=widgets.Dropdown(options=["GPipe", "1F1B", "interleaved", "ZB-H1", "ZBV"], value="1F1B"),
-    p=widgets.IntSlider(value=4, min=2, max=8), m=widgets.IntSlider(value=8, min=1, max=16))
-display(controls)  # draws the default state (1F1B, p = 4, m = 8) below the controls
+schedule_box = widgets.Dropdown(options=["GPipe", "1F1B", "interleaved", "ZB-H1", "ZBV"], value="1F1B",
+                                description="schedule")
+p_box = widgets.IntSlider(value=4, min=2, max=8, description="stages p")
+m_box = widgets.IntSlider(value=8, min=1, max=16, description="micro-batches m")
+figure_area = widgets.Output()
+
+
+def redraw(change=None):
+    with figure_area:
+        figure_area.clear_output(wait=True)
+        draw(schedule_box.value, p_box.value, m_box.value)
+
+
+for box in (schedule_box, p_box, m_box):
+    box.observe(redraw, names="value")
+display(widgets.VBox([widgets.HBox([schedule_box, p_box, m_box]), figure_area]))
+draw(schedule_box.value, p_box.value, m_box.value)  # the default state; moving a control redraws above
+
 
 # %% [markdown]
 # `workbench bench pipeline` times our schedules against `torch.distributed.pipelining` on the
