@@ -283,6 +283,14 @@ def _unused_parameters():
     out["buckets"] = len(ddp.buckets)
     out["lanes"] = sorted({e["lane"] for e in ddp.timeline_events()})
 
+    # The all-reduce bars are when the communication thread ran each bucket: inside issue..seen
+    # done, and one at a time (the thread runs them in turn), so the bars of one rank never overlap.
+    out["bars inside issue..done"] = all(b["start"] <= b["run_start"] <= b["run_end"] <= b["end"]
+                                         for b in step_events["buckets"])
+    bars = sorted((e for e in ddp.timeline_events() if e["lane"] == "all-reduce"), key=lambda e: e["start"])
+    out["bars one at a time"] = len(bars) == 8 and all(a["end"] <= b["start"] and b["issued"] <= b["start"]
+                                                       for a, b in zip(bars, bars[1:]))
+
     # synchronize_accumulated_gradients: backwards under no_sync (a pipeline's micro-batches),
     # then one average of what they accumulated
     model.zero_grad(set_to_none=True)
@@ -298,13 +306,6 @@ def _unused_parameters():
                                                    for g, p in zip(want, model.parameters()))
     out["no_sync then synchronize events"] = all(b["ready"] is not None and b["end"] is not None
                                                  for b in ddp.events[-1]["buckets"])
-    # The all-reduce bars are when the communication thread ran each bucket: inside issue..seen
-    # done, and one at a time (the thread runs them in turn), so the bars of one rank never overlap.
-    out["bars inside issue..done"] = all(b["start"] <= b["run_start"] <= b["run_end"] <= b["end"]
-                                         for b in step_events["buckets"])
-    bars = sorted((e for e in ddp.timeline_events() if e["lane"] == "all-reduce"), key=lambda e: e["start"])
-    out["bars one at a time"] = len(bars) == 8 and all(a["end"] <= b["start"] and b["issued"] <= b["start"]
-                                                       for a, b in zip(bars, bars[1:]))
     return out
 
 
