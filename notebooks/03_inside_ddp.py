@@ -363,11 +363,13 @@ print(f"max |accumulated gradient - big-batch gradient| < 1e-6: {acc['diff'] < 1
 # * **overlap runs communication under backward**: with overlap at least a fifth of the
 #   all-reduce running time falls inside backward (none does without); the time left exposed
 #   after backward and the whole step are not worse than without overlap beyond the noise of a
-#   shared machine (25%). On this 2-core machine, where each rank has one core, the all-reduce's
-#   copies and sums compete with backward for that core, so what overlap hides is paid back in a
-#   slower backward: the exposed tail shrinks little (the run above shows by how much), and the
-#   win of overlap needs a device that computes while another engine communicates (a GPU and
-#   its NIC or NVLink);
+#   shared machine (25%). On this 2-core machine each rank has one core, and gloo's network
+#   thread, which moves the bytes, runs at idle priority (`workbench/gloo_threads.py`: it would
+#   otherwise steal the core from the sender for whole time slices), so a bucket's all-reduce
+#   starts under backward but its bytes move only once backward leaves the core: in the timeline
+#   above the first bucket's bar ends just after backward does, and the exposed tail shrinks
+#   little (the titles show by how much). The win of overlap needs hardware that computes while
+#   another engine communicates (a GPU and its NIC or NVLink), or a spare core per rank;
 # * every bucket ran after it was ready and issued, each rank's transfers one at a time, and
 #   without overlap none ran before backward ended;
 # * `no_sync` accumulation equals big-batch training and communicates once instead of 4 times.
