@@ -136,7 +136,7 @@ def measure(preset: str, batch: int, trials: int, steps: int, warmup: int) -> di
             "parameters": sum(p.numel() for p in GPT(config).parameters())}
 
 
-def run(preset: str = "small", batch: int = 8, topology: str = DEFAULT_TOPOLOGY, *, trials: int = 5,
+def run(preset: str = "tiny", batch: int = 16, topology: str = DEFAULT_TOPOLOGY, *, trials: int = 5,
         steps: int = 2, warmup: int = 1, launch_kwargs: dict | None = None) -> dict:
     """Measure both placements with the links slowed (``topology``) and without (the baseline),
     predict each step, and return ``{"rows": [...], "ratio_measured", "ratio_predicted", ...}``."""
@@ -179,8 +179,8 @@ def run(preset: str = "small", batch: int = 8, topology: str = DEFAULT_TOPOLOGY,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="small", help="GPT preset (default small: 4 layers, C=256, T=128)")
-    parser.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
+    parser.add_argument("--preset", default="tiny", help="GPT preset (default tiny: 4 layers, C=64, T=64)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
     parser.add_argument("--topology", default=DEFAULT_TOPOLOGY,
                         help=f"the emulated cluster, 2 ranks per node (default {DEFAULT_TOPOLOGY!r})")
     parser.add_argument("--trials", type=int, default=5, help="interleaved trials per placement (default 5)")
