@@ -161,6 +161,7 @@ if FOUR:
                         "hier. ms": 1e3 * t["hierarchical"], "hier. predicted ms": 1e3 * pred["hierarchical"],
                         "speed-up": t["ring"] / t["hierarchical"],
                         "predicted speed-up": pred["ring"] / pred["hierarchical"]})
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     show.table(ar_rows, formats={k: (".2f" if "speed" in k else ".1f") for k in ar_rows[0] if k != "size"})
 else:
     ar_rows = []
@@ -194,6 +195,7 @@ if ar_rows:
 if FOUR:
     res = placement.run("tiny", 16, TOPOLOGY, trials=3, steps=1, launch_kwargs={"timeout": 240})
     print(placement.report(res))
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     placement.plot(res)
 else:
     res = None
