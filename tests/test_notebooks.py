@@ -82,6 +82,29 @@ def test_lesson_00_script_across_two_nodes_on_localhost():
         assert "all checks passed" in out
 
 
+LESSON_07 = REPO / "notebooks" / "07_3d_parallelism_and_topology.py"
+
+
+def test_lesson_07_script_on_two_torchrun_nodes_of_two_ranks():
+    """Lesson 07 in a world of 4 (2 agents x 2 processes): its 4-rank sections (the emulated
+    cluster, the placements, which torchrun's default world of 2 skips) run under torchrun too."""
+    port = str(_free_port())
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, str(LESSON_07)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_torchrun_env(), cwd=REPO)
+        for node in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    for node, (agent, out) in enumerate(zip(agents, outputs)):
+        assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
+        assert len(re.findall(r"^check passed: parity with one process, hierarchical", out, flags=re.M)) == 2, \
+            out[-3000:]
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_every_lesson_ends_with_a_check_cell(script):
     """The last code cell asserts the lesson's claim (issue 16): a lesson ends by checking what it taught."""

@@ -102,10 +102,25 @@ def _build(order, config, seed: int = 0):
     return parallelize(GPT(config), mesh, zero_stage=0, lr=1e-3)
 
 
-def measure(preset: str, batch: int, trials: int, steps: int, warmup: int) -> dict:
+def measure(preset: str, batch: int, trials: int, steps: int, warmup: int, topology=None) -> dict:
     """Inside a launch of 4 ranks: both placements, interleaved trials; per placement the median
     step time (slowest rank), the bytes per step by link class (summed over ranks), the groups
-    and DDP's bucket sizes. Returns the same dict on every rank."""
+    and DDP's bucket sizes. Returns the same dict on every rank. ``topology``: the links to
+    emulate while measuring (None: none slowed), whatever this process emulated before (under
+    torchrun one process runs both launches); the previous state is restored afterwards."""
+    from workbench.comm import emulation
+
+    previous = emulation.current()
+    if previous != topology:
+        emulation.emulate(topology)
+    try:
+        return _measure(preset, batch, trials, steps, warmup)
+    finally:
+        if emulation.current() != previous:
+            emulation.emulate(previous)
+
+
+def _measure(preset: str, batch: int, trials: int, steps: int, warmup: int) -> dict:
     import warnings
 
     from workbench import comm
@@ -159,8 +174,8 @@ def run(preset: str = "tiny", batch: int = 16, topology: str = DEFAULT_TOPOLOGY,
         raise ValueError(f"placement: batch={batch} must be even (dp = 2 ranks split it)")
     kw = dict(launch_kwargs or {})
     args = (preset, batch, trials, steps, warmup)
-    base = workbench.launch(measure, world_size=4, args=args, **kw)[0]
-    slow = workbench.launch(measure, world_size=4, args=args, topology=topo, **kw)[0]
+    base = workbench.launch(measure, world_size=4, args=args + (None,), **kw)[0]
+    slow = workbench.launch(measure, world_size=4, args=args + (topo,), topology=topo, **kw)[0]
     config = GPTConfig.preset(preset)
     rows = []
     for name in PLACEMENTS:
