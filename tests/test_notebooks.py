@@ -61,46 +61,35 @@ def _torchrun_env() -> dict:
     return env
 
 
-LESSON_00 = REPO / "notebooks" / "00_launching_ranks.py"
-
-
-def test_lesson_00_script_across_two_nodes_on_localhost():
-    """The multi-machine path: two torchrun agents, one per 'node', meeting at a master address."""
+def _on_two_torchrun_nodes(script: Path, nproc_per_node: int, timeout: float = 300) -> list[str]:
+    """Run ``script`` as two torchrun agents (two 'nodes' on localhost meeting at a master address,
+    ``nproc_per_node`` processes each); every agent must succeed. Returns each agent's output."""
     port = str(_free_port())
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, str(LESSON_00)],
+         "--nproc-per-node", str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", port, str(script)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_torchrun_env(), cwd=REPO)
         for node in (0, 1)]
     try:
-        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
     finally:
         for agent in agents:
             agent.kill()
     for node, (agent, out) in enumerate(zip(agents, outputs)):
         assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
+    return outputs
+
+
+def test_lesson_00_script_across_two_nodes_on_localhost():
+    """The multi-machine path: two torchrun agents of one process each."""
+    for out in _on_two_torchrun_nodes(REPO / "notebooks" / "00_launching_ranks.py", 1):
         assert "all checks passed" in out
-
-
-LESSON_07 = REPO / "notebooks" / "07_3d_parallelism_and_topology.py"
 
 
 def test_lesson_07_script_on_two_torchrun_nodes_of_two_ranks():
     """Lesson 07 in a world of 4 (2 agents x 2 processes): its 4-rank sections (the emulated
     cluster, the placements, which torchrun's default world of 2 skips) run under torchrun too."""
-    port = str(_free_port())
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, str(LESSON_07)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_torchrun_env(), cwd=REPO)
-        for node in (0, 1)]
-    try:
-        outputs = [agent.communicate(timeout=300)[0] for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
-    for node, (agent, out) in enumerate(zip(agents, outputs)):
-        assert agent.returncode == 0, f"node {node}:\n{out[-3000:]}"
+    for out in _on_two_torchrun_nodes(REPO / "notebooks" / "07_3d_parallelism_and_topology.py", 2):
         assert len(re.findall(r"^check passed: parity with one process, hierarchical", out, flags=re.M)) == 2, \
             out[-3000:]
 
