@@ -34,29 +34,20 @@
 import copy
 import os
 import statistics
-import threading
 import time
 
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import workbench
-from workbench import show
-from workbench.memory import MemoryMeter
+from workbench import everyone, show
+from workbench.memory import Metered, storage_bytes
 from workbench.models import GPT, MLP, GPTConfig
 from workbench.parallel import DataParallel, DistributedDataParallel
 from workbench.parallel.dp import replicate
 
 torch.set_num_threads(1)  # one core per replica, whichever design runs it
-
-
-def everyone(value):
-    """Every rank's ``value`` as a list, on every rank (so results[0] is the same everywhere)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 # %% [markdown]
@@ -294,7 +285,7 @@ else:  # under torchrun every launch has torchrun's world size: no one-rank run 
 #
 # A GPT with a 2048-token vocabulary, batch 16 of 64 tokens, two replicas. We measure, per
 # device (DataParallel) or rank (DDP): the parameters it holds, the gradients, the activations
-# of its forward (with `workbench.memory.MemoryMeter`, inside each replica's own thread), and the
+# of its forward (`workbench.memory.Metered`: a `MemoryMeter` inside each replica's own thread), and the
 # outputs gathered onto it. DataParallel's output device holds the original model, all the
 # gradients (replicate's backward sums them there) and the logits of the *whole* batch; the other
 # device holds a fresh copy of the parameters every step. A DDP rank holds its model, its
@@ -304,40 +295,18 @@ else:  # under torchrun every launch has torchrun's world size: no one-rank run 
 CONFIG = GPTConfig.preset("tiny", vocab_size=2048)
 BATCH = 16
 
-
-class Metered(nn.Module):
-    """Runs ``inner`` under a MemoryMeter and files the peak under the running thread's name."""
-
-    def __init__(self, inner, log):
-        super().__init__()
-        self.inner, self.log = inner, log
-
-    def forward(self, *args):
-        with MemoryMeter(device="cpu") as meter:
-            out = self.inner(*args)
-        self.log[threading.current_thread().name] = meter.peak_by_category["activations"]
-        return out
-
-
-def nbytes(tensors):
-    seen = {}
-    for t in tensors:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 torch.manual_seed(0)
 idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
 gpt = GPT(CONFIG)
 log = {}
 dp = DataParallel(Metered(gpt, log), device_ids=["cpu", "cpu"])
 replica_1 = replicate(gpt, [torch.device("cpu")] * 2)[1]
-param_copy_bytes = nbytes(replica_1.parameters())  # storage that is not the original's
+param_copy_bytes = storage_bytes(replica_1.parameters())  # storage that is not the original's
 logits, losses = dp(idx, idx)
 losses.mean().backward()
-P = nbytes(gpt.parameters())
+P = storage_bytes(gpt.parameters())
 memory = {
-    "DP device 0 (output)": {"params": P, "grads": nbytes(p.grad for p in gpt.parameters()),
+    "DP device 0 (output)": {"params": P, "grads": storage_bytes(p.grad for p in gpt.parameters()),
                              "activations": log["dp-replica-0"],
                              "gathered outputs": logits.numel() * logits.element_size()},
     "DP device 1": {"params": param_copy_bytes, "grads": 0, "activations": log["dp-replica-1"],
@@ -354,7 +323,7 @@ def ddp_memory():
     _, loss = ddp(shard, shard)
     loss.backward()
     m = ddp.module.inner
-    return everyone({"params": nbytes(m.parameters()), "grads": nbytes(p.grad for p in m.parameters()),
+    return everyone({"params": storage_bytes(m.parameters()), "grads": storage_bytes(p.grad for p in m.parameters()),
                      "activations": next(iter(mlog.values())), "gathered outputs": 0})
 
 

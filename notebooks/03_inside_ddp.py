@@ -44,6 +44,7 @@ import torch.distributed as dist
 from IPython.display import Markdown, display
 
 import workbench
+from workbench import everyone
 from workbench import comm, plots
 from workbench.bench import _common
 from workbench.models import MLP
@@ -52,13 +53,6 @@ from workbench.parallel.buckets import FIRST_BUCKET_BYTES
 
 WORLD = 2
 MIB = 2 ** 20
-
-
-def everyone(value):
-    """The list of every rank's ``value``, on every rank (so results[0] holds all of it)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 # %% [markdown]

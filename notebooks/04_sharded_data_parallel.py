@@ -48,6 +48,7 @@ import torch.distributed as dist
 from IPython.display import Markdown, display
 
 import workbench
+from workbench import everyone
 from workbench import plots
 from workbench.bench import _common
 from workbench.bench import zero as zero_bench
@@ -56,13 +57,6 @@ from workbench.parallel import zero
 from workbench.parallel.zero_memory import OPTIMIZER_STATE_BYTES, PRECISIONS, model_state_per_rank
 
 MIB = 2 ** 20
-
-
-def everyone(value):
-    """The list of every rank's ``value``, on every rank (so results[0] holds all of it)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 # %% [markdown]

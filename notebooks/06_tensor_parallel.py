@@ -44,6 +44,7 @@ from matplotlib.patches import Rectangle
 from torch import nn
 
 import workbench
+from workbench import everyone
 from workbench import comm
 from workbench.bench import tensor as bench_tensor
 from workbench.metrics import MemoryMeter
@@ -52,13 +53,6 @@ from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, 
                                        communication_per_layer, full_state_dict, tensor_parallel)
 
 KiB = 1024
-
-
-def everyone(value):
-    """The list of every rank's ``value``, on every rank."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 # %%

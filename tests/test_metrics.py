@@ -227,3 +227,33 @@ def test_plots_have_titles_units_and_legends():
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_storage_bytes_counts_each_storage_once_and_metered_files_activations_by_thread():
+    import threading
+
+    from workbench.memory import Metered, storage_bytes
+    from workbench.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tiny"))  # tied head: wte.weight and lm_head.weight share a storage
+    flat = torch.zeros(10)
+    assert storage_bytes([flat[:4], flat[4:], flat]) == 40  # views of one buffer: the buffer, once
+    assert storage_bytes(model.parameters()) == 4 * model.num_parameters()
+    log = {}
+    metered = Metered(model, log)
+    idx = torch.randint(0, 65, (2, 16))
+    metered(idx, idx)
+    worker = threading.Thread(target=lambda: metered(idx[:1], idx[:1]), name="replica-1")
+    worker.start()
+    worker.join()
+    here = threading.current_thread().name
+    assert set(log) == {here, "replica-1"}
+    assert log[here] > log["replica-1"] > 0  # half the batch, fewer activations
+
+
+def test_everyone_gathers_every_ranks_value_on_every_rank():
+    import workbench
+
+    assert workbench.everyone(3) == [3]  # no process group: this process alone
+    results = workbench.launch(lambda: workbench.everyone({"rank": workbench.rank()}), world_size=2)
+    assert results == [[{"rank": 0}, {"rank": 1}]] * 2

@@ -56,7 +56,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["CATEGORIES", "MemoryMeter", "tag", "category", "storages_of", "format_bytes"]
+__all__ = ["CATEGORIES", "MemoryMeter", "Metered", "tag", "category", "storages_of", "storage_bytes",
+           "format_bytes"]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
 _MODEL_STATE = ("params", "grads", "optimizer")
@@ -93,6 +94,16 @@ def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
         if s.nbytes() > 0 or s.data_ptr() != 0:
             out.append(s)
     return out
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages holding ``tensors``, each storage counted once and in full (tied
+    weights, views, parameters carved out of one flat buffer)."""
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        for s in storages_of(t):
+            seen[(s.device.type, s.device.index, s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
 
 
 def tag(tensor: torch.Tensor, name: str = "comm") -> torch.Tensor:
@@ -432,3 +443,24 @@ class MemoryMeter:
                 if isinstance(value, torch.Tensor):
                     for s in storages_of(value):
                         self._claim(s, "optimizer")
+
+
+
+class Metered(nn.Module):
+    """Wraps ``inner``: each forward runs under a :class:`MemoryMeter` and its peak activation
+    bytes are filed in ``log`` under the running thread's name (``log[thread name] = bytes``).
+
+    For a module whose replicas run in threads (``DataParallel``'s replica threads are named
+    ``dp-replica-<i>``), so each replica's activations are measured in its own thread; in a
+    rank's main thread it measures that rank's forward.
+    """
+
+    def __init__(self, inner: nn.Module, log: dict):
+        super().__init__()
+        self.inner, self.log = inner, log
+
+    def forward(self, *args, **kwargs):
+        with MemoryMeter(device="cpu") as meter:
+            out = self.inner(*args, **kwargs)
+        self.log[threading.current_thread().name] = meter.peak_by_category["activations"]
+        return out

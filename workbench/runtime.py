@@ -134,3 +134,18 @@ def limit_threads(threads: int = 1) -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)
     torch.set_num_threads(threads)
+
+
+def everyone(value: Any) -> list:
+    """Every rank's ``value``, in rank order, on every rank (``torch.distributed.all_gather_object``;
+    ``[value]`` in a single process without a process group).
+
+    The way a function run by :func:`workbench.launch` hands back what all ranks saw: rank 0's
+    return value then holds every rank's, so ``launch(fn)[0]`` is the whole picture. Bookkeeping
+    outside any timed region (it pickles), not a collective to measure.
+    """
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
