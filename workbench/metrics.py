@@ -17,10 +17,10 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from workbench.memory import CATEGORIES, MemoryMeter, category, format_bytes, storages_of, tag
+from workbench.memory import CATEGORIES, MemoryMeter, Metered, category, format_bytes, storage_bytes, storages_of, tag
 
-__all__ = ["Throughput", "model_state_bytes", "MemoryMeter", "tag", "category", "CATEGORIES",
-           "storages_of", "format_bytes", "records_table"]
+__all__ = ["Throughput", "model_state_bytes", "MemoryMeter", "Metered", "tag", "category", "CATEGORIES",
+           "storages_of", "storage_bytes", "format_bytes", "records_table"]
 
 
 def _storage_key(s: torch.UntypedStorage) -> tuple:
