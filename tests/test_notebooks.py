@@ -90,8 +90,7 @@ def test_lesson_07_script_on_two_torchrun_nodes_of_two_ranks():
     """Lesson 07 in a world of 4 (2 agents x 2 processes): its 4-rank sections (the emulated
     cluster, the placements, which torchrun's default world of 2 skips) run under torchrun too."""
     for out in _on_two_torchrun_nodes(REPO / "notebooks" / "07_3d_parallelism_and_topology.py", 2):
-        assert len(re.findall(r"^check passed: parity with one process, hierarchical", out, flags=re.M)) == 2, \
-            out[-3000:]
+        assert len(re.findall(r"check passed: parity with one process, hierarchical", out)) == 2, out[-3000:]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
@@ -114,4 +113,6 @@ def test_lesson_script_under_torchrun_standalone(script):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_torchrun_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert len(re.findall(r"^(all )?checks? passed", proc.stdout, flags=re.M)) == 2, proc.stdout[-3000:]
+    # each script prints its "check passed" line once per rank; the two ranks share torchrun's stdout,
+    # so their lines may interleave mid-line: count occurrences, not line starts
+    assert len(re.findall(r"checks? passed", proc.stdout)) == 2, proc.stdout[-3000:]
