@@ -1,0 +1,27 @@
+"""Choose a strategy for a model and a cluster: predict memory and step time, rank, explain, validate.
+
+``advise(model, cluster, global_batch) -> list[Plan]`` enumerates every configuration of the
+space (data x tensor x pipeline over the devices, ZeRO stage, schedule and micro-batches,
+sequence parallelism, precision, recomputation), predicts for each the memory per device by
+category and the step time split into compute, exposed communication per dimension and pipeline
+bubble, drops the infeasible ones with their reason, and ranks the rest by predicted step time.
+The formulas are the ones the strategies are checked against (:mod:`workbench.parallel.zero_memory`,
+:mod:`workbench.parallel.tensor`, :mod:`workbench.parallel.recompute`, the pipeline schedules'
+counts, :mod:`workbench.comm.cost`).
+
+Files, one idea each:
+
+=============  ==================================================================================
+``cluster``    :class:`Cluster` (nodes, devices per node, memory, FLOP/s, intra/inter links) and
+               its presets, with sources
+``shape``      :class:`ModelShape`: a transformer's sizes (ours, a preset, or a Llama-shaped one)
+``plan``       :class:`Config` (one point of the space) and :class:`Plan` (its prediction)
+``space``      the configurations to try, and why some are infeasible
+``memory``     predicted bytes per device by category
+``timing``     predicted step time: compute, exposed communication per dimension, bubble
+``choose``     :func:`advise`: predict every configuration, rank, explain the choice
+``calibrate``  measure this machine (matmul rate, link costs) into a :class:`Cluster`
+``validate``   run a sample of configurations here and put measured beside predicted
+``cli``        ``workbench advise``: table, JSON, figure
+=============  ==================================================================================
+"""
