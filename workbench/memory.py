@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 
@@ -197,16 +198,20 @@ class MemoryMeter:
     * ``peak_by_category``: ``{params, grads, optimizer, activations, comm}`` at the peak
       (on CUDA plus ``other``: allocator bytes the tensors seen do not explain);
     * ``current_bytes`` / ``current_by_category``: what was still alive at the end;
-    * ``allocated_bytes``: every byte allocated inside the block (frees not subtracted).
+    * ``allocated_bytes``: every byte allocated inside the block (frees not subtracted);
+    * ``history`` (with ``history=True``): ``(time.perf_counter(), live bytes, live activation
+      bytes)`` after every allocation and free, to read what was alive at given moments (e.g.
+      between a pipeline schedule's actions, when no backward's temporaries exist).
     """
 
-    def __init__(self, *track, device: torch.device | str | None = None):
+    def __init__(self, *track, device: torch.device | str | None = None, history: bool = False):
         if device is None:
             from workbench import runtime
 
             device = runtime.device()
         self.device = torch.device(device)
         self._track = track
+        self._keep_history = history
         self._lock = threading.RLock()
         self._reset()
 
@@ -290,6 +295,7 @@ class MemoryMeter:
         self._optimizers: list[weakref.ref] = []
         self._hooks: list = []
         self._cuda_peak: int | None = None
+        self.history: list[tuple[float, int, int]] = []
 
     def _counts(self, s: torch.UntypedStorage) -> bool:
         return s.device.type == self.device.type
@@ -301,7 +307,12 @@ class MemoryMeter:
                 if entry is not None and entry.ref is not None:
                     self._cat[entry.category] -= entry.nbytes
                     self._total -= entry.nbytes
+                    self._record()
         return callback
+
+    def _record(self) -> None:
+        if self._keep_history:
+            self.history.append((time.perf_counter(), self._total, self._cat["activations"]))
 
     def _add(self, s: torch.UntypedStorage, cat: str, seq: int, explicit: bool) -> _Entry:
         key = id(s)
@@ -326,6 +337,7 @@ class MemoryMeter:
         self._seq += 1
         entry = self._add(s, cat, self._seq, explicit or bool(_CONTEXT))
         self._allocated_total += entry.nbytes
+        self._record()
         if self._total > self._peak_total:
             self._refresh()  # storages resized in place since: re-measure before recording a peak
             if self._total > self._peak_total:
@@ -360,6 +372,7 @@ class MemoryMeter:
             entry = self._add(s, _TAGS[s] if tagged else cat, -1, explicit or tagged)
             self._peak_total += entry.nbytes
             self._peak_cat[entry.category] += entry.nbytes
+            self._record()
             return
         self._resize(entry, s)
         if entry.explicit and not explicit:
@@ -376,6 +389,7 @@ class MemoryMeter:
             self._peak_cat[entry.category] -= entry.nbytes
             self._peak_cat[cat] += entry.nbytes
         entry.category = cat
+        self._record()
 
     def _add_tracked(self, obj) -> None:
         if isinstance(obj, nn.Module):

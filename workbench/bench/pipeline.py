@@ -124,8 +124,9 @@ def _pipeline(name: str, model, p: int, rank: int, m: int, impl: str):
     return schedule, [parts[s] for s in local], S, local
 
 
-def _step(schedule, S, local, x, y, losses=None):
-    schedule.step(*((x,) if 0 in local else ()), target=y if S - 1 in local else None, losses=losses)
+def _step(schedule, S, local, x, y, losses=None, return_outputs=True):
+    return schedule.step(*((x,) if 0 in local else ()), target=y if S - 1 in local else None,
+                         losses=losses, return_outputs=return_outputs)
 
 
 # ------------------------------------------------------------------------------------- 1. time
@@ -229,7 +230,79 @@ def _bubble_rank(schedules, ms, sleep_s, steps) -> list[dict]:
 
 # ----------------------------------------------------------------------------------- 3. memory
 
-def _memory_rank(schedules, m: int) -> list[dict]:
+def _lone_microbatch(mod, s: int, S: int, split: bool, x, y, m: int, config,
+                     input_is_previous_output: bool = False) -> tuple[int, int, int]:
+    """One micro-batch through stage ``s`` alone, the way the interpreter runs it: (M_B, M_W,
+    backward temporaries) in bytes. M_B: what its forward leaves alive (the saved activations,
+    its input and output); M_W (split backward only): what is left for W after B; temporaries:
+    the most its backward allocates on top of that, transiently. With
+    ``input_is_previous_output`` (the tip of ZBV's V: stage s-1 is on the same rank) the input
+    is the previous stage's output, already counted there, so it is made outside the meter."""
+    from workbench.memory import MemoryMeter
+    from workbench.parallel import pipeline_backward as split_backward
+
+    params = [q for q in mod.parameters() if q.requires_grad]
+    shape = (*x.shape, config.n_embd)
+    inp = torch.zeros(*shape, requires_grad=True) if input_is_previous_output else None
+    with MemoryMeter(device="cpu") as meter:
+        if inp is None:
+            inp = x if s == 0 else torch.zeros(*shape, requires_grad=True)
+        saved = split_backward.SavedActivations() if split else None
+        if saved is not None:
+            with saved:
+                out = mod(inp)
+        else:
+            out = mod(inp)
+        if s == S - 1:
+            out = loss_fn(out, y) / m
+        one = meter.current_by_category.get("activations", 0)
+        g = None if s == S - 1 else torch.ones_like(out)
+        held = one
+        if split:
+            grads, state = split_backward.backward_input(out, g, [inp] if s > 0 else [], params, saved)
+            del out, inp, grads, g
+            held = meter.current_by_category.get("activations", 0)
+            split_backward.backward_weight(state, params)
+            del state
+        else:
+            out.backward(g)
+    temporaries = meter.peak_by_category.get("activations", 0) - one
+    mod.zero_grad(set_to_none=True)
+    return one, held, temporaries
+
+
+def _between_actions(history, timeline, origin: float, rank: int) -> int:
+    """The most activation bytes alive at the end of any of ``rank``'s actions: between two
+    actions no forward or backward is running, so no temporaries exist -- what is alive is what
+    the micro-batches in flight hold (plus messages waiting to leave or posted to arrive)."""
+    import bisect
+
+    times = [h[0] for h in history]
+    peak = 0
+    for rec in timeline:
+        if rec["rank"] != rank:
+            continue
+        k = bisect.bisect_right(times, origin + rec["end"]) - 1
+        if k >= 0:
+            peak = max(peak, history[k][2])
+    return peak
+
+
+def activation_memory(schedules=SCHEDULES, m: int = 8, n_layer: int = 8, microbatch: int = 4) -> list[dict]:
+    """Run on every rank of a launch (world size p): per schedule, this rank's peak live
+    activation bytes during one step of real GPT ``tiny`` stages (``n_layer`` blocks) against
+    the schedule's count. Returns one row per schedule for this rank.
+
+    * measured: :class:`~workbench.memory.MemoryMeter`'s activation bytes at the end of every
+      action of the step (``history`` read at the ``schedule.timeline`` ends), the largest;
+    * count: ``pipeline_schedules.peak_live_bytes`` of this rank's action list, with M_B and M_W
+      of each stage measured on one micro-batch alone (:func:`_lone_microbatch`);
+    * temporaries: the meter's peak over the whole step minus the measured value: what one
+      backward allocates on top, for a moment (not an activation of anything in flight).
+
+    Steps run with ``return_outputs=False``: with ``True`` the last stage also keeps the m
+    micro-batches' logits to return them (reported as ``returned_outputs_bytes``).
+    """
     import torch.distributed as dist
 
     from workbench import comm
@@ -239,51 +312,47 @@ def _memory_rank(schedules, m: int) -> list[dict]:
     from workbench.parallel import pipeline_schedules as plans
 
     rank, p = dist.get_rank(), dist.get_world_size()
-    config = GPTConfig.preset("tiny", n_layer=8, tie_weights=False)
-    batch = 4 * m
+    config = GPTConfig.preset("tiny", n_layer=n_layer, tie_weights=False)
+    batch = microbatch * m
     x, y = synthetic_batch(batch, block_size=config.block_size, seed=0)
     rows = []
     for name in schedules:
-        if m < plans.min_microbatches(name, p):
+        if m < plans.min_microbatches(name, p) or (_ours(name).multi and 2 * p > n_layer):
             continue
         torch.manual_seed(0)
         model = GPT(config)
         schedule, mods, S, local = _pipeline(name, model, p, rank, m, "ours")
-        _step(schedule, S, local, x, y)  # shapes, warm-up
+        _step(schedule, S, local, x, y, return_outputs=False)  # shapes, warm-up
         for mod in mods:
             mod.zero_grad(set_to_none=True)
-        # one micro-batch alone: the activations its forward keeps for backward
-        # and the extra a backward needs on top (gradients of activations in flight)
-        one, extra = {}, {}
+        split = {a.stage for a in schedule.actions[rank] if a.kind == "W"}
+        one, held, temporaries = {}, {}, {}
         for s, mod in zip(local, mods):
-            shape = (batch // m, config.block_size)
-            with MemoryMeter(device="cpu") as meter:
-                inp = x[:batch // m] if s == 0 else torch.zeros(*shape, config.n_embd, requires_grad=True)
-                out = mod(inp)
-                if s == S - 1:
-                    out = loss_fn(out, y[:batch // m])
-                one[s] = meter.current_by_category.get("activations", 0)
-                out.backward(None if s == S - 1 else torch.ones_like(out))
-            extra[s] = meter.peak_by_category.get("activations", 0) - one[s]
-            mod.zero_grad(set_to_none=True)
-            del out, inp
-        with comm.counters() as c, MemoryMeter(device="cpu") as meter:
-            _step(schedule, S, local, x, y)
+            one[s], held[s], temporaries[s] = _lone_microbatch(mod, s, S, s in split, x[:microbatch],
+                                                               y[:microbatch], m, config, s - 1 in local)
+        with comm.counters() as c, MemoryMeter(device="cpu", history=True) as meter:
+            _step(schedule, S, local, x, y, return_outputs=False)
         for mod in mods:
             mod.zero_grad(set_to_none=True)
         live = plans.live_microbatches(schedule.actions[rank])
-        count_bytes = plans.peak_live_bytes(schedule.actions[rank], one)
-        peak = meter.peak_by_category.get("activations", 0)
-        boundary = (batch // m) * config.block_size * config.n_embd * 4
+        count = plans.peak_live_bytes(schedule.actions[rank], one, held)
+        measured = _between_actions(meter.history, schedule.timeline, schedule.timeline_origin, rank)
+        boundary = microbatch * config.block_size * config.n_embd * 4
         sent = c.stats[("isend", "native")].bytes_sent if ("isend", "native") in c.stats else 0
         # messages this rank sends: m activations over each boundary to a later stage on another
         # rank, m gradients over each boundary to an earlier one
         boundaries_sent = sum(1 for s in local if s + 1 < S and s + 1 not in local) \
             + sum(1 for s in local if s > 0 and s - 1 not in local)
-        rows.append({"schedule": name, "rank": rank, "stages": local, "live": {str(s): live[s] for s in local},
+        rows.append({"schedule": name, "p": p, "m": m, "rank": rank, "stages": local,
+                     "live": {str(s): live[s] for s in local},
                      "one_microbatch_bytes": {str(s): one[s] for s in local},
-                     "peak_activation_bytes": peak, "ratio": peak / count_bytes if count_bytes else float("nan"),
-                     "ratio_with_backward": peak / (count_bytes + max(extra.values())),
+                     "held_for_w_bytes": {str(s): held[s] for s in local if s in split},
+                     "count_bytes": count, "live_activation_bytes": measured,
+                     "ratio": measured / count if count else float("nan"),
+                     "step_peak_bytes": meter.peak_by_category.get("activations", 0),
+                     "temporaries_bytes": meter.peak_by_category.get("activations", 0) - measured,
+                     "returned_outputs_bytes": (batch * config.block_size * config.vocab_size * 4
+                                                if S - 1 in local else 0),
                      "bytes_sent": sent, "bytes_expected": boundaries_sent * m * boundary})
     return rows
 

@@ -11,7 +11,9 @@ Forward and backward are two autograd nodes on purpose::
 
 ``torch.autograd.grad(out, x)`` (a zero-bubble B) runs only ``_SleepInput``'s backward
 (``backward_s``); ``backward(out, inputs=[w])`` (a W) runs only ``_SleepWeight``'s (``weight_s``);
-a full backward runs both. The forward sleeps ``forward_s``.
+a full backward runs both. The forward sleeps ``forward_s``. ``w`` is a 1 x 1 matrix: like a
+Linear's weight, its gradient is one a zero-bubble schedule defers to W (vectors' gradients are
+computed in B, see :mod:`workbench.parallel.pipeline_backward`).
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ class SleepStage(nn.Module):
         self.forward_s = forward_s
         self.backward_s = forward_s if backward_s is None else backward_s
         self.weight_s = forward_s if weight_s is None else weight_s
-        self.w = nn.Parameter(torch.zeros(()))
+        self.w = nn.Parameter(torch.zeros(1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepInput.apply(x, self.forward_s, self.backward_s) + _SleepWeight.apply(self.w, self.weight_s)
+        return _SleepInput.apply(x, self.forward_s, self.backward_s) + _SleepWeight.apply(self.w, self.weight_s).squeeze()

@@ -232,8 +232,10 @@ class _Schedule:
         self._compute = self._build(p, n_microbatches)
         self.actions: list[list[Action]] = plans.with_comms(self._compute, num_stages, self.style)
         self._split = {(a.stage, a.microbatch) for acts in self.actions for a in acts if a.kind == "W"}
+        self._acked = self._acknowledgements()
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] | None = None
         self.timeline: list[dict] = []
+        self.timeline_origin: float | None = None  # time.perf_counter() the timeline counts from
 
     # -- hooks for the subclasses
     def _chunks(self, n_local: int) -> int:
@@ -255,11 +257,17 @@ class _Schedule:
         return plans.simulate(self.actions, self._num_stages, f=f / self._chunks(len(self._stages)),
                               w=w / self._chunks(len(self._stages)), style=self.style)
 
-    def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None):
+    def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None,
+             return_outputs: bool = True):
         """Run one training step (forward and backward of every micro-batch) on this rank's
         stages. The first stage passes the batch, the last ``target`` (and gets one loss per
         micro-batch appended to ``losses``). Returns the last stage's output (all micro-batches
-        concatenated) on the rank holding it, else None."""
+        concatenated) on the rank holding it, else None.
+
+        ``return_outputs=False`` (as in torch) returns None everywhere: the last stage then
+        keeps no micro-batch's output beyond its loss's backward -- with a loss the outputs are
+        not activations (the loss keeps what its backward needs), and keeping all m of them
+        (the logits, for a GPT) only to return them costs m outputs of memory."""
         m = self._n
         first = self._stages.get(0)
         last = self._stages.get(self._num_stages - 1)
@@ -279,7 +287,7 @@ class _Schedule:
         actions = self.actions[self._rank] if train else \
             [a for a in self.actions[self._rank] if a.kind == "F" or
              (a.kind in ("send", "recv") and a.peer == a.stage + (1 if a.kind == "send" else -1))]
-        return self._run(actions, arg_chunks, target_chunks, losses)
+        return self._run(actions, arg_chunks, target_chunks, losses, return_outputs or not train)
 
     # -- checks
     def _split_batch(self, tensors, what: str) -> list[tuple]:
@@ -334,21 +342,50 @@ class _Schedule:
         """One tag per message of a step: (receiving stage's boundary, micro-batch, direction)."""
         return (mb * self._num_stages + stage) * 2 + int(grad)
 
-    def _run(self, actions: list[Action], arg_chunks, target_chunks, losses):
+    def _message(self, a: Action) -> int:
+        """The tag of a send or recv action's message."""
+        if a.kind == "recv":
+            return self._tag(a.stage, a.microbatch, a.peer == a.stage + 1)
+        return self._tag(a.peer, a.microbatch, a.peer == a.stage - 1)
+
+    def _acknowledgements(self) -> dict[int, frozenset]:
+        """For each message this rank receives (by tag): this rank's sends to the same peer that
+        the peer has received before sending it, read off the peer's action list.
+
+        Why: gloo marks a send done only when it is waited on, and waiting on a send blocks until
+        the peer has posted its receive, so a send cannot be polled and must not be waited on
+        early. But once the peer has sent a message it wrote after receiving ours, our send is
+        over: waiting on it returns at once and frees the tensor it held (a gradient sent back
+        would otherwise stay alive until the end of the step, m of them)."""
+        me, out = self._rank, {}
+        for q, acts in enumerate(self.actions):
+            if q == me:
+                continue
+            got: set = set()
+            for a in acts:
+                if a.kind in ("send", "recv") and self._owner[a.peer] == me:
+                    if a.kind == "recv":
+                        got.add(self._message(a))
+                    else:
+                        out[self._message(a)] = frozenset(got)
+        return out
+
+    def _run(self, actions: list[Action], arg_chunks, target_chunks, losses, keep_outputs: bool):
         m, n_stages, group = self._n, self._num_stages, self._group
         inputs: dict[tuple, tuple] = {}      # (stage, mb) -> the forward's inputs
         outputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> output (loss / m on the last stage)
         grad_out: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> dL/d(output)
         grad_in: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> dL/d(input), to send or pass on
+        saved: dict[tuple, split_backward.SavedActivations] = {}  # split (stage, mb) -> its forward's
         results: list[torch.Tensor] = []
         posted: dict[int, tuple] = {}        # action index -> (handle, buffer)
-        sends = []
+        sends: dict[int, tuple] = {}         # tag -> (handle, tensor) of a send not known to be over
         records = []
         compute_at = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
         # line the ranks up (one 4-byte all-reduce), so that every rank's step starts together
         # and the timelines of different ranks share their origin
         comm.all_reduce(torch.zeros(1), group=group)
-        t0 = time.perf_counter()
+        t0 = self.timeline_origin = time.perf_counter()
 
         def post(j: int) -> None:
             a = actions[j]
@@ -375,10 +412,13 @@ class _Schedule:
                 post(j)
                 work, buf = posted.pop(j)
                 work.wait()
+                for tag in self._acked.get(self._message(a), ()) & sends.keys():
+                    sends.pop(tag)[0].wait()  # the peer received it before sending this: over
                 if a.peer == s - 1:
                     inputs[(s, i)] = (buf.requires_grad_(buf.is_floating_point()),)
                 else:
                     grad_out[(s, i)] = buf
+                work = buf = None  # the dicts hold what is still needed
             elif a.kind == "send":
                 if a.peer == s + 1:
                     t = outputs[(s, i)].detach()
@@ -386,7 +426,8 @@ class _Schedule:
                 else:
                     t = grad_in.pop((s, i))
                     tag = self._tag(s - 1, i, True)
-                sends.append((comm.isend(t, group=group, group_dst=self._owner[a.peer], tag=tag), t))
+                sends[tag] = (comm.isend(t, group=group, group_dst=self._owner[a.peer], tag=tag), t)
+                t = None
             elif a.kind == "F":
                 stage = self._stages[s]
                 if s == 0:
@@ -396,41 +437,51 @@ class _Schedule:
                     if x is None:  # the previous stage is on this rank (the tip of ZBV's V)
                         x = (outputs[(s - 1, i)].detach().requires_grad_(),)
                 inputs[(s, i)] = x
-                out = stage.submodule(*x)
+                if (s, i) in self._split:  # box what autograd saves: B releases what W won't read
+                    with split_backward.SavedActivations() as saved[(s, i)]:
+                        out = stage.submodule(*x)
+                else:
+                    out = stage.submodule(*x)
+                x = None
                 if s == n_stages - 1:
-                    results.append(out.detach())
+                    if keep_outputs:
+                        results.append(out.detach())
                     if self._loss_fn is not None:
                         loss = self._loss_fn(out, target_chunks[i][0].to(out.device))
                         if losses is not None:
                             losses.append(loss.detach())
                         out = loss / m
                 outputs[(s, i)] = out
+                out = loss = None
             elif a.kind == "B":
-                self._backward(s, i, inputs, outputs, grad_out, grad_in)
+                self._backward(s, i, inputs, outputs, grad_out, grad_in, saved)
             elif a.kind == "W":
                 self._weight_backward(s, i, inputs, outputs, grad_out)
             records.append((self._rank, s, a.kind, i, start - t0, time.perf_counter() - t0))
             if a.kind in ("F", "B", "W") and sends:  # let go of sent tensors as soon as they left
-                sends = [(w, t) for w, t in sends if not (w.is_completed() and w.wait())]
-        for work, _ in sends:
+                for tag in [k for k, (w, _) in sends.items() if w.is_completed()]:  # NCCL knows
+                    sends.pop(tag)[0].wait()
+        for work, _ in sends.values():
             work.wait()
         if self._loss_fn is not None:
             self._sum_shared_gradients()
         self.timeline = self._gather_timeline(records)
-        if self._num_stages - 1 in self._stages:
+        if self._num_stages - 1 in self._stages and keep_outputs:
             return torch.cat(results, dim=0)
         return None
 
-    def _backward(self, s: int, i: int, inputs, outputs, grad_out, grad_in) -> None:
-        """B: the full backward, or (split) only dL/d(inputs), keeping the graph for W."""
+    def _backward(self, s: int, i: int, inputs, outputs, grad_out, grad_in, saved) -> None:
+        """B: the full backward, or (split) only dL/d(inputs), keeping for W only what it reads
+        (the inputs of the deferred matrix products and the gradients of their outputs)."""
         out = outputs[(s, i)]
         g = grad_out.pop((s, i), None)
         if g is None and s < self._num_stages - 1:  # the next stage is on this rank
             g = grad_in.pop((s + 1, i))
         x = [t for t in inputs[(s, i)] if t.requires_grad]
         if (s, i) in self._split:
-            grads, grad_out[(s, i)] = split_backward.backward_input(out, g, x, self._params(s))
-            del outputs[(s, i)]
+            grads, grad_out[(s, i)] = split_backward.backward_input(out, g, x, self._params(s),
+                                                                    saved.pop((s, i), None))
+            del outputs[(s, i)], inputs[(s, i)]
         else:
             torch.autograd.backward(out, g)
             grads = tuple(t.grad for t in x) if s > 0 else ()
@@ -442,7 +493,6 @@ class _Schedule:
         """W: dL/dW of micro-batch i from what B kept (see pipeline_backward); then its
         activations are freed."""
         split_backward.backward_weight(grad_out.pop((s, i)), self._params(s))
-        del inputs[(s, i)]
 
     def _params(self, s: int) -> list[nn.Parameter]:
         return [p for p in self._stages[s].submodule.parameters() if p.requires_grad]

@@ -18,18 +18,112 @@ LayerNorm's node likewise. Those nodes are the *intermediates*.
   weights and count those twice): autograd executes each intermediate again for its weight
   outputs only, and the short branches from there to the parameters' ``.grad``.
 
+Which gradients wait for W. Only the weight gradients of *matrices* (Linear and embedding
+weights: the weight-gradient GEMMs that zero-bubble schedules move) are deferred. Parameters
+with fewer than 2 dimensions -- LayerNorm scales and shifts, biases -- get their gradient in B:
+it costs next to nothing, and deferring it would keep the normalisation's input and output
+gradient alive until W for no gain (Megatron's zero-bubble code does the same; torch's
+``stage_backward_weight`` defers every parameter).
+
+Memory (Qi et al. 2023, section 3). A micro-batch's forward keeps its activations, ``M_B``
+bytes, until B. After B, W needs only the inputs of the deferred matrix products (the saved
+``mat1`` of each Linear) and the gradients of their outputs, ``M_W`` bytes -- for a transformer
+block 7 + 9 = 16 floats per token and channel against ~18 + attention for ``M_B``, so a
+deferred W holds less than a pending backward (the paper's 32bsh against 34bsh + 5as^2b, in
+fp16 bytes). Autograd's ``retain_graph=True`` would keep *every* saved tensor until W, so a
+forward whose backward will be split runs under :class:`SavedActivations`: it boxes each tensor
+autograd saves, and after B :func:`backward_input` empties the boxes that the nodes W will run
+do not read. So between B and W a micro-batch holds ``M_W``, as the paper counts.
+
 Cost: B + W = one backward (plus a Python walk over the graph per micro-batch, ~100 nodes per
-GPT block). Memory: W needs the saved activations (kept until W, as the schedule counts) and the
-gradients kept at the intermediates (about one activation gradient per Linear/LayerNorm) from B
-until W. With no input requiring a gradient (a first stage fed token ids) B has nothing to do
-and W is the whole backward. Same idea as ``torch.distributed.pipelining._backward``.
+GPT block). With no input requiring a gradient (a first stage fed token ids) B has nothing to
+do and W is the whole backward (holding ``M_B`` until it runs). Same idea as
+``torch.distributed.pipelining._backward``.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["backward_input", "backward_weight"]
+__all__ = ["SavedActivations", "backward_input", "backward_weight"]
+
+
+class _Box:
+    """What autograd holds for one saved tensor while a :class:`SavedActivations` is active."""
+
+    __slots__ = ("tensor", "read", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.read = tensor, False
+
+
+class SavedActivations:
+    """``with saved:`` around a forward: every tensor autograd saves for backward goes into a
+    box (which autograd holds in its place), so that :func:`backward_input` can let go of those
+    W will not read.
+
+    Boxing changes nothing else: unpacking returns the very tensor that was saved, and a box
+    lives exactly as long as autograd's saved copy would (this object keeps only weak references
+    to the boxes). A box emptied after B and read again (it cannot be, by construction) raises
+    instead of computing garbage.
+    """
+
+    __slots__ = ("boxes", "_marking", "_hooks")
+
+    def __init__(self):
+        self.boxes: list[weakref.ref] = []
+        self._marking = False
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> _Box:
+        box = _Box(t)
+        self.boxes.append(weakref.ref(box))
+        return box
+
+    def _unpack(self, box: _Box) -> torch.Tensor:
+        if box.tensor is None:
+            raise RuntimeError("pipeline_backward: a saved activation released after B was read "
+                               "again: W ran a node that B's analysis did not foresee")
+        if self._marking:
+            box.read = True
+        return box.tensor
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None  # no reference cycle: the graph's nodes hold this object, not back
+
+    def keep_only_read_by(self, nodes) -> None:
+        """Release every saved tensor that none of ``nodes`` reads. Reading a node's saved
+        attribute (``_saved_mat1``, a custom Function's ``saved_tensors``) unpacks it through
+        :meth:`_unpack`, which marks its box."""
+        self._marking = True
+        try:
+            for n in nodes:
+                for name in dir(n):
+                    if name.startswith("_saved_") or name == "saved_tensors":
+                        try:
+                            getattr(n, name)
+                        except RuntimeError:  # already freed, or not readable outside backward
+                            pass
+        finally:
+            self._marking = False
+        alive = []
+        for ref in self.boxes:
+            box = ref()
+            if box is None:
+                continue
+            if box.read:
+                alive.append(ref)
+            else:
+                box.tensor = None
+        self.boxes = alive
 
 
 def _node(t: torch.Tensor):
@@ -52,9 +146,27 @@ def _reaching(graph_children: dict, targets: set) -> set:
     return seen
 
 
+def _accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is None:
+        return
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad += grad
+
+
 def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: list[torch.Tensor],
-                   params: list[torch.Tensor]):
-    """B: dL/d(inputs) (a tuple), and the state W needs (pass it to :func:`backward_weight`)."""
+                   params: list[torch.Tensor], saved: SavedActivations | None = None):
+    """B: dL/d(inputs) (a tuple), and the state W needs (pass it to :func:`backward_weight`).
+
+    Gradients of parameters with fewer than 2 dimensions are accumulated into their ``.grad``
+    here. With ``saved`` (the :class:`SavedActivations` the forward ran under), every saved
+    activation the W nodes do not read is released before returning.
+    """
+    if not inputs:  # nothing to send back: W does the whole backward from the output
+        return (), {"edges": None, "grads": grad_out, "out": out}
+    deferred = [p for p in params if p.dim() >= 2]
+    now = [p for p in params if p.dim() < 2]
     root = out.grad_fn
     children: dict = {}
     stack = [root]
@@ -65,13 +177,13 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
         children[n] = [k for k, _ in n.next_functions if k is not None]
         stack.extend(children[n])
     input_path = _reaching(children, {_node(x) for x in inputs})
-    param_nodes = {_node(p) for p in params}
+    param_nodes = {_node(p) for p in deferred}
     towards_params = _reaching(children, param_nodes)
-    if not input_path:  # nothing to send back: W does the whole backward from the output
-        return (), {"edges": None, "grads": grad_out, "out": out}
-    # intermediates: input-path nodes with a child off the input path that leads to a parameter;
-    # each one's parameters are those reachable through such children
+    # intermediates: input-path nodes with a child off the input path that leads to a deferred
+    # parameter; each one's parameters are those reachable through such children, and the nodes
+    # on the way (W runs them) are its branch
     owned: dict = {}
+    branch_nodes: set = set()
     for n in input_path & towards_params:
         found, stack = set(), [k for k in children[n] if k in towards_params and k not in input_path]
         seen = set(stack)
@@ -85,13 +197,18 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
                     stack.append(c)
         if found:
             owned[n] = found
+            branch_nodes |= seen
     kept: dict = {}
     handles = [n.register_prehook(lambda grads, n=n: kept.__setitem__(n, grads)) for n in owned]
     try:
-        grads = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+        wanted = list(inputs) + now
+        grads = torch.autograd.grad(out, wanted, grad_out, retain_graph=bool(owned), allow_unused=True)
     finally:
         for h in handles:
             h.remove()
+    for p, g in zip(now, grads[len(inputs):]):
+        _accumulate(p, g)
+    grads = grads[:len(inputs)]
     # one W call per group of intermediates sharing parameters, with inputs= only that group's
     # parameters: from one Linear's node, the input path also leads on to the layers below, whose
     # weights are another intermediate's business (they must not be counted twice)
@@ -104,7 +221,7 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
             nodes |= g[0]
             pset |= g[1]
         groups.append((nodes, pset))
-    by_node = {_node(p): p for p in params}
+    by_node = {_node(p): p for p in deferred}
     work = []
     for nodes, pset in groups:
         edges, values = [], []
@@ -115,7 +232,9 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
                     values.append(g)
         if edges:
             work.append((edges, values, [by_node[k] for k in pset]))
-    return grads, {"edges": work, "grads": None, "out": out}
+    if saved is not None:
+        saved.keep_only_read_by(set(owned) | branch_nodes)
+    return grads, {"edges": work, "grads": None, "out": None}
 
 
 def backward_weight(state: dict, params: list[torch.Tensor]) -> None:

@@ -333,18 +333,33 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 2) -> float:
                      "interleaved, zb_h1 or zbv")
 
 
-def peak_live_bytes(actions: list[Action], one: dict[int, float]) -> float:
-    """The most activation bytes one rank's list keeps alive at once, given ``one[stage]`` bytes
-    per live micro-batch of each stage (with several stages per rank their peaks need not
-    coincide, so this is at most ``sum(live[s] * one[s])``)."""
+def peak_live_bytes(actions: list[Action], one: dict[int, float],
+                    held_by_w: dict[int, float] | None = None) -> float:
+    """The most activation bytes one rank's list keeps alive at once: the schedule's count of
+    micro-batches in flight, weighted by what each holds.
+
+    ``one[stage]``: the bytes a micro-batch's forward keeps until its backward (M_B). A full
+    backward frees them. A split one (a W follows) goes from M_B to ``held_by_w[stage]`` (M_W:
+    the inputs of the deferred matrix products and their output gradients, see
+    ``pipeline_backward``; default M_B, as if B freed nothing), which its W frees. So 1F1B on
+    stage s peaks at (p - s) M_B, GPipe at m M_B, and ZB-H1 on stage s at (p - s) M_B + s M_W
+    -- at most 1F1B's p M_B when M_W <= M_B, the paper's claim. With several stages per rank
+    their peaks need not coincide, so this is at most ``sum(live[s] * one[s])``.
+    """
     split = {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+    held = one if held_by_w is None else held_by_w
     total = peak = 0.0
     for a in actions:
         if a.kind == "F":
             total += one[a.stage]
             peak = max(peak, total)
-        elif (a.kind == "B" and (a.stage, a.microbatch) not in split) or a.kind == "W":
+        elif a.kind == "B":
             total -= one[a.stage]
+            if (a.stage, a.microbatch) in split:
+                total += held[a.stage]
+                peak = max(peak, total)
+        elif a.kind == "W":
+            total -= held[a.stage]
     return peak
 
 
