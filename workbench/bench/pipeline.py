@@ -15,15 +15,20 @@
    m in {1, 2, 4, 8, 16} (where allowed), the idle fraction measured from ``schedule.timeline``
    (the least idle of ``--bubble-steps`` steps: noise only adds idle time) against
    ``pipeline_schedules.bubble_formula``. Target: within 0.03.
-3. **Activation memory and bytes** (``--parts memory``): real GPT stages, p = 2. Per rank, the
-   peak bytes of activations during a step (:class:`~workbench.memory.MemoryMeter`) over
-   (micro-batches alive at once, from the plan) x (one micro-batch's activations, measured by
-   running one micro-batch forward alone): target 1.00-1.10. A second ratio adds what one
-   backward needs on top (the gradients of activations in flight, measured on one micro-batch
-   alone): the peak is reached while one micro-batch is in its backward, so with few
-   micro-batches alive that transient is a visible share. And the bytes each boundary
-   carried in one step (``comm.counters()``) against 2 x m x one micro-batch's boundary
-   activation (exact).
+3. **Activation memory and bytes** (``--parts memory``): real GPT stages (``tiny``, 8 blocks),
+   p = 2 and 4 (``--memory-stages``), m = 8. Per rank, the peak *live activation bytes*: what
+   :class:`~workbench.memory.MemoryMeter` counts as activations at the end of each action of
+   the step (between actions no forward or backward is running, so what is alive is what the
+   micro-batches in flight hold), against the schedule's count: the plan's micro-batches in
+   flight, each weighted by what it holds -- M_B from its forward to its backward, and for the
+   zero-bubble schedules M_W from B to W (the inputs of the deferred matrix products and their
+   output gradients; Qi et al.), both measured on one micro-batch run alone
+   (``pipeline_schedules.peak_live_bytes``). Target 1.00-1.10 on every rank. Reported beside
+   it: the backward's temporaries (the step's overall peak minus that: gradients in flight
+   inside one backward, for a moment), and the bytes each boundary carried in one step
+   (``comm.counters()``) against 2 x m x one micro-batch's boundary activation (exact). Steps
+   run with ``return_outputs=False``; with ``True`` the last stage also keeps m micro-batches'
+   logits to return them (``returned_outputs_bytes``).
 
 Writes ``pipeline.json`` and ``pipeline.png`` (ratios; measured bubbles on the formula curves;
 activation memory per stage). CPU timings are noisy while other processes run: the load
@@ -64,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="forward time of a whole sleeping stage, ms (B and W the same; default 40: "
                              "each action's fraction of a millisecond of Python and messaging then stays "
                              "within the 0.03 target; at 20 ms it reached 0.04 on 2 cores)")
+    parser.add_argument("--memory-stages", default="2,4", help="p for the memory part (default 2,4)")
     parser.add_argument("--out", default=None, help="folder for pipeline.json/png (default runs/pipeline-<time>)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw pipeline.png")
 
@@ -367,6 +373,7 @@ def main(args: argparse.Namespace) -> int:
     ms = _ints(args.microbatches, "microbatches")
     ps = _ints(args.stages, "stages")
     bubble_ms = _ints(args.bubble_m, "bubble-m")
+    memory_ps = _ints(args.memory_stages, "memory-stages")
     for name in ("trials", "steps", "batch", "bubble_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)} must be at least 1")
@@ -411,21 +418,26 @@ def main(args: argparse.Namespace) -> int:
         lines.append(f"# worst |measured - formula| = {worst:.3f}: "
                      f"{'meets' if worst <= BUBBLE_TOLERANCE else 'MISSES'} the target <= {BUBBLE_TOLERANCE}\n")
     if "memory" in parts:
-        rows = [r for rank_rows in workbench.launch(_memory_rank, world_size=2, args=(schedules, 8), timeout=3600)
+        rows = [r for p in memory_ps
+                for rank_rows in workbench.launch(activation_memory, world_size=p, args=(schedules, 8), timeout=3600)
                 for r in rank_rows]
+        for r in rows:
+            r["temporaries_share"] = r["temporaries_bytes"] / r["count_bytes"]
         results["memory"] = rows
         lines.append(_common.format_table(rows, [
-            ("schedule", "schedule", "s"), ("rank", "rank", "{:d}"), ("stages", "stages", "s"),
-            ("live", "live mb", "s"), ("peak_activation_bytes", "peak act B", "{:d}"),
-            ("ratio", "/ (live x one)", "{:.3f}"), ("ratio_with_backward", "/ (.. + bwd)", "{:.3f}"),
-            ("bytes_sent", "sent B", "{:d}"),
+            ("schedule", "schedule", "s"), ("p", "p", "{:d}"), ("rank", "rank", "{:d}"),
+            ("stages", "stages", "s"), ("live", "in flight", "s"), ("count_bytes", "count B", "{:.0f}"),
+            ("live_activation_bytes", "live act B", "{:d}"), ("ratio", "live / count", "{:.3f}"),
+            ("temporaries_share", "+ bwd temp", "{:.3f}"), ("bytes_sent", "sent B", "{:d}"),
             ("bytes_expected", "2m x act B", "{:d}")],
-            title="activation memory and boundary bytes: GPT tiny (8 blocks), 2 ranks, m = 8"))
+            title="activation memory and boundary bytes: GPT tiny (8 blocks), m = 8; count = micro-batches "
+                  "in flight x M_B (+ pending W's x M_W), measured alone"))
         bytes_ok = all(r["bytes_sent"] == r["bytes_expected"] for r in rows)
         mem_ok = all(1.0 <= r["ratio"] <= 1.10 for r in rows)
         ok &= bytes_ok and mem_ok
-        lines.append(f"# bytes: {'exact' if bytes_ok else 'MISMATCH'}; activation memory / (live x one "
-                     f"micro-batch): {'within' if mem_ok else 'OUTSIDE'} 1.00-1.10\n")
+        lines.append(f"# bytes: {'exact' if bytes_ok else 'MISMATCH'}; live activations / count: "
+                     f"{min(r['ratio'] for r in rows):.3f}-{max(r['ratio'] for r in rows):.3f}, "
+                     f"{'within' if mem_ok else 'OUTSIDE'} 1.00-1.10\n")
     results["load_after"] = os.getloadavg()
     print("\n".join(lines))
     _common.save_outputs(args, "pipeline", {"results": results, "elapsed_s": time.time() - start},
@@ -440,7 +452,8 @@ def plot(results: dict):
 
     from workbench.parallel import pipeline_schedules as plans
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), layout="constrained")
+    n_mem = len(results.get("memory", []))
+    fig, axes = plt.subplots(1, 3, figsize=(17, max(4.5, 0.16 * n_mem + 1)), layout="constrained")
     ax = axes[0]
     rows = [r for r in results.get("time", {}).get("rows", []) if "ratio" in r]
     if rows:
@@ -467,14 +480,28 @@ def plot(results: dict):
     ax.set_title("bubble: measured (dots) on the formulas (lines)")
     if bubble:
         ax.legend(fontsize=6, ncol=3)
-    ax = axes[2]
-    mem = results.get("memory", [])
-    if mem:
-        labels = [f"{r['schedule']} rank {r['rank']}" for r in mem]
-        ax.barh(labels[::-1], [r["peak_activation_bytes"] / 2**20 for r in mem][::-1], color="#c44e52")
-        for y, r in enumerate(mem[::-1]):
-            ax.text(r["peak_activation_bytes"] / 2**20, y, f" live {r['live']}, x{r['ratio']:.2f}",
-                    va="center", fontsize=7)
-    ax.set_xlabel("peak activation MiB (one step)")
-    ax.set_title("activation memory per rank, m = 8")
+    plot_memory(results.get("memory", []), axes[2])
     return fig
+
+
+def plot_memory(rows: list[dict], ax=None):
+    """Live activation MiB per rank (bars) against the schedule's count (hatched outline), one
+    group per schedule and p; the backward's temporaries stacked light on top."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.22 * max(len(rows), 4) + 1), layout="constrained")
+    labels = [f"{r['schedule']} p={r['p']} rank {r['rank']}" for r in rows][::-1]
+    live = [r["live_activation_bytes"] / 2**20 for r in rows][::-1]
+    temp = [r["temporaries_bytes"] / 2**20 for r in rows][::-1]
+    count = [r["count_bytes"] / 2**20 for r in rows][::-1]
+    ax.barh(labels, live, color="#c44e52", label="live activations (measured)")
+    ax.barh(labels, temp, left=live, color="#c44e52", alpha=0.25, label="+ one backward's temporaries")
+    ax.barh(labels, count, fill=False, hatch="//", edgecolor="k", lw=0.5, label="count x one micro-batch")
+    for y, r in enumerate(rows[::-1]):
+        ax.text(r["live_activation_bytes"] / 2**20, y, f" x{r['ratio']:.3f}", va="center", fontsize=6)
+    ax.tick_params(axis="y", labelsize=6)
+    ax.set_xlabel("activation MiB (one step, m = 8)")
+    ax.set_title("activation memory per rank: measured / count")
+    ax.legend(fontsize=6, loc="lower right")
+    return ax
