@@ -25,7 +25,11 @@ Cost. Per step each boundary carries 2 m messages (m activations forward, m grad
 (p-1)/(m+p-1) of the step for GPipe and 1F1B, less for interleaved and zero-bubble schedules.
 Memory: stage k holds ~1/p of the parameters, gradients and optimizer state, plus the
 activations of every micro-batch between its forward and its backward: m for GPipe, p - k for
-1F1B (so stage 0 holds the most).
+1F1B (so stage 0 holds the most); with a split backward a micro-batch holds, from B to W, only
+what W reads (``pipeline_backward``). Nothing else is kept: a sent gradient is let go as soon
+as the peer is known to have it, and ``step(..., return_outputs=False)`` (as in torch) keeps no
+outputs for returning (with ``True``, the default, the last stage keeps all m, e.g. a GPT's
+logits, to concatenate them).
 
 Gradients. The last stage's loss per micro-batch is the mean over the micro-batch; backward
 runs on ``loss / m``, so after ``step()`` every ``.grad`` equals single-process backward of the

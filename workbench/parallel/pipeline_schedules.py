@@ -24,8 +24,9 @@ phases the way papers and picotron do, so a reader can follow one rank through t
 ``zero_bubble_h1``  ZB-H1 (Qi et al. 2023) on one stage per rank: 1F1B's order with every
                  backward split into B and W; stage s defers its W by s steady-state slots, so
                  the B's (the critical path) run back-to-back through the cool-down and the W's
-                 fill the bubble. Every stage keeps up to p micro-batches alive (a W frees them):
-                 1F1B's peak (its first stage's), now on every stage.
+                 fill the bubble. Stage s keeps p - s micro-batches between F and B (their
+                 activations, M_B each) and up to s between B and W (what W reads, M_W each):
+                 (p - s) M_B + s M_W, at most 1F1B's first-stage peak p M_B (Qi et al.).
 ``zbv``          the V-shaped zero-bubble schedule: 2 stages per rank, rank r holding stages r
                  and 2p-1-r, so the first and last stages share rank 0 (same phases as torch's
                  ``ScheduleZBVZeroBubble``).
@@ -108,8 +109,10 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
     ``p - s - 1`` forwards. Steady: F, B, and a W -- except that stage s holds back its first
     ``s`` W's (the last stage holds back the most), so the B's go up the pipeline one right after
     the other; cool-down: the remaining B's, each followed by one held-back W, then the rest.
-    A stage keeps a micro-batch's activations until its W, so the count alive on stage s is
-    ``(p - s) + s = p``: 1F1B's first-stage peak, on every stage.
+    Memory: stage s holds ``p - s`` micro-batches between F and B and up to ``s`` between B and
+    W, so ``p`` are alive at once on every stage -- but a pending W holds only what it reads
+    (M_W <= M_B, see ``pipeline_backward``), so the peak is ``(p - s) M_B + s M_W``, at most
+    1F1B's first-stage peak (:func:`peak_live_bytes`).
     """
     ranks = []
     for s in range(p):
