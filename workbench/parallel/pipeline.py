@@ -390,6 +390,7 @@ class _Schedule:
         # and the timelines of different ranks share their origin
         comm.all_reduce(torch.zeros(1), group=group)
         t0 = self.timeline_origin = time.perf_counter()
+        self._step_params: dict[int, list] = {}
 
         def post(j: int) -> None:
             a = actions[j]
@@ -499,7 +500,11 @@ class _Schedule:
         split_backward.backward_weight(grad_out.pop((s, i)), self._params(s))
 
     def _params(self, s: int) -> list[nn.Parameter]:
-        return [p for p in self._stages[s].submodule.parameters() if p.requires_grad]
+        params = self._step_params.get(s)
+        if params is None:  # once per stage and step
+            params = self._step_params[s] = [p for p in self._stages[s].submodule.parameters()
+                                             if p.requires_grad]
+        return params
 
     def _sum_shared_gradients(self) -> None:
         """Sum the gradients of parameters held by several stages on different ranks (the tied

@@ -106,12 +106,11 @@ class SavedActivations:
         self._marking = True
         try:
             for n in nodes:
-                for name in dir(n):
-                    if name.startswith("_saved_") or name == "saved_tensors":
-                        try:
-                            getattr(n, name)
-                        except RuntimeError:  # already freed, or not readable outside backward
-                            pass
+                for name in _saved_names(type(n)):
+                    try:
+                        getattr(n, name)
+                    except RuntimeError:  # already freed, or not readable outside backward
+                        pass
         finally:
             self._marking = False
         alive = []
@@ -124,6 +123,18 @@ class SavedActivations:
             else:
                 box.tensor = None
         self.boxes = alive
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    """The attributes through which a node of this type exposes what it saved (per type, once)."""
+    names = _SAVED_NAMES.get(node_type)
+    if names is None:
+        names = _SAVED_NAMES[node_type] = tuple(
+            a for a in dir(node_type) if a.startswith("_saved_") or a == "saved_tensors")
+    return names
 
 
 def _node(t: torch.Tensor):
@@ -177,7 +188,8 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
         children[n] = [k for k, _ in n.next_functions if k is not None]
         stack.extend(children[n])
     input_path = _reaching(children, {_node(x) for x in inputs})
-    param_nodes = {_node(p) for p in deferred}
+    by_node = {_node(p): p for p in deferred}
+    param_nodes = set(by_node)
     towards_params = _reaching(children, param_nodes)
     # intermediates: input-path nodes with a child off the input path that leads to a deferred
     # parameter; each one's parameters are those reachable through such children, and the nodes
@@ -221,7 +233,6 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
             nodes |= g[0]
             pset |= g[1]
         groups.append((nodes, pset))
-    by_node = {_node(p): p for p in deferred}
     work = []
     for nodes, pset in groups:
         edges, values = [], []
