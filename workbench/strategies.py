@@ -347,7 +347,7 @@ def _pp_step(stage: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: t
     loss (the mean of the equal micro-batches' means); middle stages return None."""
     losses: list[torch.Tensor] = []
     stage.pipeline_schedule.step(*((x,) if stage.first else ()), target=y if stage.last else None,
-                                 losses=losses)
+                                 losses=losses, return_outputs=False)  # the logits are not used
     optimizer.step()
     return torch.stack(losses).mean() if losses else None
 
