@@ -288,10 +288,12 @@ class _Schedule:
                              "batch, step(x)")
         if self._shapes is None:
             self._shapes = self._infer_shapes(arg_chunks)
-        actions = self.actions[self._rank] if train else \
-            [a for a in self.actions[self._rank] if a.kind == "F" or
-             (a.kind in ("send", "recv") and a.peer == a.stage + (1 if a.kind == "send" else -1))]
-        return self._run(actions, arg_chunks, target_chunks, losses, return_outputs or not train)
+        lists = self.actions if train else \
+            [[a for a in acts if a.kind == "F" or
+              (a.kind in ("send", "recv") and a.peer == a.stage + (1 if a.kind == "send" else -1))]
+             for acts in self.actions]
+        self._records_per_rank = [len(acts) for acts in lists]  # one timeline record per action
+        return self._run(lists[self._rank], arg_chunks, target_chunks, losses, return_outputs or not train)
 
     # -- checks
     def _split_batch(self, tensors, what: str) -> list[tuple]:
@@ -541,22 +543,20 @@ class _Schedule:
                 param.grad.copy_(total)
 
     def _gather_timeline(self, records) -> list[dict]:
-        """Every rank's records on every rank (two small all-gathers)."""
+        """Every rank's records on every rank: one small all-gather (each rank's number of
+        records is its number of actions, which every rank knows from the plan)."""
         kinds = ["F", "B", "W", "send", "recv"]
-        mine = torch.tensor([[r, s, kinds.index(k), i, a, b] for r, s, k, i, a, b in records],
-                            dtype=torch.float64).reshape(-1, 6)
-        p = self._p
-        count = torch.tensor([mine.shape[0]], dtype=torch.int64)
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(p)]
-        comm.all_gather(counts, count, group=self._group)
-        longest = max(int(c) for c in counts)
+        counts = self._records_per_rank
+        longest = max(counts)
         padded = torch.zeros(longest, 6, dtype=torch.float64)
-        padded[:mine.shape[0]] = mine
-        everyone = [torch.zeros(longest, 6, dtype=torch.float64) for _ in range(p)]
+        if records:
+            padded[:len(records)] = torch.tensor(
+                [[r, s, kinds.index(k), i, a, b] for r, s, k, i, a, b in records], dtype=torch.float64)
+        everyone = [torch.zeros(longest, 6, dtype=torch.float64) for _ in range(self._p)]
         comm.all_gather(everyone, padded, group=self._group)
         out = []
         for c, rows in zip(counts, everyone):
-            for r, s, k, i, a, b in rows[:int(c)].tolist():
+            for r, s, k, i, a, b in rows[:c].tolist():
                 out.append({"rank": int(r), "stage": int(s), "kind": kinds[int(k)],
                             "microbatch": int(i), "start": a, "end": b})
         return out
