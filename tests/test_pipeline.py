@@ -23,7 +23,8 @@ from workbench.parallel import pipeline as pp
 from workbench.parallel import pipeline_schedules as plans
 
 SCHEDULES = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "zb_h1": pp.ScheduleZeroBubble,
-             "interleaved": pp.ScheduleInterleaved1F1B, "zbv": pp.ScheduleZBV}
+             "interleaved": pp.ScheduleInterleaved1F1B, "zbv": pp.ScheduleZBV,
+             "dualpipev": pp.ScheduleDualPipeV}
 
 
 def loss_fn(logits, target):
@@ -96,9 +97,10 @@ def _parity_rank(cases) -> list[str]:
 P2_CASES = [("gpipe", 1, True, 4, None), ("gpipe", 4, False, 4, None), ("1f1b", 2, True, 4, [1, 3]),
             ("1f1b", 8, False, 4, None), ("zb_h1", 4, True, 4, None), ("zb_h1", 8, False, 4, [3, 1]),
             ("interleaved", 4, True, 8, None), ("interleaved", 1, False, 4, None),
-            ("zbv", 1, True, 4, None), ("zbv", 8, False, 8, [1, 3, 2, 2])]
+            ("zbv", 1, True, 4, None), ("zbv", 8, False, 8, [1, 3, 2, 2]),
+            ("dualpipev", 4, True, 4, None), ("dualpipev", 8, False, 8, [1, 3, 2, 2])]
 P4_CASES = [("1f1b", 4, True, 8, [1, 2, 2, 3]), ("interleaved", 8, False, 8, None),
-            ("zbv", 8, True, 8, None)]
+            ("zbv", 8, True, 8, None), ("dualpipev", 8, False, 8, None)]
 
 
 @pytest.mark.parametrize("world_size,cases", [(2, P2_CASES), (4, P4_CASES)], ids=["p2", "p4"])
@@ -113,11 +115,12 @@ def _torch_rank() -> list[str]:
     from torch.distributed import pipelining as tp
 
     theirs = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B,
-              "interleaved": tp.ScheduleInterleaved1F1B, "zbv": tp.ScheduleZBVZeroBubble}
+              "interleaved": tp.ScheduleInterleaved1F1B, "zbv": tp.ScheduleZBVZeroBubble,
+              "dualpipev": tp.ScheduleDualPipeV}
     rank, p = dist.get_rank(), dist.get_world_size()
     bad = []
     x, y = _batch()
-    for name, m in [("gpipe", 4), ("1f1b", 4), ("interleaved", 4), ("zbv", 4)]:
+    for name, m in [("gpipe", 4), ("1f1b", 4), ("interleaved", 4), ("zbv", 4), ("dualpipev", 4)]:
         torch.manual_seed(0)
         ours = GPT(GPTConfig.preset("tiny", tie_weights=False)).double()
         torch_model = copy.deepcopy(ours)
@@ -202,9 +205,10 @@ def test_plans_do_the_same_work_without_deadlock_and_meet_the_bubble_formula(nam
                 continue
             build = {"gpipe": lambda: plans.gpipe(p, m), "1f1b": lambda: plans.one_f_one_b(p, m),
                      "zb_h1": lambda: plans.zero_bubble_h1(p, m),
-                     "interleaved": lambda: plans.interleaved(p, 2, m), "zbv": lambda: plans.zbv(p, m)}
-            v = 2 if name in ("interleaved", "zbv") else 1
-            style = "v" if name == "zbv" else "loop"
+                     "interleaved": lambda: plans.interleaved(p, 2, m), "zbv": lambda: plans.zbv(p, m),
+                     "dualpipev": lambda: plans.dualpipev(p, m)}
+            v = 2 if name in ("interleaved", "zbv", "dualpipev") else 1
+            style = "v" if name in ("zbv", "dualpipev") else "loop"
             acts = plans.with_comms(build[name](), v * p, style)
             compute = sorted((a.kind, a.stage, a.microbatch) for r in acts for a in r if a.kind in "FB")
             assert compute == sorted((k, s, i) for k in "FB" for s in range(v * p) for i in range(m))

@@ -4,8 +4,8 @@
 
 1. **Step time** (``--parts time``): GPT ``small`` cut into stages, world size 2, the same
    batch through our schedule and torch's (``ScheduleGPipe``, ``Schedule1F1B``,
-   ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``; ZB-H1 has no torch twin and is timed
-   alone) for m = 4 and 8 micro-batches. Candidates take turns inside every trial in rotating
+   ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``; ZB-H1 has no
+   torch twin and is timed alone) for m = 4 and 8 micro-batches. Candidates take turns inside every trial in rotating
    order; a trial's number is the slowest rank's mean step time (forward, backward, AdamW step);
    the report gives the median over trials and ours / torch. Target: <= 1.10x. Beside it, the
    same ratio of CPU time (the slowest rank's main thread, ``time.thread_time``): the work each
@@ -49,9 +49,9 @@ import torch.nn.functional as F
 
 from workbench.bench import _common
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "dualpipev")
 TORCH_TWIN = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-              "zbv": "ScheduleZBVZeroBubble"}
+              "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 PARTS = ("time", "bubble", "memory")
 TARGET_RATIO = 1.10
 BUBBLE_TOLERANCE = 0.03
@@ -103,7 +103,7 @@ def _ours(name: str):
     from workbench.parallel import pipeline as pp
 
     return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
-            "zb_h1": pp.ScheduleZeroBubble, "zbv": pp.ScheduleZBV}[name]
+            "zb_h1": pp.ScheduleZeroBubble, "zbv": pp.ScheduleZBV, "dualpipev": pp.ScheduleDualPipeV}[name]
 
 
 def _local(name: str, p: int, rank: int) -> tuple[int, list[int]]:
@@ -401,7 +401,7 @@ def main(args: argparse.Namespace) -> int:
             ("torch_ms", "torch ms", "{:.1f}"), ("ratio", "x torch", "{:.3f}"),
             ("cpu_ratio", "CPU x torch", "{:.3f}"),
             ("max_grad_diff_vs_torch", "grad diff", "{:.1e}")],
-            title=f"bench pipeline: GPT small, 2 stages/ranks (4 stages for interleaved, zbv), batch "
+            title=f"bench pipeline: GPT small, 2 stages/ranks (4 stages for interleaved, zbv, dualpipev), batch "
                   f"{args.batch}x128, median of {args.trials} interleaved trials x {args.steps} steps; "
                   f"load {res['load'][0]:.1f}"))
         worst = max((r["ratio"] for r in res["rows"] if "ratio" in r), default=float("nan"))

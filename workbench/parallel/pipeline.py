@@ -64,7 +64,7 @@ from workbench.parallel import pipeline_schedules as plans
 from workbench.parallel.pipeline_schedules import Action
 
 __all__ = ["partition", "PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "ScheduleZeroBubble", "ScheduleZBV", "GPTStage", "Action"]
+           "ScheduleZeroBubble", "ScheduleZBV", "ScheduleDualPipeV", "GPTStage", "Action"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _META_LEN = 12         # shape message: ndim, dtype code, up to 10 sizes
@@ -630,3 +630,21 @@ class ScheduleZBV(_Schedule):
     def _build(self, p, m):
         return plans.zbv(p, m)
 
+
+
+class ScheduleDualPipeV(_Schedule):
+    """DualPipeV (DeepSeek-V3's DualPipe, cut in half), as torch's ``ScheduleDualPipeV``: the V of
+    :class:`ScheduleZBV` (rank r holds stages r and 2p-1-r), the steady state pairing one
+    chunk's forward with the other's full backward, B/W splits in the ramps. Needs m >= 2p."""
+
+    name = "dualpipev"
+    multi = True
+    style = "v"
+
+    def _chunks(self, n_local):
+        if n_local != 2:
+            raise ValueError(f"ScheduleDualPipeV needs exactly 2 stages per rank (r and 2p-1-r), got {n_local}")
+        return 2
+
+    def _build(self, p, m):
+        return plans.dualpipev(p, m)

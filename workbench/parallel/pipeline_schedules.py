@@ -30,6 +30,9 @@ phases the way papers and picotron do, so a reader can follow one rank through t
 ``zbv``          the V-shaped zero-bubble schedule: 2 stages per rank, rank r holding stages r
                  and 2p-1-r, so the first and last stages share rank 0 (same phases as torch's
                  ``ScheduleZBVZeroBubble``).
+``dualpipev``    DeepSeek's DualPipeV on the same V: steady state pairs one chunk's forward with
+                 the other's full backward; B/W splits only in the ramps (torch's
+                 ``ScheduleDualPipeV``). Needs m >= 2p.
 
 Idle fraction ("bubble") with p stages, m micro-batches, F, B, W taking equal time (t each):
 
@@ -40,6 +43,7 @@ GPipe, 1F1B        (p-1) / (m + p - 1)                  m (GPipe), p (1F1B)
 interleaved (v)    (p-1) / (v m + p - 1), m >= p        see :func:`live_microbatches`
 ZB-H1              (p-1) / (3 m + p - 1)                p (on every stage)
 ZBV (m >= 2p)      (p-1) / (6 m + p - 1)                2p chunk micro-batches (half a stage each)
+DualPipeV          (p-1) / (6 m + p - 1), m >= 2p       see :func:`live_microbatches`
 =================  ==================================  ====================================
 
 :func:`simulate` replays the lists with fixed costs per action (every message instant) and gives
@@ -50,7 +54,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zbv", "with_comms",
+__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zbv", "dualpipev", "with_comms",
            "stage_to_rank", "simulate", "bubble", "bubble_formula", "live_microbatches", "peak_live_bytes",
            "min_microbatches"]
 
@@ -212,10 +216,85 @@ def zbv(p: int, m: int) -> list[list[Action]]:
     return ranks
 
 
+def dualpipev(p: int, m: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half; torch's ``ScheduleDualPipeV``): the V of
+    ZBV (rank r holds stages r and 2p-1-r), with the steady state pairing the forward of one
+    chunk with the full backward of the other ("F&B", which DualPipe overlaps with the other's
+    communication; here they run one after the other), and zero-bubble B/W splits only where
+    they fill the ramps. Phases per rank, as in DeepSeek's and torch's code:
+
+    1. ``2(p - r - 1)`` forwards of chunk 0; 2. ``r + 1`` pairs F0 F1;
+    3. ``p - r - 1`` times B1, a pending W, F1; 4. (main) ``m - 2p + r + 1`` times F0&B1, F1&B0
+    (the last rank's first F0, B1 not paired); 5. ``p - r - 1`` times B1, F1&B0;
+    6. ``r + 1`` times B1 B0, the second half split (B now, W later); 7. ``p - r - 1`` times a
+    pending W, then B0; 8. the W's left. Needs ``m >= 2p``.
+    """
+    if m < 2 * p:
+        raise ValueError(f"dualpipev: m={m} < 2p={2 * p}: DualPipeV needs at least as many "
+                         "micro-batches as stages")
+    S = 2 * p
+    ranks = []
+    for r in range(p):
+        c0, c1 = r, S - 1 - r
+        nf = {c0: 0, c1: 0}        # next forward's micro-batch per chunk
+        nb = {c0: 0, c1: 0}        # next backward's
+        pending_w: list[tuple[int, int]] = []
+        acts: list[Action] = []
+
+        def f(c: int) -> None:
+            acts.append(Action("F", c, nf[c]))
+            nf[c] += 1
+
+        def b(c: int, split: bool = False) -> None:
+            acts.append(Action("B", c, nb[c]))
+            if split:
+                pending_w.append((c, nb[c]))
+            nb[c] += 1
+
+        def w() -> None:
+            if pending_w:
+                c, i = pending_w.pop(0)
+                acts.append(Action("W", c, i))
+
+        for _ in range(2 * (p - r - 1)):                   # 1
+            f(c0)
+        for _ in range(r + 1):                             # 2
+            f(c0)
+            f(c1)
+        for _ in range(p - r - 1):                         # 3
+            b(c1, split=True)
+            w()
+            f(c1)
+        for i in range(m - 2 * p + r + 1):                 # 4
+            f(c0)
+            b(c1)
+            f(c1)
+            b(c0)
+        for _ in range(p - r - 1):                         # 5
+            b(c1)
+            f(c1)
+            b(c0)
+        zb = False                                         # 6
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                zb = True
+            b(c1, split=zb)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                zb = True
+            b(c0, split=zb)
+        for _ in range(p - r - 1):                         # 7
+            w()
+            b(c0, split=zb)
+        while pending_w:                                   # 8
+            w()
+        ranks.append(acts)
+    return ranks
+
+
 def min_microbatches(schedule: str, p: int, v: int = 1) -> int:
     """The fewest micro-batches a schedule accepts (1F1B and ZB-H1: p, so that the steady state
     exists: a stage cannot start backward i before forwards reached the last stage)."""
-    return {"gpipe": 1, "1f1b": p, "zb_h1": p, "interleaved": 1, "zbv": 1}[schedule]
+    return {"gpipe": 1, "1f1b": p, "zb_h1": p, "interleaved": 1, "zbv": 1, "dualpipev": 2 * p}[schedule]
 
 
 # ----------------------------------------------------------------------------- messages
@@ -317,7 +396,9 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 2) -> float:
     fills the p ranks); (p-1)/(3m + p-1) for ZB-H1 (Qi et al.: bubble (p-1)(T_F + T_B - T_W)
     against 3 m T of work); (p-1)/(6m + p-1) for ZBV with m >= 2p (each chunk costs half a
     stage, so the only idle time left is the chunk-forward ramp of the V, (p-1) T_F / 2, against
-    3 m T of work). Where a closed form does not apply (interleaved with m < p, ZBV with m < 2p)
+    3 m T of work) and for DualPipeV (m >= 2p, which it needs: with equal F, B and W its plan
+    idles exactly as long as ZBV's; DualPipe's gain is overlapping the paired F and B with each
+    other's communication, which equal-cost sleeping stages do not model). Where a closed form does not apply (interleaved with m < p, ZBV with m < 2p)
     the plan's own value, from :func:`simulate`, is returned.
     """
     if schedule in ("gpipe", "1f1b"):
@@ -332,8 +413,10 @@ def bubble_formula(schedule: str, p: int, m: int, v: int = 2) -> float:
         if m >= 2 * p:
             return (p - 1) / (6 * m + p - 1)
         return bubble(simulate(with_comms(zbv(p, m), 2 * p, "v"), 2 * p, f=0.5, w=0.5, style="v"), p)
+    if schedule == "dualpipev":  # m >= 2p always: with equal F, B, W the same idle time as ZBV
+        return (p - 1) / (6 * m + p - 1)
     raise ValueError(f"bubble_formula: schedule={schedule!r} is not known: use gpipe, 1f1b, "
-                     "interleaved, zb_h1 or zbv")
+                     "interleaved, zb_h1, zbv or dualpipev")
 
 
 def peak_live_bytes(actions: list[Action], one: dict[int, float],
