@@ -55,7 +55,7 @@ from workbench.parallel import pipeline_schedules as plans
 
 torch.set_num_threads(1)
 SCHEDULES = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
-             "zb_h1": pp.ScheduleZeroBubble, "zbv": pp.ScheduleZBV}
+             "zb_h1": pp.ScheduleZeroBubble, "zbv": pp.ScheduleZBV, "dualpipev": pp.ScheduleDualPipeV}
 P = 4            # stages for the timing runs (under torchrun, the world size decides)
 SLEEP = 0.03     # seconds per forward (and per backward half) of a whole stage
 
@@ -153,6 +153,10 @@ print(workbench.launch(too_few, world_size=2)[0])
 #   cool-down: bubble `(p-1)/(3m + p - 1)` with equal `F`, `B`, `W`.
 # * **ZBV** puts two stages per rank in a V (rank `r` holds `r` and `2p-1-r`): with `m >= 2p`,
 #   `(p-1)/(6m + p - 1)`.
+# * **DualPipeV** (DeepSeek-V3) runs on the same V, pairing one chunk's forward with the other
+#   chunk's backward in the steady state. With equal `F`, `B`, `W` it idles as long as ZBV; its
+#   gain is hiding each pair's communication (expert all-to-all) behind the other's compute,
+#   which sleeping stages do not model. It needs `m >= 2p`.
 #
 # Each dot is a measured step (sleeping stages); each line the formula. *Which m?* `m` is the
 # number of micro-batches in one optimizer step (the global batch on this pipeline divided by
@@ -191,11 +195,14 @@ display(Markdown(f"Largest distance from the formula: **{worst:.3f}** (load aver
 
 # %% [markdown]
 # Planned grids of the zero-bubble schedules: orange `W`s fill what was idle in 1F1B.
+# DualPipeV splits a backward only in the ramps.
 
 # %%
-fig, axes = plt.subplots(2, 1, figsize=(11, 4.6), layout="constrained")
+fig, axes = plt.subplots(3, 1, figsize=(11, 6.9), layout="constrained")
 plots.pipeline_schedule(plans.with_comms(plans.zero_bubble_h1(4, 8), 4), axes[0], title="ZB-H1, p = 4, m = 8, planned")
 plots.pipeline_schedule(plans.with_comms(plans.zbv(4, 8), 8, "v"), axes[1], style="v", title="ZBV, p = 4, m = 8, planned")
+plots.pipeline_schedule(plans.with_comms(plans.dualpipev(4, 8), 8, "v"), axes[2], style="v",
+                        title="DualPipeV, p = 4, m = 8, planned")
 plt.show()
 
 # %% [markdown]
@@ -311,22 +318,23 @@ import ipywidgets as widgets  # noqa: E402
 
 
 def draw(schedule="1F1B", p=4, m=8):
-    name = {"GPipe": "gpipe", "1F1B": "1f1b", "interleaved": "interleaved", "ZB-H1": "zb_h1", "ZBV": "zbv"}.get(schedule, schedule)
+    name = {"GPipe": "gpipe", "1F1B": "1f1b", "interleaved": "interleaved", "ZB-H1": "zb_h1", "ZBV": "zbv",
+            "DualPipeV": "dualpipev"}.get(schedule, schedule)
     if m < plans.min_microbatches(name, p):
         print(f"{schedule} needs m >= {plans.min_microbatches(name, p)} for p = {p}")
         return
     build = {"gpipe": lambda: plans.gpipe(p, m), "1f1b": lambda: plans.one_f_one_b(p, m),
              "interleaved": lambda: plans.interleaved(p, 2, m), "zb_h1": lambda: plans.zero_bubble_h1(p, m),
-             "zbv": lambda: plans.zbv(p, m)}[name]
-    v = 2 if name in ("interleaved", "zbv") else 1
-    style = "v" if name == "zbv" else "loop"
+             "zbv": lambda: plans.zbv(p, m), "dualpipev": lambda: plans.dualpipev(p, m)}[name]
+    v = 2 if name in ("interleaved", "zbv", "dualpipev") else 1
+    style = "v" if name in ("zbv", "dualpipev") else "loop"
     plots.pipeline_schedule(plans.with_comms(build(), v * p, style), num_stages=v * p, style=style,
                             title=f"{schedule}, p = {p}, m = {m}: planned (formula "
                                   f"{plans.bubble_formula(name, p, m):.0%} idle)")
     plt.show()
 
 
-schedule_box = widgets.Dropdown(options=["GPipe", "1F1B", "interleaved", "ZB-H1", "ZBV"], value="1F1B",
+schedule_box = widgets.Dropdown(options=["GPipe", "1F1B", "interleaved", "ZB-H1", "ZBV", "DualPipeV"], value="1F1B",
                                 description="schedule")
 p_box = widgets.IntSlider(value=4, min=2, max=8, description="stages p")
 m_box = widgets.IntSlider(value=8, min=1, max=16, description="micro-batches m")
