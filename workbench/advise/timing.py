@@ -1,0 +1,297 @@
+"""Predicted step time of one configuration: compute, exposed communication per dimension, bubble.
+
+``step_time(shape, cluster, config, global_batch)`` returns seconds per training step split into
+:data:`~workbench.advise.plan.TIME_PARTS` (``compute``, ``tp``, ``dp``, ``pp``, ``bubble``) and
+their ``total``. Every term is a formula a reader can check by hand; the machine enters only
+through the :class:`~workbench.advise.cluster.Cluster`'s numbers (achieved FLOP/s, the links) and,
+for a calibrated cluster (:mod:`workbench.advise.calibrate`), a few measured overheads.
+
+Notation: ``B`` global batch (sequences), ``s`` sequence length, ``h`` hidden size, ``L`` layers,
+``V`` vocabulary, ``d, t, p`` the data, tensor and pipeline sizes, ``m`` micro-batches per
+data-parallel rank, ``b = B / d`` rows per data-parallel rank, ``e`` bytes per element of the
+compute precision (4 for fp32, 2 for bf16/fp16).
+
+Compute (the slowest pipeline stage)
+------------------------------------
+Forward FLOPs per token: ``2 x`` the weights a token is multiplied by (each layer's attention
+``4 h^2`` and MLP ``2 h f``, or ``3 h f`` gated; the head ``h V``), plus the attention itself,
+``Q K^T`` and ``A V``: ``2 x 2 s h`` per layer, halved because a causal kernel skips the masked
+half. Backward costs twice the forward (the input and the weight gradients), so a step is the
+familiar ``6 x parameters x tokens`` plus attention. Recomputation adds forward work: ``full``
+one more forward of every layer, ``selective`` the attention core again. Tensor parallelism
+divides the layers' and the head's work by ``t``; pipeline parallelism gives each stage
+``L/p`` layers (balanced as :func:`workbench.parallel.pipeline.partition` does), the last one
+the head too. A stage's work over ``b s`` tokens runs at the cluster's achieved FLOP/s
+(``cluster.flops``, or ``cluster.flops_by_precision[precision]`` where a cluster gives one).
+
+Small models on a CPU spend as long in fixed per-operator costs (Python, dispatch, a kernel's
+start) as in arithmetic, so a calibrated cluster carries three more numbers, each measured by
+:func:`workbench.advise.calibrate.calibrate` (0 for the datasheet presets, where they vanish
+beside the arithmetic of a real model): ``layer_overhead_s`` per layer and micro-batch (forward
+and backward), ``microbatch_overhead_s`` per micro-batch and stage (embedding, head, loss, the
+schedule's bookkeeping) and ``step_overhead_s`` per step (optimizer call, zeroing gradients).
+The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it
+updates (the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient
+and two moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989
+TFLOP/s bf16, 3.35 TB/s).
+
+Communication, on the link each group crosses
+---------------------------------------------
+The mesh is Megatron's (:func:`workbench.parallel.mesh.layout`): ``t`` adjacent ranks, then
+``d``, then ``p``, nodes of ``devices_per_node`` consecutive ranks. Each group is priced by
+:func:`workbench.comm.cost.predict` on a :class:`~workbench.comm.topology.Topology` made from the
+cluster's links and the nodes the group touches, so a ring crossing the slow network is paced
+by it (``cost._ring_on_links``).
+
+* ``tp``: per micro-batch, 2 all-reduces of ``(b/m) s h`` forward and 2 backward per layer of
+  the stage, plus the embedding, the head and the loss
+  (:func:`workbench.parallel.tensor.communication_per_layer`; with sequence parallelism each
+  all-reduce is an all-gather plus a reduce-scatter, and backward re-gathers the inputs of the
+  column-parallel layers). All of it is exposed: every layer waits for its result.
+* ``pp``: one message of ``(b/m) s h e`` bytes (``/ t`` with sequence parallelism) per
+  micro-batch, direction and stage boundary. On the critical path: the first micro-batch's
+  ``p-1`` boundaries forward and back, and one forward and one backward message for each of
+  the other ``m-1``: ``2 (m + p - 2)`` messages on the slowest boundary's link; plus the tied
+  embedding's gradient exchanged between the first and the last stage, and the loss broadcast.
+* ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
+  reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
+  ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
+  (the units are freed after each). The gradient reduction runs during the last micro-batch's
+  backward and the ZeRO-3 gathers during the compute they feed, so ``overlap x`` that compute
+  is hidden (``cluster.overlap``: 1 by default, as NCCL on its own streams; measured on a
+  calibrated cluster, where gloo's thread competes for the rank's core); the ZeRO-1/2
+  parameter all-gather after the step is exposed.
+
+Bubble
+------
+The pipeline's idle time with the schedule's formula
+(:func:`workbench.parallel.pipeline_schedules.bubble_formula`): an idle fraction ``f`` of the
+step means ``busy x f / (1 - f)`` idle seconds, ``busy`` being the slowest stage's ``m``
+micro-batches of compute and tensor-parallel communication. For GPipe and 1F1B that is
+``(p-1) x`` one micro-batch's time.
+"""
+from __future__ import annotations
+
+import math
+
+from workbench.advise.plan import TIME_PARTS, Config
+from workbench.comm import cost
+from workbench.comm.topology import Topology
+
+__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Config.schedule -> the name pipeline_schedules.bubble_formula uses
+SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb-h1": "zb_h1",
+                  "zb_h1": "zb_h1", "zbv": "zbv"}
+CAUSAL = 0.5          # a causal attention kernel computes about half the score matrix
+ADAM_BYTES = 28       # bytes an Adam update moves per parameter (reads p, g, m, v; writes p, m, v)
+FLOPS_PER_BYTE = 300  # default device: FLOP/s over memory bytes/s (H100: 989e12 / 3.35e12)
+
+
+def _flops(cluster, precision: str) -> float:
+    by = getattr(cluster, "flops_by_precision", None) or {}
+    return float(by.get(precision, cluster.flops))
+
+
+def stage_layers(layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage, balanced as :func:`workbench.parallel.pipeline.partition` cuts them."""
+    return [layers // pp + (1 if k < layers % pp else 0) for k in range(pp)]
+
+
+def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str, float]:
+    """Forward and backward FLOPs per token on one tensor-parallel rank: ``{"layer": one layer's
+    forward + backward (+ recomputation), "head": the head's forward + backward}``."""
+    h, s, f = shape.hidden, shape.seq, shape.ffn
+    mlp = (3 if shape.gated else 2) * h * f
+    weights = 4 * h * h + mlp
+    attention = 2 * 2 * s * h * CAUSAL
+    forward = 2 * weights + attention
+    extra = {"none": 0.0, "selective": attention, "full": forward}[recompute]
+    vocab = -(-shape.vocab // tp) * tp
+    return {"layer": (3 * forward + extra) / tp, "head": 3 * 2 * h * vocab / tp}
+
+
+def group_topology(ranks: list[int], devices_per_node: int, intra, inter) -> Topology:
+    """The links a group of global ``ranks`` crosses, as :func:`workbench.comm.cost.predict` sees
+    a group of ``len(ranks)`` ranks: nodes of ``k`` consecutive group ranks, ``k`` the group's
+    ranks per node (one node: all of them; one per node: 1; uneven: 1, the slow link throughout)."""
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[r // devices_per_node] = per_node.get(r // devices_per_node, 0) + 1
+    counts = set(per_node.values())
+    k = counts.pop() if len(counts) == 1 else 1
+    return Topology(k, intra=intra, inter=inter)
+
+
+def _machine(cluster):
+    """The machine's own cost model (calibrated clusters) and the links to price messages on:
+    a calibrated cluster keeps the emulated topology's links, None where a link is this machine's."""
+    machine = getattr(cluster, "machine", None) or cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)
+    links = getattr(cluster, "links", None)
+    if links is not None:
+        return machine, links.intra, links.inter
+    return machine, cluster.intra, cluster.inter
+
+
+def _groups(config: Config) -> dict[str, list[int]]:
+    """The first group of each dimension, in Megatron's order (tp adjacent, then dp, then pp)."""
+    d, t, p = config.dp, config.tp, config.pp
+    return {"tp": list(range(t)), "dp": [k * t for k in range(d)], "pp": [k * d * t for k in range(p)]}
+
+
+def _check(shape, cluster, config: Config, global_batch: int) -> None:
+    if not isinstance(config, Config):
+        raise ValueError(f"step_time(config={config!r}): pass a workbench.advise.Config")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"step_time(global_batch={global_batch!r}): must be a whole number of sequences >= 1")
+    if config.precision not in ELEMENT_BYTES:
+        raise ValueError(f"step_time: config.precision={config.precision!r} is not one of {sorted(ELEMENT_BYTES)}")
+    if config.recompute not in ("none", "selective", "full"):
+        raise ValueError(f"step_time: config.recompute={config.recompute!r} must be 'none', 'selective' or 'full'")
+    if config.pp > 1 and config.schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"step_time: config.schedule={config.schedule!r} is not one of {sorted(set(SCHEDULE_NAMES))}")
+    if config.pp > shape.layers:
+        raise ValueError(f"step_time: pp={config.pp} stages but the model has {shape.layers} layers; use pp <= "
+                         f"{shape.layers}")
+    if global_batch % (config.dp * config.microbatches):
+        raise ValueError(f"step_time: global_batch={global_batch} does not split into dp={config.dp} x "
+                         f"microbatches={config.microbatches} equal micro-batches; use a multiple of "
+                         f"{config.dp * config.microbatches}")
+
+
+def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: bool, e: int, topo, machine) -> float:
+    """Seconds of tensor-parallel collectives for one micro-batch of ``rows`` on one stage."""
+    from workbench.parallel.tensor import communication_per_layer
+
+    t, s, h = config.tp, shape.seq, shape.hidden
+    if t == 1:
+        return 0.0
+    n = rows * s * h
+    calls: list[tuple[str, int]] = []
+    for phase in communication_per_layer(rows, s, h, config.sequence_parallel, shape.bias).values():
+        for collective, sizes in phase.items():
+            calls += [(collective, k) for k in sizes] * layers
+    if config.sequence_parallel:
+        if first:
+            calls += [("reduce_scatter", n), ("all_gather", n), ("all_gather", s * h)]
+        if last:
+            calls += [("reduce_scatter", n), ("all_gather", n), ("all_gather", n)]
+            calls += [("all_reduce", h)] * (2 if shape.bias else 1)
+    else:
+        if first:
+            calls.append(("all_reduce", n))
+        if last:
+            calls.append(("all_reduce", n))
+    if last:
+        calls += [("all_reduce", rows * s), ("all_reduce", 2 * rows * s)]  # the loss: max, then sums
+    # the loss's statistics stay float32; everything else travels in the compute precision
+    return sum(cost.predict(c, "native", k * e, t, machine, topology=topo) for c, k in calls)
+
+
+def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, float]:
+    """Seconds per training step of ``config`` for ``shape`` on ``cluster`` with ``global_batch``
+    sequences: ``{"compute", "tp", "dp", "pp", "bubble", "total"}`` (see the module docstring)."""
+    _check(shape, cluster, config, global_batch)
+    d, t, p, m = config.dp, config.tp, config.pp, max(1, config.microbatches)
+    e = ELEMENT_BYTES[config.precision]
+    s, h = shape.seq, shape.hidden
+    rate = _flops(cluster, config.precision)
+    machine, intra, inter = _machine(cluster)
+    dpn = cluster.devices_per_node
+    groups = _groups(config)
+    topo = {dim: group_topology(r, dpn, intra, inter) for dim, r in groups.items()}
+    rows = global_batch // d // m                     # sequences per micro-batch
+    tokens = rows * s
+
+    fpt = flops_per_token(shape, tp=t, recompute=config.recompute)
+    layer_over = float(getattr(cluster, "layer_overhead_s", 0.0))
+    mb_over = float(getattr(cluster, "microbatch_overhead_s", 0.0))
+    step_over = float(getattr(cluster, "step_overhead_s", 0.0))
+
+    # -- each stage: one micro-batch's compute and tensor-parallel communication
+    per_stage = []
+    for k, n_layers in enumerate(stage_layers(shape.layers, p)):
+        first, last = k == 0, k == p - 1
+        flops = tokens * (n_layers * fpt["layer"] + (fpt["head"] if last else 0.0))
+        compute = flops / rate + n_layers * layer_over + mb_over
+        tp = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine)
+        per_stage.append((compute, tp, n_layers))
+    slowest = max(range(p), key=lambda k: per_stage[k][0] + per_stage[k][1])
+    mb_compute, mb_tp, slow_layers = per_stage[slowest]
+
+    # -- parameters on the most loaded rank, and the optimizer's update of them
+    psi_rank = _parameters_on_rank(shape, t, p)
+    updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
+    update_s = getattr(cluster, "update_s_per_param", None)
+    if update_s is None:
+        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)
+    compute = m * mb_compute + updated * float(update_s) + step_over
+    tp_total = m * mb_tp
+
+    # -- pipeline: messages on the critical path, tied gradients, the loss broadcast; the bubble
+    pp_total = bubble = 0.0
+    if p > 1:
+        msg = rows * s * h * e / (t if config.sequence_parallel else 1)
+        boundary = max((_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
+                        for k in range(p - 1)))
+        pp_total = 2 * (m + p - 2) * boundary
+        if shape.tied:
+            tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
+            pp_total += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
+        pp_total += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"])
+        from workbench.parallel.pipeline_schedules import bubble_formula
+
+        f = bubble_formula(SCHEDULE_NAMES[config.schedule], p, m)
+        bubble = m * (mb_compute + mb_tp) * f / (1 - f)
+
+    # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
+    dp_total = 0.0
+    if d > 1:
+        overlap = float(getattr(cluster, "overlap", 1.0))
+        grad_bytes = psi_rank * e
+        ring = lambda c, n: cost.predict(c, "native", n, d, machine, topology=topo["dp"])  # noqa: E731
+        backward_share = 2.0 / 3.0   # of a micro-batch's compute: backward is twice the forward
+        if config.zero == 3:
+            gathers = 2 * ring("all_gather", grad_bytes)
+            reduce = ring("reduce_scatter", grad_bytes)
+            hidden = overlap * m * mb_compute
+            dp_total = max(m * (gathers + reduce) - hidden, ring("all_gather", grad_bytes / max(1, slow_layers)))
+        else:
+            reduce = ring("all_reduce", grad_bytes) if config.zero == 0 else ring("reduce_scatter", grad_bytes)
+            hidden = overlap * backward_share * mb_compute
+            dp_total = max(0.0, reduce - hidden)
+            if config.zero in (1, 2):
+                dp_total += ring("all_gather", grad_bytes)
+        dp_total += ring("all_reduce", 4)   # the loss, averaged over dp
+
+    out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
+    out["total"] = sum(out[k] for k in TIME_PARTS)
+    return out
+
+
+def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -> float:
+    """One message of ``nbytes`` from global rank ``a`` to ``b``: the link between them, or this
+    machine's own one-way time where that link is not emulated."""
+    link = intra if a // dpn == b // dpn else inter
+    return link.time(nbytes) if link is not None else machine.one_way(nbytes)
+
+
+def _parameters_on_rank(shape, t: int, p: int) -> float:
+    """Parameters on the most loaded rank: its stage's layers split by ``t`` (norms and row
+    biases replicated), the embedding (first stage) or the head (last stage) split by vocabulary."""
+    h, f, V = shape.hidden, shape.ffn, -(-shape.vocab // t) * t
+    weights = 4 * h * h + (3 if shape.gated else 2) * h * f
+    biases = (3 * h + f + h + h) if shape.bias else 0          # qkv, fc, both projections' outputs
+    norms = (4 if shape.bias else 2) * h
+    layer = (weights + (biases - 2 * h if shape.bias else 0)) / t + norms + (2 * h if shape.bias else 0)
+    counts = stage_layers(shape.layers, p)
+    best = 0.0
+    for k, n in enumerate(counts):
+        total = n * layer
+        if k == 0:
+            total += V * h / t + shape.seq * h
+        if k == p - 1:
+            total += (0 if (shape.tied and p == 1) else V * h / t) + (2 * h if shape.bias else h)
+        best = max(best, total)
+    return best
