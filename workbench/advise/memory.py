@@ -15,7 +15,8 @@ DDP, ``4 + 4 + 8/N``, ``4 + 4/N + 8/N``, ``16/N`` for ZeRO-1/2/3); bf16/fp16 the
 precision ``2 + 2 + 12`` (a float32 master copy beside the two moments). Padding of flat shards
 to a multiple of ``N`` (a few elements) is left out.
 
-**Activations**, per micro-batch of ``b = global_batch / (dp m)`` sequences of ``s`` tokens,
+**Activations**, per micro-batch of ``b = global_batch / (dp m)`` sequences (without a pipeline
+``m`` is the number of gradient-accumulation steps, each freeing its activations before the next) of ``s`` tokens,
 ``h`` wide, ``a`` heads, ``e`` bytes per element (4 in float32, 2 in 16 bits), ``t = tp``:
 
 * one layer, no recomputation: :func:`workbench.parallel.tensor.activation_bytes_per_layer`
@@ -93,8 +94,9 @@ def rank_stages(config: Config, rank: int) -> list[int]:
 
 
 def microbatch_size(config: Config, global_batch: int) -> float:
-    """Sequences per micro-batch: ``global_batch / (dp m)``."""
-    return global_batch / (config.dp * (config.microbatches if config.pp > 1 else 1))
+    """Sequences per micro-batch: ``global_batch / (dp m)`` (``m``: the pipeline's micro-batches, or
+    the gradient-accumulation steps without a pipeline)."""
+    return global_batch / (config.dp * config.microbatches)
 
 
 @lru_cache(maxsize=4096)

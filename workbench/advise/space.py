@@ -10,8 +10,9 @@ ZeRO stage over dp     0 (DDP), 1, 2, 3; only 0 when ``dp = 1`` (nothing to shar
 pipeline schedule      gpipe, 1f1b, interleaved (2 chunks per rank), zb-h1, zbv; when
                        ``pp > 1``                                             ``schedules=``
 micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` dividing the rows of each data-parallel
-                       rank (and 1, 2, .. below ``pp`` for the schedules that take them)
-                                                                            ``microbatches=``
+                       rank (and 1, 2, .. below ``pp`` for the schedules that take them);
+                       without a pipeline, gradient accumulation over 1, 2, 4 .. 32
+                       micro-batches (one gradient reduction per step)      ``microbatches=``
 sequence parallelism   off, on (with ``tp > 1``)                       ``sequence_parallel=``
 precision              fp32, bf16 (bf16 compute, fp32 masters)               ``precisions=``
 recomputation          none, selective, full                                 ``recompute=``
@@ -63,9 +64,6 @@ def check_config(config: Config) -> None:
         raise ValueError(f"Config.zero={config.zero!r}: the ZeRO stage is 0 (DDP), 1, 2 or 3")
     if config.schedule not in SCHEDULES:
         raise ValueError(f"Config.schedule={config.schedule!r}: use one of {SCHEDULES}")
-    if config.pp == 1 and config.microbatches != 1:
-        raise ValueError(f"Config.microbatches={config.microbatches} needs a pipeline: with pp=1 leave it 1 "
-                         "(accumulate gradients over a larger global batch instead)")
     if not isinstance(config.sequence_parallel, bool):
         raise ValueError(f"Config.sequence_parallel={config.sequence_parallel!r}: must be True or False")
     if config.sequence_parallel and config.tp == 1:
@@ -111,10 +109,8 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
             return f"{config.schedule} needs at least {least} micro-batches for {pp} stages, got m = {m}"
         if config.schedule == "interleaved" and m % max(1, m // pp):
             return f"interleaved needs m a multiple of max(1, m // pp) = {max(1, m // pp)} (torch's rounds), got m = {m}"
-    rows = dp * (m if pp > 1 else 1)
-    if global_batch % rows:
-        return (f"the global batch of {global_batch} does not split into dp x m = {dp} x {m if pp > 1 else 1} "
-                f"equal micro-batches")
+    if global_batch % (dp * m):
+        return f"the global batch of {global_batch} does not split into dp x m = {dp} x {m} equal micro-batches"
     return ""
 
 
@@ -186,10 +182,11 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
-            if pp == 1:
-                pipes = [("1f1b", 1)]
+            rows = global_batch // dp if global_batch % dp == 0 else 0
+            if pp == 1:    # gradient accumulation: m micro-batches one after the other, one reduction
+                counts = microbatches or tuple(k for k in (1, 2, 4, 8, 16, 32) if k <= max(rows, 1))
+                pipes = [("1f1b", m) for m in counts if not rows or rows % m == 0 or not structural]
             else:
-                rows = global_batch // dp if global_batch % dp == 0 else 0
                 counts = microbatches or tuple(sorted({pp * k for k in (1, 2, 4, 8)} | {k for k in (1, 2, 4) if k < pp}))
                 pipes = [(sch, m) for sch in schedules for m in counts if not rows or rows % m == 0 or not structural]
             for z, (sch, m), sp, prec, rc in product(zero if dp > 1 else (0,), pipes,
