@@ -27,6 +27,11 @@ wait in a barrier, asleep; "all": every rank at once)
                           :mod:`workbench.advise.timing` shares them among the ranks computing
                           at each moment, so a pipeline stage working alone in a bubble runs
                           at full speed, as it does here.
+``sync_s``                every rank computes a block on ``r1`` rows then all-reduces one float,
+                          less the two timed apart: what a collective costs beyond its messages
+                          when it follows compute and the ranks outnumber the cores (the ranks
+                          drift apart within the OS's time slices, and the collective waits for
+                          the last one to be scheduled). Charged per collective and message.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``update_s_per_param``    AdamW's step on one flat tensor of the model's size, per element;
@@ -44,6 +49,7 @@ numbers added, and the load average seen.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -73,6 +79,7 @@ class CalibratedCluster(Cluster):
     """A :class:`Cluster` measured on this machine (see the module docstring for each number)."""
 
     cores: float | None = None                 # ranks' worth of compute the machine runs at once
+    sync_s: float = 0.0                        # price of a synchronisation after compute (see docstring)
     layer_overhead_s: float = 0.0
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -101,11 +108,12 @@ class Calibration:
 
     ``model``: the GPT whose blocks are timed (a :class:`GPTConfig` or preset); ``rows``: the two
     row counts of the block's line (``r1 < r2``; use the micro-batch sizes the runs use);
-    ``sizes``: message sizes for the comm probes; ``iterations``: calls per timing.
+    ``sizes``: message sizes for the comm probes; ``iterations``: the fewest calls per timing, more
+    where one call of the block on ``r2`` rows takes less than ``budget_s``.
     """
 
-    def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, sizes=PROBE_SIZES, iterations: int = 3,
-                 seed: int = 0):
+    def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, sizes=PROBE_SIZES, iterations: int = 2,
+                 budget_s: float = 0.03, seed: int = 0):
         import torch.distributed as dist
 
         from workbench.comm.cost import Probe
@@ -135,6 +143,7 @@ class Calibration:
         for p in self.gpt.parameters():
             p.grad = torch.zeros_like(p)
         self.psi = psi
+        self.one = torch.zeros(1)
         self.sizes = tuple(sizes)
         self.probes = {(kind, n): Probe(kind, n, all_pairs=True) for kind in Probe.KINDS for n in self.sizes}
         self.samples: dict[str, list[float]] = {}
@@ -143,6 +152,12 @@ class Calibration:
             self._model()
             self.flat_opt.step()
             self.gpt_opt.step()
+        # calls per timing: enough for about ``budget_s`` of work each (the same count on every rank)
+        start = time.perf_counter()
+        self._layer(r2)
+        per_call = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+        self.iterations = max(iterations, min(20, math.ceil(budget_s / float(per_call[0]))))
 
     # -- the probes' bodies
     def _layer(self, rows: int) -> None:
@@ -151,6 +166,11 @@ class Calibration:
     def _model(self) -> None:
         _, loss = self.gpt(self.tokens, self.tokens)
         loss.backward()
+
+    def _sync(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self.one)
 
     def _matmul(self) -> None:
         torch.mm(self.a, self.b)
@@ -188,6 +208,9 @@ class Calibration:
         self._add("layer_r1", self._time(lambda: self._layer(r1), alone=True))
         self._add("layer_r2", self._time(lambda: self._layer(r2), alone=True))
         self._add("layer_r2_all", self._time(lambda: self._layer(r2), alone=False))
+        self._add("layer_r1_all", self._time(lambda: self._layer(r1), alone=False))
+        self._add("layer_r1_sync", self._time(lambda: (self._layer(r1), self._sync()), alone=False))
+        self._add("sync", self._time(self._sync, alone=False))
         self._add("model_r1", self._time(self._model, alone=True))
         self._add("adam_flat", self._time(self.flat_opt.step, alone=True))
         self._add("adam_model", self._time(self._gpt_step, alone=True))
@@ -231,6 +254,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
     cores = min(float(world_size), max(1.0, world_size * result["layer_r2"] / result["layer_r2_all"]))
     head_flops = flops_per_token(shape)["head"] * r1 * s
     mb_overhead = max(0.0, result["model_r1"] - c.n_layer * result["layer_r1"] - head_flops / flops)
+    sync = max(0.0, result["layer_r1_sync"] - result["layer_r1_all"] - result["sync"])
     update = result["adam_flat"] / max(1, _psi(c))
     step_overhead = max(0.0, result["adam_model"] - update * _psi(c))
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
@@ -248,7 +272,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
         nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops,
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
-        cores=cores, layer_overhead_s=overhead, microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
+        cores=cores, sync_s=sync, layer_overhead_s=overhead, microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, overlap=0.0, machine=machine, links=links,
         load=load, measured=dict(result))
 

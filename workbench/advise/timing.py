@@ -161,7 +161,7 @@ def _check(shape, cluster, config: Config, global_batch: int) -> None:
 
 
 def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: bool, e: int, topo,
-             machine) -> tuple[float, float]:
+             machine, sync: float = 0.0) -> tuple[float, float]:
     """Seconds of tensor-parallel collectives for one micro-batch of ``rows`` on one stage:
     ``(forward, backward)`` (:func:`workbench.parallel.tensor.communication_per_layer`, and the
     model's edges as :func:`workbench.parallel.tensor.communication_per_step` lists them)."""
@@ -190,7 +190,7 @@ def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: b
             calls["backward"].append(("all_reduce", n))
     if last:        # the vocabulary-parallel loss: the maximum, then the sums
         calls["forward"] += [("all_reduce", rows * s), ("all_reduce", 2 * rows * s)]
-    return tuple(sum(cost.predict(c, "native", k * e, t, machine, topology=topo) for c, k in calls[phase])
+    return tuple(sum(cost.predict(c, "native", k * e, t, machine, topology=topo) + sync for c, k in calls[phase])
                  for phase in ("forward", "backward"))
 
 
@@ -317,6 +317,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     layer_s = tokens * fpt["layer"] / rate + act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))
     mb_over = float(getattr(cluster, "microbatch_overhead_s", 0.0))
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
+    sync = float(getattr(cluster, "sync_s", 0.0))
 
     # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
     actions, num_stages, style = _schedule(config, p, m) if p > 1 else ([[]], 1, "loop")
@@ -324,7 +325,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
         first, last = k == 0, k == num_stages - 1
         compute = n_layers * layer_s + (tokens * fpt["head"] / rate if last else 0.0) + mb_over / (num_stages // p)
-        tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine)
+        tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
         per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b})
     per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
     from workbench.parallel.pipeline_schedules import stage_to_rank
@@ -338,8 +339,8 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     boundary = pp_extra = 0.0
     if p > 1:
         msg = rows * s * h * e / (t if config.sequence_parallel else 1)
-        boundary = max(_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
-                       for k in range(p - 1))
+        boundary = sync + max(_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
+                              for k in range(p - 1))
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
@@ -381,17 +382,22 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     if d > 1:
         overlap = float(getattr(cluster, "overlap", 1.0))
         grad_bytes = psi_rank * e
-        ring = lambda c, n: cost.predict(c, "native", n, d, machine, topology=topo["dp"])  # noqa: E731
         mb_compute = slowest["compute"] * crowd
-        if config.zero == 3:
-            per_mb = 2 * ring("all_gather", grad_bytes) + ring("reduce_scatter", grad_bytes)
-            dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / max(1, shape.layers))
-        else:
-            reduce = ring("all_reduce", grad_bytes) if config.zero == 0 else ring("reduce_scatter", grad_bytes)
+        if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
+            units = max(stage_layers(shape.layers, p)) + 1
+            per_mb = sum(units * cost.predict(c, "native", grad_bytes / units, d, machine, topology=topo["dp"])
+                         for c in ("all_gather", "all_gather", "reduce_scatter")) + 3 * units * sync
+            dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / units)
+        else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
+            cap = (25 if config.zero == 0 else 5) * 2**20
+            buckets = max(1, math.ceil(grad_bytes / cap))
+            bucket = lambda c: buckets * (cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
+                                                       topology=topo["dp"]) + sync)
+            reduce = bucket("all_reduce") if config.zero == 0 else bucket("reduce_scatter")
             dp_total = max(0.0, reduce - overlap * mb_compute * 2 / 3)   # behind the last backward
             if config.zero in (1, 2):
-                dp_total += ring("all_gather", grad_bytes)
-        dp_total += ring("all_reduce", 4)   # the loss, averaged over dp
+                dp_total += bucket("all_gather")
+        dp_total += cost.predict("all_reduce", "native", 4, d, machine, topology=topo["dp"]) + sync  # the loss
 
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
