@@ -27,11 +27,15 @@ wait in a barrier, asleep; "all": every rank at once)
                           :mod:`workbench.advise.timing` shares them among the ranks computing
                           at each moment, so a pipeline stage working alone in a bubble runs
                           at full speed, as it does here.
-``sync_s``                every rank computes a block on ``r1`` rows then all-reduces one float,
-                          less the two timed apart: what a collective costs beyond its messages
-                          when it follows compute and the ranks outnumber the cores (the ranks
+``sync_by_size``          every rank computes then all-reduces one float (over all ranks, and over
+                          pairs), less the two timed apart: what a collective costs beyond its
+                          bytes when it follows compute and the ranks outnumber the cores (they
                           drift apart within the OS's time slices, and the collective waits for
-                          the last one to be scheduled). Charged per collective and message.
+                          the last one to be scheduled again). Timed after a short compute (a
+                          128 x 128 matmul) and a long one (a block on ``r1`` rows): the price
+                          grows with the compute in between, up to a time slice or so.
+                          :mod:`workbench.advise.timing` charges it per collective and message,
+                          interpolated at the compute that precedes each.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``update_s_per_param``    AdamW's step on one flat tensor of the model's size, per element;
@@ -80,6 +84,7 @@ class CalibratedCluster(Cluster):
 
     cores: float | None = None                 # ranks' worth of compute the machine runs at once
     sync_s: float = 0.0                        # price of a synchronisation after compute (see docstring)
+    sync_by_size: dict | None = None           # per group size, [(compute before it s, price s), ...]
     layer_overhead_s: float = 0.0
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -144,6 +149,12 @@ class Calibration:
             p.grad = torch.zeros_like(p)
         self.psi = psi
         self.one = torch.zeros(1)
+        self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
+        self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
+        for k in range(self.world // 2):
+            g = dist.new_group([2 * k, 2 * k + 1])
+            if self.rank // 2 == k:
+                self.pair = g
         self.sizes = tuple(sizes)
         self.probes = {(kind, n): Probe(kind, n, all_pairs=True) for kind in Probe.KINDS for n in self.sizes}
         self.samples: dict[str, list[float]] = {}
@@ -167,10 +178,13 @@ class Calibration:
         _, loss = self.gpt(self.tokens, self.tokens)
         loss.backward()
 
-    def _sync(self) -> None:
+    def _sync(self, group=None) -> None:
         import torch.distributed as dist
 
-        dist.all_reduce(self.one)
+        dist.all_reduce(self.one, group=group)
+
+    def _short(self) -> None:
+        torch.mm(self.s1, self.s2)
 
     def _matmul(self) -> None:
         torch.mm(self.a, self.b)
@@ -204,16 +218,19 @@ class Calibration:
         from workbench.comm import cost
 
         r1, r2 = self.rows
-        self._add("matmul", self._time(self._matmul, alone=True))
-        self._add("layer_r1", self._time(lambda: self._layer(r1), alone=True))
-        self._add("layer_r2", self._time(lambda: self._layer(r2), alone=True))
-        self._add("layer_r2_all", self._time(lambda: self._layer(r2), alone=False))
-        self._add("layer_r1_all", self._time(lambda: self._layer(r1), alone=False))
-        self._add("layer_r1_sync", self._time(lambda: (self._layer(r1), self._sync()), alone=False))
-        self._add("sync", self._time(self._sync, alone=False))
-        self._add("model_r1", self._time(self._model, alone=True))
-        self._add("adam_flat", self._time(self.flat_opt.step, alone=True))
-        self._add("adam_model", self._time(self._gpt_step, alone=True))
+        layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
+        self._add("layer_r2_alone", self._time(layer2, alone=True))
+        self._add("layer_r2", self._time(layer2, alone=False))
+        self._add("layer_r1", self._time(layer1, alone=False))
+        self._add("matmul", self._time(self._matmul, alone=False))
+        self._add("model_r1", self._time(self._model, alone=False))
+        self._add("adam_flat", self._time(self.flat_opt.step, alone=False))
+        self._add("adam_model", self._time(self._gpt_step, alone=False))
+        self._add("short", self._time(self._short, alone=False))
+        for g, group in (("world", None), ("pair", self.pair)):
+            self._add(f"sync_{g}", self._time(lambda: self._sync(group), alone=False))
+            self._add(f"layer_r1_sync_{g}", self._time(lambda: (self._layer(r1), self._sync(group)), alone=False))
+            self._add(f"short_sync_{g}", self._time(lambda: (self._short(), self._sync(group)), alone=False))
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
             self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters))
@@ -243,20 +260,25 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
     c = _gpt_config(config)
     r1, r2 = rows
     s, h, a = c.block_size, c.n_embd, c.n_head
-    flops = 2 * r2 * s * h * 4 * h / result["matmul"]
-    # one block's forward + backward, alone: t(rows) = overhead + rows s (FLOPs/token / flops + bytes/token x c)
-    slope = (result["layer_r2"] - result["layer_r1"]) / ((r2 - r1) * s)
-    overhead = max(0.0, result["layer_r1"] - r1 * s * slope)
+    # everything was timed with every rank busy; one rank alone runs ``crowd`` times faster
+    cores = min(float(world_size), max(1.0, world_size * result["layer_r2_alone"] / result["layer_r2"]))
+    crowd = world_size / cores
+    flops = crowd * 2 * r2 * s * h * 4 * h / result["matmul"]
+    # one block's forward + backward: t(rows) = overhead + rows s (FLOPs/token / flops + bytes/token x c)
+    slope = (result["layer_r2"] - result["layer_r1"]) / ((r2 - r1) * s) / crowd
+    overhead = max(0.0, result["layer_r1"] / crowd - r1 * s * slope)
     shape = _shape(c)
     per_token_flops = flops_per_token(shape)["layer"]
     act_per_token = activation_bytes_per_layer(1, s, h, a) / s
     act_s = max(0.0, (slope - per_token_flops / flops) / act_per_token)
-    cores = min(float(world_size), max(1.0, world_size * result["layer_r2"] / result["layer_r2_all"]))
     head_flops = flops_per_token(shape)["head"] * r1 * s
-    mb_overhead = max(0.0, result["model_r1"] - c.n_layer * result["layer_r1"] - head_flops / flops)
-    sync = max(0.0, result["layer_r1_sync"] - result["layer_r1_all"] - result["sync"])
-    update = result["adam_flat"] / max(1, _psi(c))
-    step_overhead = max(0.0, result["adam_model"] - update * _psi(c))
+    mb_overhead = max(0.0, (result["model_r1"] - c.n_layer * result["layer_r1"]) / crowd - head_flops / flops)
+    # the price of a synchronisation, after a short compute (a 128 x 128 matmul) and a long one (a block)
+    sync = {n: [(result["short"], max(0.0, result[f"short_sync_{g}"] - result["short"] - result[f"sync_{g}"])),
+                (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result["layer_r1"] - result[f"sync_{g}"]))]
+            for n, g in ((2, "pair"), (world_size, "world"))}
+    update = result["adam_flat"] / crowd / max(1, _psi(c))
+    step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])
@@ -272,7 +294,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
         nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops,
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
-        cores=cores, sync_s=sync, layer_overhead_s=overhead, microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
+        cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead, microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, overlap=0.0, machine=machine, links=links,
         load=load, measured=dict(result))
 

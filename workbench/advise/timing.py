@@ -86,6 +86,7 @@ SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved"
                   "zb_h1": "zb_h1", "zbv": "zbv"}
 CAUSAL = 0.5          # a causal attention kernel computes about half the score matrix
 ADAM_BYTES = 28       # bytes an Adam update moves per parameter (reads p, g, m, v; writes p, m, v)
+PIPELINE_STEP_COLLECTIVES = 3  # workbench.parallel.pipeline: line-up all-reduce, timeline all-gathers
 FLOPS_PER_BYTE = 300  # default device: FLOP/s over memory bytes/s (H100: 989e12 / 3.35e12)
 
 
@@ -317,7 +318,8 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     layer_s = tokens * fpt["layer"] / rate + act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))
     mb_over = float(getattr(cluster, "microbatch_overhead_s", 0.0))
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
-    sync = float(getattr(cluster, "sync_s", 0.0))
+    # a tensor-parallel collective follows a quarter of a layer's forward + backward (crowded speed)
+    sync = _sync(cluster, t, layer_s * crowd / 4) if t > 1 else 0.0
 
     # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
     actions, num_stages, style = _schedule(config, p, m) if p > 1 else ([[]], 1, "loop")
@@ -339,12 +341,16 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     boundary = pp_extra = 0.0
     if p > 1:
         msg = rows * s * h * e / (t if config.sequence_parallel else 1)
-        boundary = sync + max(_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
+        boundary = _sync(cluster, 2) + max(_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
                               for k in range(p - 1))
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
-        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"])
+        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"]) + _sync(cluster, p)
+        # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
+        # it (an all-reduce of one float, two small all-gathers): part of what it costs here
+        pp_extra += PIPELINE_STEP_COLLECTIVES * (cost.predict("all_reduce", "native", 8, p, machine,
+                                                              topology=topo["pp"]) + _sync(cluster, p))
     critical_messages = 2 * (m + p - 2) * boundary if p > 1 else 0.0
 
     if p > 1 and cores:
@@ -381,6 +387,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     dp_total = 0.0
     if d > 1:
         overlap = float(getattr(cluster, "overlap", 1.0))
+        sync = _sync(cluster, d)
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd
         if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
@@ -390,7 +397,8 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
             dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / units)
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
-            buckets = max(1, math.ceil(grad_bytes / cap))
+            first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
+            buckets = 1 + max(0, math.ceil((grad_bytes - first) / cap))
             bucket = lambda c: buckets * (cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
                                                        topology=topo["dp"]) + sync)
             reduce = bucket("all_reduce") if config.zero == 0 else bucket("reduce_scatter")
@@ -402,6 +410,32 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
     return out
+
+
+def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:
+    """Seconds a collective (or message) among ``group_size`` ranks costs beyond its bytes when it
+    follows ``chunk`` seconds of compute: a calibrated cluster's ``sync_by_size`` (per group size,
+    points ``(compute, price)``), interpolated in both; 0 for real devices."""
+    by = getattr(cluster, "sync_by_size", None)
+    if not by:
+        return float(getattr(cluster, "sync_s", 0.0))
+
+    def at(points):
+        pts = sorted(points)
+        if chunk <= pts[0][0]:
+            return pts[0][1]
+        for (c0, s0), (c1, s1) in zip(pts, pts[1:]):
+            if chunk <= c1:
+                return s0 + (s1 - s0) * (chunk - c0) / (c1 - c0) if c1 > c0 else s1
+        return pts[-1][1]
+
+    sizes = sorted(by)
+    if group_size <= sizes[0]:
+        return float(at(by[sizes[0]]))
+    for lo, hi in zip(sizes, sizes[1:]):
+        if group_size <= hi:
+            return float(at(by[lo]) + (at(by[hi]) - at(by[lo])) * (group_size - lo) / (hi - lo))
+    return float(at(by[sizes[-1]]))
 
 
 def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -> float:
