@@ -191,8 +191,14 @@ def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: b
             calls["backward"].append(("all_reduce", n))
     if last:        # the vocabulary-parallel loss: the maximum, then the sums
         calls["forward"] += [("all_reduce", rows * s), ("all_reduce", 2 * rows * s)]
-    return tuple(sum(cost.predict(c, "native", k * e, t, machine, topology=topo) + sync for c, k in calls[phase])
-                 for phase in ("forward", "backward"))
+    out = []
+    for phase in ("forward", "backward"):
+        counts: dict[tuple[str, int], int] = {}
+        for call in calls[phase]:          # price each distinct collective once
+            counts[call] = counts.get(call, 0) + 1
+        out.append(sum(n * (cost.predict(c, "native", k * e, t, machine, topology=topo) + sync)
+                       for (c, k), n in counts.items()))
+    return out[0], out[1]
 
 
 def _schedule(config: Config, p: int, m: int):
