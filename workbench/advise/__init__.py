@@ -25,3 +25,12 @@ Files, one idea each:
 ``cli``        ``workbench advise``: table, JSON, figure
 =============  ==================================================================================
 """
+from workbench.advise.cluster import Cluster
+from workbench.advise.plan import MEMORY_CATEGORIES, TIME_PARTS, Config, Plan
+from workbench.advise.shape import ModelShape
+from workbench.advise.memory import memory_per_device
+from workbench.advise.space import configurations, infeasible_reason
+from workbench.advise.choose import advise, predict
+
+__all__ = ["advise", "predict", "Cluster", "Config", "Plan", "ModelShape", "MEMORY_CATEGORIES", "TIME_PARTS",
+           "memory_per_device", "configurations", "infeasible_reason"]
