@@ -86,6 +86,7 @@ SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved"
                   "zb_h1": "zb_h1", "zbv": "zbv"}
 CAUSAL = 0.5          # a causal attention kernel computes about half the score matrix
 ADAM_BYTES = 28       # bytes an Adam update moves per parameter (reads p, g, m, v; writes p, m, v)
+PIPELINE_STEP_COLLECTIVES = 3  # workbench.parallel.pipeline: line-up all-reduce, timeline all-gathers
 FLOPS_PER_BYTE = 300  # default device: FLOP/s over memory bytes/s (H100: 989e12 / 3.35e12)
 
 
@@ -160,38 +161,148 @@ def _check(shape, cluster, config: Config, global_batch: int) -> None:
                          f"{config.dp * config.microbatches}")
 
 
-def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: bool, e: int, topo, machine) -> float:
-    """Seconds of tensor-parallel collectives for one micro-batch of ``rows`` on one stage."""
+def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: bool, e: int, topo,
+             machine, sync: float = 0.0) -> tuple[float, float]:
+    """Seconds of tensor-parallel collectives for one micro-batch of ``rows`` on one stage:
+    ``(forward, backward)`` (:func:`workbench.parallel.tensor.communication_per_layer`, and the
+    model's edges as :func:`workbench.parallel.tensor.communication_per_step` lists them)."""
     from workbench.parallel.tensor import communication_per_layer
 
     t, s, h = config.tp, shape.seq, shape.hidden
     if t == 1:
-        return 0.0
+        return 0.0, 0.0
     n = rows * s * h
-    calls: list[tuple[str, int]] = []
-    for phase in communication_per_layer(rows, s, h, config.sequence_parallel, shape.bias).values():
-        for collective, sizes in phase.items():
-            calls += [(collective, k) for k in sizes] * layers
+    calls: dict[str, list[tuple[str, int]]] = {"forward": [], "backward": []}
+    for phase, collectives in communication_per_layer(rows, s, h, config.sequence_parallel, shape.bias).items():
+        for collective, sizes in collectives.items():
+            calls[phase] += [(collective, k) for k in sizes] * layers
     if config.sequence_parallel:
-        if first:
-            calls += [("reduce_scatter", n), ("all_gather", n), ("all_gather", s * h)]
-        if last:
-            calls += [("reduce_scatter", n), ("all_gather", n), ("all_gather", n)]
-            calls += [("all_reduce", h)] * (2 if shape.bias else 1)
+        if first:   # embedding: reduce-scattered forward, all-gathered backward (and the positions)
+            calls["forward"].append(("reduce_scatter", n))
+            calls["backward"] += [("all_gather", n), ("all_gather", s * h)]
+        if last:    # head input gathered forward, reduce-scattered and re-gathered backward; ln_f's grads
+            calls["forward"].append(("all_gather", n))
+            calls["backward"] += [("reduce_scatter", n), ("all_gather", n)]
+            calls["backward"] += [("all_reduce", h)] * (2 if shape.bias else 1)
     else:
         if first:
-            calls.append(("all_reduce", n))
+            calls["forward"].append(("all_reduce", n))
         if last:
-            calls.append(("all_reduce", n))
-    if last:
-        calls += [("all_reduce", rows * s), ("all_reduce", 2 * rows * s)]  # the loss: max, then sums
-    # the loss's statistics stay float32; everything else travels in the compute precision
-    return sum(cost.predict(c, "native", k * e, t, machine, topology=topo) for c, k in calls)
+            calls["backward"].append(("all_reduce", n))
+    if last:        # the vocabulary-parallel loss: the maximum, then the sums
+        calls["forward"] += [("all_reduce", rows * s), ("all_reduce", 2 * rows * s)]
+    out = []
+    for phase in ("forward", "backward"):
+        counts: dict[tuple[str, int], int] = {}
+        for call in calls[phase]:          # price each distinct collective once
+            counts[call] = counts.get(call, 0) + 1
+        out.append(sum(n * (cost.predict(c, "native", k * e, t, machine, topology=topo) + sync)
+                       for (c, k), n in counts.items()))
+    return out[0], out[1]
+
+
+def _schedule(config: Config, p: int, m: int):
+    """The schedule's compute actions per rank, its number of stages and their placement style."""
+    from workbench.parallel import pipeline_schedules as plans
+
+    name = SCHEDULE_NAMES[config.schedule]
+    if name == "gpipe":
+        return plans.gpipe(p, m), p, "loop"
+    if name == "1f1b":
+        return plans.one_f_one_b(p, m), p, "loop"
+    if name == "zb_h1":
+        return plans.zero_bubble_h1(p, m), p, "loop"
+    if name == "interleaved":
+        return plans.interleaved(p, 2, m), 2 * p, "loop"
+    return plans.zbv(p, m), 2 * p, "v"
+
+
+def simulate(actions, num_stages: int, work: dict, comm: dict, *, message: float = 0.0, style: str = "loop",
+             cores: float | None = None, replicas: int = 1) -> dict:
+    """Replay a schedule's per-rank action lists with each action's ``work[(kind, stage)]`` seconds of
+    compute (at one rank's full speed) followed by ``comm[(kind, stage)]`` seconds of tensor-parallel
+    communication, and ``message`` seconds for an activation or gradient to reach another rank.
+
+    ``cores``: the machine runs at most this many ranks' compute at once, shared evenly among the
+    ranks computing at each moment (processor sharing; each pipeline rank stands for ``replicas``
+    ranks doing the same, its data- and tensor-parallel peers); None: every rank its own device.
+    Returns ``{"span", "busy": [per rank], "compute": [per rank], "comm": [per rank]}`` in seconds.
+    """
+    from workbench.parallel.pipeline_schedules import stage_to_rank
+
+    ranks = len(actions)
+    owner = stage_to_rank(num_stages, ranks, style)
+    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+    done: dict[tuple, float] = {}
+    pos = [0] * ranks
+    state = ["idle"] * ranks          # idle, compute, comm
+    remaining = [0.0] * ranks         # compute seconds left (at full speed) / comm end time
+    comm_end = [0.0] * ranks
+    busy_c, busy_m = [0.0] * ranks, [0.0] * ranks
+    now = 0.0
+
+    def deps(a):
+        s, i = a.stage, a.microbatch
+        if a.kind == "F":
+            return [("F", s - 1, i)] if s > 0 else []
+        if a.kind == "B":
+            return [("B", s + 1, i)] if s < num_stages - 1 else [("F", s, i)]
+        return [("B", s, i)]
+
+    def ready_at(r, a):
+        t = 0.0
+        for d in deps(a):
+            if d not in done:
+                return None
+            t = max(t, done[d] + (message if owner[d[1]] != r else 0.0))
+        return t
+
+    left = sum(len(a) for a in actions)
+    while left:
+        waits = []
+        for r in range(ranks):
+            while state[r] == "idle" and pos[r] < len(actions[r]):
+                a = actions[r][pos[r]]
+                t = ready_at(r, a)
+                if t is None:
+                    break
+                if t > now + 1e-15:
+                    waits.append(t)
+                    break
+                key = ("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage)
+                state[r], remaining[r] = "compute", work[key]
+                comm_end[r] = comm[key]
+        computing = [r for r in range(ranks) if state[r] == "compute"]
+        rate = 1.0 if not cores else min(1.0, cores / (len(computing) * replicas)) if computing else 1.0
+        events = waits + [now + remaining[r] / rate for r in computing] + \
+            [remaining[r] for r in range(ranks) if state[r] == "comm"]
+        if not events:
+            stuck = {r: str(actions[r][pos[r]]) for r in range(ranks) if pos[r] < len(actions[r])}
+            raise RuntimeError(f"simulate: the schedule deadlocks at {stuck}")
+        nxt = max(min(events), now)
+        for r in computing:
+            busy_c[r] += nxt - now
+            remaining[r] -= (nxt - now) * rate
+        now = nxt
+        for r in range(ranks):
+            if state[r] == "compute" and remaining[r] <= 1e-12:
+                state[r], remaining[r] = "comm", now + comm_end[r]
+                busy_m[r] += comm_end[r]
+            if state[r] == "comm" and remaining[r] <= now + 1e-15:
+                a = actions[r][pos[r]]
+                done[(a.kind, a.stage, a.microbatch)] = now
+                state[r] = "idle"
+                pos[r] += 1
+                left -= 1
+    return {"span": now, "busy": [c + m for c, m in zip(busy_c, busy_m)], "compute": busy_c, "comm": busy_m}
 
 
 def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, float]:
     """Seconds per training step of ``config`` for ``shape`` on ``cluster`` with ``global_batch``
     sequences: ``{"compute", "tp", "dp", "pp", "bubble", "total"}`` (see the module docstring)."""
+    from workbench.parallel.pipeline_schedules import bubble_formula
+    from workbench.parallel.tensor import activation_bytes_per_layer
+
     _check(shape, cluster, config, global_batch)
     d, t, p, m = config.dp, config.tp, config.pp, max(1, config.microbatches)
     e = ELEMENT_BYTES[config.precision]
@@ -203,71 +314,134 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     topo = {dim: group_topology(r, dpn, intra, inter) for dim, r in groups.items()}
     rows = global_batch // d // m                     # sequences per micro-batch
     tokens = rows * s
+    cores = getattr(cluster, "cores", None)
+    world = d * t * p
+    crowd = max(1.0, world / cores) if cores else 1.0   # slow-down when every rank computes at once
 
     fpt = flops_per_token(shape, tp=t, recompute=config.recompute)
-    layer_over = float(getattr(cluster, "layer_overhead_s", 0.0))
+    act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
+    act = activation_bytes_per_layer(rows, s, h, shape.heads, t, config.sequence_parallel, e) if act_s else 0
+    layer_s = tokens * fpt["layer"] / rate + act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))
     mb_over = float(getattr(cluster, "microbatch_overhead_s", 0.0))
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
+    # a tensor-parallel collective follows a quarter of a layer's forward + backward (crowded speed)
+    sync = _sync(cluster, t, layer_s * crowd / 4) if t > 1 else 0.0
 
-    # -- each stage: one micro-batch's compute and tensor-parallel communication
+    # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
+    actions, num_stages, style = _schedule(config, p, m) if p > 1 else ([[]], 1, "loop")
     per_stage = []
-    for k, n_layers in enumerate(stage_layers(shape.layers, p)):
-        first, last = k == 0, k == p - 1
-        flops = tokens * (n_layers * fpt["layer"] + (fpt["head"] if last else 0.0))
-        compute = flops / rate + n_layers * layer_over + mb_over
-        tp = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine)
-        per_stage.append((compute, tp, n_layers))
-    slowest = max(range(p), key=lambda k: per_stage[k][0] + per_stage[k][1])
-    mb_compute, mb_tp, slow_layers = per_stage[slowest]
+    for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
+        first, last = k == 0, k == num_stages - 1
+        compute = n_layers * layer_s + (tokens * fpt["head"] / rate if last else 0.0) + mb_over / (num_stages // p)
+        tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
+        per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b})
+    per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
+    from workbench.parallel.pipeline_schedules import stage_to_rank
 
-    # -- parameters on the most loaded rank, and the optimizer's update of them
+    for k, owner in enumerate(stage_to_rank(num_stages, p, style)):
+        per_rank[owner]["compute"] += per_stage[k]["compute"]
+        per_rank[owner]["tp"] += per_stage[k]["tp_f"] + per_stage[k]["tp_b"]
+    slowest = max(per_rank, key=lambda r: r["compute"] * crowd + r["tp"])
+
+    # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
+    boundary = pp_extra = 0.0
+    if p > 1:
+        msg = rows * s * h * e / (t if config.sequence_parallel else 1)
+        boundary = _sync(cluster, 2) + max(_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
+                              for k in range(p - 1))
+        if shape.tied:
+            tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
+            pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
+        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"]) + _sync(cluster, p)
+        # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
+        # it (an all-reduce of one float, two small all-gathers): part of what it costs here
+        pp_extra += PIPELINE_STEP_COLLECTIVES * (cost.predict("all_reduce", "native", 8, p, machine,
+                                                              topology=topo["pp"]) + _sync(cluster, p))
+    critical_messages = 2 * (m + p - 2) * boundary if p > 1 else 0.0
+
+    if p > 1 and cores:
+        # the schedule replayed with the machine's cores shared among the ranks computing
+        work, comm = {}, {}
+        for k, st in enumerate(per_stage):
+            f = st["compute"] / 3
+            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f, 2 * f, f, f
+            comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = st["tp_f"], st["tp_b"], st["tp_b"], 0.0
+        sim = simulate(actions, num_stages, work, comm, message=boundary, style=style, cores=cores,
+                       replicas=d * t)
+        r = max(range(p), key=lambda i: sim["busy"][i])
+        compute, tp_total = sim["compute"][r], sim["comm"][r]
+        idle = max(0.0, sim["span"] - sim["busy"][r])
+        pp_total = min(idle, critical_messages)
+        bubble = idle - pp_total
+    else:
+        compute, tp_total = m * slowest["compute"] * crowd, m * slowest["tp"]
+        pp_total, bubble = critical_messages, 0.0
+        if p > 1:
+            f = bubble_formula(SCHEDULE_NAMES[config.schedule], p, m)
+            bubble = (compute + tp_total) * f / (1 - f)
+    pp_total += pp_extra
+
+    # -- the optimizer: its update of this rank's parameters (its shard under ZeRO), every rank at once
     psi_rank = _parameters_on_rank(shape, t, p)
     updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
     update_s = getattr(cluster, "update_s_per_param", None)
     if update_s is None:
         update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)
-    compute = m * mb_compute + updated * float(update_s) + step_over
-    tp_total = m * mb_tp
-
-    # -- pipeline: messages on the critical path, tied gradients, the loss broadcast; the bubble
-    pp_total = bubble = 0.0
-    if p > 1:
-        msg = rows * s * h * e / (t if config.sequence_parallel else 1)
-        boundary = max((_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
-                        for k in range(p - 1)))
-        pp_total = 2 * (m + p - 2) * boundary
-        if shape.tied:
-            tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
-            pp_total += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
-        pp_total += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"])
-        from workbench.parallel.pipeline_schedules import bubble_formula
-
-        f = bubble_formula(SCHEDULE_NAMES[config.schedule], p, m)
-        bubble = m * (mb_compute + mb_tp) * f / (1 - f)
+    compute += (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) * crowd
 
     # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
     dp_total = 0.0
     if d > 1:
         overlap = float(getattr(cluster, "overlap", 1.0))
+        sync = _sync(cluster, d)
         grad_bytes = psi_rank * e
-        ring = lambda c, n: cost.predict(c, "native", n, d, machine, topology=topo["dp"])  # noqa: E731
-        backward_share = 2.0 / 3.0   # of a micro-batch's compute: backward is twice the forward
-        if config.zero == 3:
-            gathers = 2 * ring("all_gather", grad_bytes)
-            reduce = ring("reduce_scatter", grad_bytes)
-            hidden = overlap * m * mb_compute
-            dp_total = max(m * (gathers + reduce) - hidden, ring("all_gather", grad_bytes / max(1, slow_layers)))
-        else:
-            reduce = ring("all_reduce", grad_bytes) if config.zero == 0 else ring("reduce_scatter", grad_bytes)
-            hidden = overlap * backward_share * mb_compute
-            dp_total = max(0.0, reduce - hidden)
+        mb_compute = slowest["compute"] * crowd
+        if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
+            units = max(stage_layers(shape.layers, p)) + 1
+            per_mb = sum(units * cost.predict(c, "native", grad_bytes / units, d, machine, topology=topo["dp"])
+                         for c in ("all_gather", "all_gather", "reduce_scatter")) + 3 * units * sync
+            dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / units)
+        else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
+            cap = (25 if config.zero == 0 else 5) * 2**20
+            first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
+            buckets = 1 + max(0, math.ceil((grad_bytes - first) / cap))
+            bucket = lambda c: buckets * (cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
+                                                       topology=topo["dp"]) + sync)
+            reduce = bucket("all_reduce") if config.zero == 0 else bucket("reduce_scatter")
+            dp_total = max(0.0, reduce - overlap * mb_compute * 2 / 3)   # behind the last backward
             if config.zero in (1, 2):
-                dp_total += ring("all_gather", grad_bytes)
-        dp_total += ring("all_reduce", 4)   # the loss, averaged over dp
+                dp_total += bucket("all_gather")
+        dp_total += cost.predict("all_reduce", "native", 4, d, machine, topology=topo["dp"]) + sync  # the loss
 
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
     return out
+
+
+def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:
+    """Seconds a collective (or message) among ``group_size`` ranks costs beyond its bytes when it
+    follows ``chunk`` seconds of compute: a calibrated cluster's ``sync_by_size`` (per group size,
+    points ``(compute, price)``), interpolated in both; 0 for real devices."""
+    by = getattr(cluster, "sync_by_size", None)
+    if not by:
+        return float(getattr(cluster, "sync_s", 0.0))
+
+    def at(points):
+        pts = sorted(points)
+        if chunk <= pts[0][0]:
+            return pts[0][1]
+        for (c0, s0), (c1, s1) in zip(pts, pts[1:]):
+            if chunk <= c1:
+                return s0 + (s1 - s0) * (chunk - c0) / (c1 - c0) if c1 > c0 else s1
+        return pts[-1][1]
+
+    sizes = sorted(by)
+    if group_size <= sizes[0]:
+        return float(at(by[sizes[0]]))
+    for lo, hi in zip(sizes, sizes[1:]):
+        if group_size <= hi:
+            return float(at(by[lo]) + (at(by[hi]) - at(by[lo])) * (group_size - lo) / (hi - lo))
+    return float(at(by[sizes[-1]]))
 
 
 def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -> float:
