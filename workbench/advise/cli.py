@@ -68,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "e.g. 'ranks_per_node=2,inter=1ms@20MB/s'")
     k.add_argument("--validate", nargs=argparse.REMAINDER, default=None, metavar="ARGS",
                    help="run a sample of configurations on this machine, predicted beside measured; "
-                        "every argument after it goes to workbench.advise.validate")
+                        "the --validate-* options may come before or after it")
+    from . import validate
+
+    validate.add_arguments(parser.add_argument_group("validation (with --validate)"))
 
 
 def _links(intra: str | None, inter: str | None, base: Cluster) -> dict:
@@ -163,6 +166,7 @@ def main(args: argparse.Namespace) -> int:
         vparser = argparse.ArgumentParser(prog="workbench advise --validate",
                                           description="run a sample of configurations here: predicted beside measured")
         validate.add_arguments(vparser)
+        vparser.set_defaults(**vars(args))      # options given before --validate, then those after it
         return int(validate.main(vparser.parse_args(args.validate)) or 0)
     shape, cluster = build(args)
     plans = advise(shape, cluster, args.batch, **_space(args))
