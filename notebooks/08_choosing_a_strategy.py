@@ -150,7 +150,7 @@ print()
 print(best_slow.explain())
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), layout="constrained")
+fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), layout="constrained")
 figure.time_memory(plans_fast, axes[0], memory_limit=fast.memory_bytes, title="one DGX H100 node (NVLink)")
 figure.time_memory(plans_slow, axes[1], memory_limit=slow.memory_bytes, title="8 A100 nodes, 100 Gb/s network")
 plt.show()
@@ -241,7 +241,8 @@ SAMPLE = [validate.Setting("tiny", 16, None, (validate._c(dp=4), validate._c(dp=
                                                                    validate._c(pp=4, m=4)))]
 if FOUR:
     rows = validate.validate(SAMPLE, trials=3, progress=None)
-    print(validate.report(rows))
+    for k, setting in enumerate(SAMPLE):
+        print(validate.report([r for r in rows if r["setting"] == k], title=setting.label()), "\n")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     validate.figure(rows)
     plt.show()

@@ -197,11 +197,10 @@ def main(args: argparse.Namespace) -> int:
 
         from .figure import time_memory
 
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = plt.subplots(figsize=(11, 5), layout="constrained")
         time_memory(plans, ax, memory_limit=cluster.memory_bytes,
                     title=f"{shape.name} on {cluster.nodes} x {cluster.devices_per_node} {cluster.name}, "
                           f"batch {args.batch}")
-        fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         print(f"\nfigure: {args.plot}")
     if args.json and args.json != "-":
