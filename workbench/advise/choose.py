@@ -56,6 +56,8 @@ def _cluster(cluster) -> Cluster:
 
 
 def _gib(n: float) -> str:
+    if n >= 100 * GiB:
+        return f"{n / GiB:,.0f} GiB"
     return f"{n / GiB:.3g} GiB" if n >= 0.1 * GiB else f"{n / 2 ** 20:.3g} MiB"
 
 
