@@ -104,8 +104,9 @@ def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str,
     """Forward and backward FLOPs per token on one tensor-parallel rank: ``{"layer": one layer's
     forward + backward (+ recomputation), "head": the head's forward + backward}``."""
     h, s, f = shape.hidden, shape.seq, shape.ffn
+    k = getattr(shape, "kv_dim", h)                 # keys and values (narrower with grouped-query attention)
     mlp = (3 if shape.gated else 2) * h * f
-    weights = 4 * h * h + mlp
+    weights = h * (h + 2 * k) + h * h + mlp
     attention = 2 * 2 * s * h * CAUSAL
     forward = 2 * weights + attention
     extra = {"none": 0.0, "selective": attention, "full": forward}[recompute]
@@ -453,19 +454,6 @@ def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -
 
 def _parameters_on_rank(shape, t: int, p: int) -> float:
     """Parameters on the most loaded rank: its stage's layers split by ``t`` (norms and row
-    biases replicated), the embedding (first stage) or the head (last stage) split by vocabulary."""
-    h, f, V = shape.hidden, shape.ffn, -(-shape.vocab // t) * t
-    weights = 4 * h * h + (3 if shape.gated else 2) * h * f
-    biases = (3 * h + f + h + h) if shape.bias else 0          # qkv, fc, both projections' outputs
-    norms = (4 if shape.bias else 2) * h
-    layer = (weights + (biases - 2 * h if shape.bias else 0)) / t + norms + (2 * h if shape.bias else 0)
-    counts = stage_layers(shape.layers, p)
-    best = 0.0
-    for k, n in enumerate(counts):
-        total = n * layer
-        if k == 0:
-            total += V * h / t + shape.seq * h
-        if k == p - 1:
-            total += (0 if (shape.tied and p == 1) else V * h / t) + (2 * h if shape.bias else h)
-        best = max(best, total)
-    return best
+    biases replicated), the embedding (first stage) or the head (last stage) split by vocabulary
+    (:meth:`ModelShape.stage_parameters`)."""
+    return float(max(shape.stage_parameters(p, s, t) for s in range(p)))
