@@ -34,10 +34,11 @@ from __future__ import annotations
 
 from itertools import product
 
+from workbench.memory import format_bytes
 from workbench.parallel.pipeline_schedules import min_microbatches
 from workbench.parallel.recompute import POLICIES
 
-from .cluster import GiB, Cluster
+from .cluster import Cluster
 from .plan import Config
 from .shape import ModelShape
 
@@ -119,8 +120,8 @@ def memory_reason(memory: dict, cluster: Cluster) -> str:
     if memory["total"] <= cluster.memory_bytes:
         return ""
     worst = max(("parameters", "gradients", "optimizer", "activations", "buffers"), key=lambda k: memory[k])
-    return (f"needs {memory['total'] / GiB:.1f} GiB per device, has {cluster.memory_bytes / GiB:.1f} "
-            f"(largest: {worst} {memory[worst] / GiB:.1f} GiB)")
+    return (f"needs {format_bytes(memory['total'])} per device, has {format_bytes(cluster.memory_bytes)} "
+            f"(largest: {worst} {format_bytes(memory[worst])})")
 
 
 def infeasible_reason(shape, cluster: Cluster, config: Config, global_batch: int) -> str:
