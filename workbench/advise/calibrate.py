@@ -294,7 +294,8 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
         nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops,
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
-        cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead, microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
+        cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
+        microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, overlap=0.0, machine=machine, links=links,
         load=load, measured=dict(result))
 

@@ -348,8 +348,8 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     boundary = pp_extra = 0.0
     if p > 1:
         msg = rows * s * h * e / (t if config.sequence_parallel else 1)
-        boundary = _sync(cluster, 2) + max(_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
-                              for k in range(p - 1))
+        boundary = _sync(cluster, 2) + max(
+            _link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg) for k in range(p - 1))
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)

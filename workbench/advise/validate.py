@@ -404,8 +404,9 @@ def main(args: argparse.Namespace) -> int:
           f"(mean absolute error {s['time_mape']:.1%})")
     print(f"# predicted best = measured best (within {BEST_TOLERANCE:.0%}): {s['best_ok']}/{s['settings']} settings")
     if "memory_rows" in s:
-        print(f"# memory: model state exact {s['model_state_exact']}/{s['memory_rows']}, activations within 5% "
-              f"{s['activations_within_5']}/{s['memory_rows']}, total within 3% {s['total_within_3']}/{s['memory_rows']}")
+        n = s["memory_rows"]
+        print(f"# memory: model state exact {s['model_state_exact']}/{n}, activations within 5% "
+              f"{s['activations_within_5']}/{n}, total within 3% {s['total_within_3']}/{n}")
     path = getattr(args, "validate_json", None)
     if path:
         with open(path, "w") as f:
