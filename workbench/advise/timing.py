@@ -25,15 +25,28 @@ the head too. A stage's work over ``b s`` tokens runs at the cluster's achieved 
 (``cluster.flops``, or ``cluster.flops_by_precision[precision]`` where a cluster gives one).
 
 Small models on a CPU spend as long in fixed per-operator costs (Python, dispatch, a kernel's
-start) as in arithmetic, so a calibrated cluster carries three more numbers, each measured by
-:func:`workbench.advise.calibrate.calibrate` (0 for the datasheet presets, where they vanish
-beside the arithmetic of a real model): ``layer_overhead_s`` per layer and micro-batch (forward
-and backward), ``microbatch_overhead_s`` per micro-batch and stage (embedding, head, loss, the
-schedule's bookkeeping) and ``step_overhead_s`` per step (optimizer call, zeroing gradients).
-The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it
-updates (the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient
-and two moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989
-TFLOP/s bf16, 3.35 TB/s).
+start) and memory-bound operators (norms, GELU, softmax, residual adds) as in matmuls, so a
+calibrated cluster (:func:`workbench.advise.calibrate.calibrate`) carries more numbers, all 0 or
+absent for the datasheet presets, where they vanish beside the arithmetic of a real model:
+``layer_overhead_s`` per layer and micro-batch, ``activation_s_per_byte`` per byte of the
+activations a layer keeps (:func:`workbench.parallel.tensor.activation_bytes_per_layer`, which
+shrinks with tensor and sequence parallelism as that work does), ``microbatch_overhead_s`` per
+micro-batch and stage (embedding, head, loss), ``step_overhead_s`` per step (the optimizer's
+per-tensor cost), and ``sync_by_size``: what a collective costs beyond its bytes when it follows
+compute and the ranks outnumber the cores (they drift apart within the OS's time slices), per
+group size and interpolated at the compute that precedes it (a quarter of a layer for a
+tensor-parallel collective; a stage's whole pass for a pipeline message or a gradient bucket).
+The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it updates
+(the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient and two
+moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989 TFLOP/s
+bf16, 3.35 TB/s).
+
+Ranks that outnumber the cores (``cluster.cores``, a calibrated cluster's: 4 ranks on 2 cores)
+share them: while every rank computes, each runs ``world / cores`` times slower than alone. A
+pipeline is not always all busy -- in its ramp-up and drain a stage computes alone, and fast --
+so its step is the schedule's own action lists replayed (:func:`simulate`) with the cores shared
+among the ranks computing at each moment. On a cluster whose every rank has its own device
+(``cores`` None) the replay is not needed and the closed forms below hold.
 
 Communication, on the link each group crosses
 ---------------------------------------------
@@ -52,7 +65,9 @@ by it (``cost._ring_on_links``).
   micro-batch, direction and stage boundary. On the critical path: the first micro-batch's
   ``p-1`` boundaries forward and back, and one forward and one backward message for each of
   the other ``m-1``: ``2 (m + p - 2)`` messages on the slowest boundary's link; plus the tied
-  embedding's gradient exchanged between the first and the last stage, and the loss broadcast.
+  embedding's gradient exchanged between the first and the last stage, the loss broadcast, and
+  the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
+  ranks up before the step and gathers the measured timeline after it).
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
@@ -68,7 +83,9 @@ The pipeline's idle time with the schedule's formula
 (:func:`workbench.parallel.pipeline_schedules.bubble_formula`): an idle fraction ``f`` of the
 step means ``busy x f / (1 - f)`` idle seconds, ``busy`` being the slowest stage's ``m``
 micro-batches of compute and tensor-parallel communication. For GPipe and 1F1B that is
-``(p-1) x`` one micro-batch's time.
+``(p-1) x`` one micro-batch's time. Where the ranks share cores, the replay gives the span;
+its idle time on the busiest rank is the messages on the critical path (up to the closed form
+above) and the bubble.
 """
 from __future__ import annotations
 
