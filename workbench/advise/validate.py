@@ -440,11 +440,20 @@ def figure(rows: list[dict], ax=None):
     ax.plot(xs, xs, color="k", lw=1)
     for topo, marker in ((None, "o"), ("2 nodes", "s")):
         sel = [r for r in rows if (r["topology"] is None) == (topo is None)]
-        ax.scatter([r["measured_s"] * 1e3 for r in sel], [r["predicted_s"] * 1e3 for r in sel], marker=marker,
-                   label="1 node" if topo is None else "2 emulated nodes")
+        if sel:
+            ax.scatter([r["measured_s"] * 1e3 for r in sel], [r["predicted_s"] * 1e3 for r in sel], marker=marker,
+                       label="1 node" if topo is None else "2 emulated nodes")
+    from matplotlib.ticker import ScalarFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("measured ms per step")
     ax.set_ylabel("predicted ms per step")
+    loads = [r["load"] for r in rows]
+    ax.set_title(f"step time, {len(rows)} configurations (load average {min(loads):.1f}-{max(loads):.1f})",
+                 fontsize=9)
     ax.legend(fontsize=8)
     return ax.figure
