@@ -114,11 +114,11 @@ class Calibration:
     ``model``: the GPT whose blocks are timed (a :class:`GPTConfig` or preset); ``rows``: the two
     row counts of the block's line (``r1 < r2``; use the micro-batch sizes the runs use);
     ``sizes``: message sizes for the comm probes; ``iterations``: the fewest calls per timing, more
-    where one call of the block on ``r2`` rows takes less than ``budget_s``.
+    where they take less than ``budget_s`` (up to 200).
     """
 
     def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, sizes=PROBE_SIZES, iterations: int = 2,
-                 budget_s: float = 0.03, seed: int = 0):
+                 budget_s: float = 0.1, seed: int = 0):
         import torch.distributed as dist
 
         from workbench.comm.cost import Probe
@@ -152,9 +152,9 @@ class Calibration:
         self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
         self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
         for k in range(self.world // 2):
-            g = dist.new_group([2 * k, 2 * k + 1])
+            pair = dist.new_group([2 * k, 2 * k + 1])
             if self.rank // 2 == k:
-                self.pair = g
+                self.pair = pair
         self.sizes = tuple(sizes)
         self.probes = {(kind, n): Probe(kind, n, all_pairs=True) for kind in Probe.KINDS for n in self.sizes}
         self.samples: dict[str, list[float]] = {}
@@ -163,12 +163,8 @@ class Calibration:
             self._model()
             self.flat_opt.step()
             self.gpt_opt.step()
-        # calls per timing: enough for about ``budget_s`` of work each (the same count on every rank)
-        start = time.perf_counter()
-        self._layer(r2)
-        per_call = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
-        self.iterations = max(iterations, min(20, math.ceil(budget_s / float(per_call[0]))))
+        self.budget_s = budget_s
+        self.counts: dict[str, int] = {}   # calls per timing of each probe, the same on every rank
 
     # -- the probes' bodies
     def _layer(self, rows: int) -> None:
@@ -194,12 +190,19 @@ class Calibration:
         for p in self.gpt.parameters():   # as zero_grad(set_to_none=True) then backward would
             p.grad = torch.zeros_like(p)
 
-    def _time(self, fn, *, alone: bool, iterations: int | None = None) -> float:
+    def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None) -> float:
         """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier), or on every
-        rank at once (the slowest rank's). The same number on every rank."""
+        rank at once (the slowest rank's). The same number on every rank. ``key``: the probe's
+        name; its first timing sets how many calls fill ``budget_s`` (short timings favour ranks
+        that just woke up over the machine's other work, long runs do not)."""
         import torch.distributed as dist
 
         n = iterations or self.iterations
+        if key is not None and iterations is None:
+            if key not in self.counts:
+                one = self._time(fn, alone=alone, iterations=1)
+                self.counts[key] = max(self.iterations, min(200, math.ceil(self.budget_s / max(one, 1e-6))))
+            n = self.counts[key]
         dist.barrier()
         t = torch.zeros(1, dtype=torch.float64)
         if not alone or self.rank == 0:
@@ -219,18 +222,16 @@ class Calibration:
 
         r1, r2 = self.rows
         layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
-        self._add("layer_r2_alone", self._time(layer2, alone=True))
-        self._add("layer_r2", self._time(layer2, alone=False))
-        self._add("layer_r1", self._time(layer1, alone=False))
-        self._add("matmul", self._time(self._matmul, alone=False))
-        self._add("model_r1", self._time(self._model, alone=False))
-        self._add("adam_flat", self._time(self.flat_opt.step, alone=False))
-        self._add("adam_model", self._time(self._gpt_step, alone=False))
-        self._add("short", self._time(self._short, alone=False))
+        probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
+                  "matmul": (self._matmul, False), "model_r1": (self._model, False),
+                  "adam_flat": (self.flat_opt.step, False), "adam_model": (self._gpt_step, False),
+                  "short": (self._short, False)}
         for g, group in (("world", None), ("pair", self.pair)):
-            self._add(f"sync_{g}", self._time(lambda: self._sync(group), alone=False))
-            self._add(f"layer_r1_sync_{g}", self._time(lambda: (self._layer(r1), self._sync(group)), alone=False))
-            self._add(f"short_sync_{g}", self._time(lambda: (self._short(), self._sync(group)), alone=False))
+            probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
+            probes[f"layer_r1_sync_{g}"] = ((lambda group=group: (self._layer(r1), self._sync(group))), False)
+            probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
+        for key, (fn, alone) in probes.items():
+            self._add(key, self._time(fn, alone=alone, key=key))
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
             self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters))
