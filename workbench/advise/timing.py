@@ -22,7 +22,7 @@ one more forward of every layer, ``selective`` the attention core again. Tensor 
 divides the layers' and the head's work by ``t``; pipeline parallelism gives each stage
 ``L/p`` layers (balanced as :func:`workbench.parallel.pipeline.partition` does), the last one
 the head too. A stage's work over ``b s`` tokens runs at the cluster's achieved FLOP/s
-(``cluster.flops``, or ``cluster.flops_by_precision[precision]`` where a cluster gives one).
+(``cluster.flops``; ``cluster.fp32_flops`` for float32 where a cluster gives it).
 
 Small models on a CPU spend as long in fixed per-operator costs (Python, dispatch, a kernel's
 start) and memory-bound operators (norms, GELU, softmax, residual adds) as in matmuls, so a
@@ -108,8 +108,10 @@ FLOPS_PER_BYTE = 300  # default device: FLOP/s over memory bytes/s (H100: 989e12
 
 
 def _flops(cluster, precision: str) -> float:
-    by = getattr(cluster, "flops_by_precision", None) or {}
-    return float(by.get(precision, cluster.flops))
+    """Achieved FLOP/s in ``precision`` (:meth:`Cluster.flops_for`: ``fp32_flops`` for float32 where given)."""
+    if hasattr(cluster, "flops_for"):
+        return float(cluster.flops_for(precision))
+    return float(cluster.flops)
 
 
 def stage_layers(layers: int, pp: int) -> list[int]:
@@ -404,7 +406,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
     update_s = getattr(cluster, "update_s_per_param", None)
     if update_s is None:
-        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)
+        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
     compute += (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) * crowd
 
     # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
