@@ -183,3 +183,31 @@ def test_memory_predictions_pinned_to_measured(world):
             pa = predicted[r]["activations"] + predicted[r]["buffers"]
             ma = mem["activations"][r] + mem["buffers"][r]
             assert abs(pa / ma - 1) <= 0.25, (c.label(), r, pa, ma)
+
+
+def _calibrate_tiny():
+    from workbench.advise.calibrate import Calibration
+
+    cal = Calibration("tiny", (1, 2), sizes=(64, 4096), budget_s=0.005)
+    cal.once()
+    return cal.result()
+
+
+def test_calibration_gives_a_cluster_the_timing_uses():
+    """Structure, not speed: every probe ran, and the constants make a cluster step_time prices."""
+    import workbench
+    from workbench.advise.calibrate import cluster_from
+
+    result = workbench.launch(_calibrate_tiny, world_size=2)[0]
+    for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_flat", "sync_world",
+                "layer_r1_sync_pair", "exchange:64", "one_way:4096"):
+        assert result[key] > 0, key
+    cl = cluster_from(result, "tiny", (1, 2), 2)
+    assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
+    assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
+    assert set(cl.sync_by_size) == {2}
+    t = timing.step_time(ModelShape.preset("tiny"), cl, Config(dp=2), 8)
+    assert t["compute"] > 0 and t["dp"] > 0
+    with pytest.raises(ValueError, match="rows"):
+        from workbench.advise.calibrate import Calibration
+        Calibration("tiny", (2, 2))

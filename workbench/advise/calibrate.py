@@ -11,8 +11,10 @@ each probe's median. :func:`calibrate` does the same on its own (``workbench adv
 What is measured (every rank runs the same probes; "alone": rank 0 computes while the others
 wait in a barrier, asleep; "all": every rank at once)
 ----------------------------------------------------------------------------------------------
-``flops``                 a matmul shaped like the model's MLP, ``(rows s, h) @ (h, 4h)``, alone:
-                          the FLOP/s one rank achieves with the machine to itself.
+``flops``                 a matmul shaped like the model's MLP, ``(rows s, h) @ (h, 4h)``, in
+                          bfloat16 (``flops``) and float32 (``fp32_flops``): the FLOP/s one rank
+                          achieves with the machine to itself (timed with every rank busy, then
+                          scaled by the share of the cores each had).
 ``layer``                 one transformer block's forward + backward on ``r1`` and ``r2`` rows,
                           alone: a straight line in the tokens. Its intercept is the fixed cost
                           per layer and micro-batch (``layer_overhead_s``: Python, dispatch); its
@@ -140,6 +142,7 @@ class Calibration:
         self.tokens = torch.randint(c.vocab_size, (r1, c.block_size), generator=g)
         self.a = torch.randn(r2 * c.block_size, c.n_embd, generator=g)
         self.b = torch.randn(c.n_embd, 4 * c.n_embd, generator=g)
+        self.a16, self.b16 = self.a.to(torch.bfloat16), self.b.to(torch.bfloat16)
         psi = sum(p.numel() for p in self.gpt.parameters())
         self.flat = torch.nn.Parameter(torch.zeros(psi))
         self.flat.grad = torch.zeros(psi)
@@ -185,6 +188,9 @@ class Calibration:
     def _matmul(self) -> None:
         torch.mm(self.a, self.b)
 
+    def _matmul_bf16(self) -> None:
+        torch.mm(self.a16, self.b16)
+
     def _gpt_step(self) -> None:
         self.gpt_opt.step()
         for p in self.gpt.parameters():   # as zero_grad(set_to_none=True) then backward would
@@ -223,7 +229,8 @@ class Calibration:
         r1, r2 = self.rows
         layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
         probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
-                  "matmul": (self._matmul, False), "model_r1": (self._model, False),
+                  "matmul": (self._matmul, False), "matmul_bf16": (self._matmul_bf16, False),
+                  "model_r1": (self._model, False),
                   "adam_flat": (self.flat_opt.step, False), "adam_model": (self._gpt_step, False),
                   "short": (self._short, False)}
         for g, group in (("world", None), ("pair", self.pair)):
@@ -265,6 +272,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
     cores = min(float(world_size), max(1.0, world_size * result["layer_r2_alone"] / result["layer_r2"]))
     crowd = world_size / cores
     flops = crowd * 2 * r2 * s * h * 4 * h / result["matmul"]
+    flops16 = crowd * 2 * r2 * s * h * 4 * h / result["matmul_bf16"] if "matmul_bf16" in result else flops
     # one block's forward + backward: t(rows) = overhead + rows s (FLOPs/token / flops + bytes/token x c)
     slope = (result["layer_r2"] - result["layer_r1"]) / ((r2 - r1) * s) / crowd
     overhead = max(0.0, result["layer_r1"] / crowd - r1 * s * slope)
@@ -284,15 +292,16 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])
     _, gamma = cost.fit_line(points["reduction"]) if len(points["reduction"]) >= 2 else (0.0, 0.0)
-    machine = cost.CostModel(alpha=alpha, beta=beta, gamma=gamma, tables=points)
-    own = Link(max(alpha, 0.0), 1.0 / beta if beta > 0 else 1e12)   # this machine's loopback, as a line
+    machine = cost.CostModel(alpha=alpha, beta=beta, gamma=gamma,
+                             tables={k: v for k, v in points.items() if len(v) >= 2} or None)
+    own = Link(float(f"{max(alpha, 0.0):.3g}"), float(f"{1.0 / beta if beta > 0 else 1e12:.3g}"))  # the loopback
     links = topology if topology is not None and topology.emulated else None
     rpn = topology.ranks_per_node if topology is not None else world_size
     intra = (links.intra if links is not None and links.intra is not None else own)
     inter = (links.inter if links is not None and links.inter is not None else own)
     memory = _memory_bytes() / world_size
     return CalibratedCluster(
-        nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops,
+        nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops16, fp32_flops=flops,
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
         cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
