@@ -8,9 +8,12 @@ micro-batches, sequence parallelism) under :func:`workbench.launch` at world siz
 configuration's prediction beside its measurement:
 
 * **memory per rank** by category: model state (parameters, gradients, optimizer state:
-  :func:`workbench.metrics.model_state_bytes` after a step, exact) and the peak of the step
-  (:class:`workbench.memory.MemoryMeter`: activations, communication buffers), the worst rank
-  of each, against :func:`workbench.advise.memory.memory_per_device`;
+  :func:`workbench.metrics.model_state_bytes` after a step) and the peak of the step
+  (:class:`workbench.memory.MemoryMeter`: activations, communication buffers), each rank against
+  :func:`workbench.advise.memory.memory_by_rank` for its pipeline stage. Model state is compared
+  exactly, Adam's 4-byte step counter per tensor it updates (measured beside it) added to the
+  formula; activations together with buffers, since the meter files what no code tags (ZeRO-3's
+  gathered units, received messages) under activations;
 * **step time**: the median over interleaved trials of the slowest rank's step, against
   :func:`workbench.advise.timing.step_time` on the machine measured in the same launch
   (:class:`workbench.advise.calibrate.Calibration`, one more candidate of the trials, so its
@@ -33,13 +36,14 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from workbench.advise.plan import MEMORY_CATEGORIES, Config
 
-__all__ = ["Setting", "SETTINGS", "measure", "validate", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
+__all__ = ["Setting", "SETTINGS", "measure", "measure_memory", "validate", "summary", "report", "figure",
+           "memory_errors", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
 
 WORLD = 4
 # 2 nodes of 2 ranks; inside a node this machine's own loopback (~50 us, 1-3 GB/s), between nodes
