@@ -11,8 +11,10 @@ each probe's median. :func:`calibrate` does the same on its own (``workbench adv
 What is measured (every rank runs the same probes; "alone": rank 0 computes while the others
 wait in a barrier, asleep; "all": every rank at once)
 ----------------------------------------------------------------------------------------------
-``flops``                 a matmul shaped like the model's MLP, ``(rows s, h) @ (h, 4h)``, alone:
-                          the FLOP/s one rank achieves with the machine to itself.
+``flops``                 a matmul shaped like the model's MLP, ``(rows s, h) @ (h, 4h)``, in
+                          bfloat16 (``flops``) and float32 (``fp32_flops``): the FLOP/s one rank
+                          achieves with the machine to itself (timed with every rank busy, then
+                          scaled by the share of the cores each had).
 ``layer``                 one transformer block's forward + backward on ``r1`` and ``r2`` rows,
                           alone: a straight line in the tokens. Its intercept is the fixed cost
                           per layer and micro-batch (``layer_overhead_s``: Python, dispatch); its
@@ -114,11 +116,11 @@ class Calibration:
     ``model``: the GPT whose blocks are timed (a :class:`GPTConfig` or preset); ``rows``: the two
     row counts of the block's line (``r1 < r2``; use the micro-batch sizes the runs use);
     ``sizes``: message sizes for the comm probes; ``iterations``: the fewest calls per timing, more
-    where one call of the block on ``r2`` rows takes less than ``budget_s``.
+    where they take less than ``budget_s`` (up to 200).
     """
 
     def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, sizes=PROBE_SIZES, iterations: int = 2,
-                 budget_s: float = 0.03, seed: int = 0):
+                 budget_s: float = 0.1, seed: int = 0):
         import torch.distributed as dist
 
         from workbench.comm.cost import Probe
@@ -140,6 +142,7 @@ class Calibration:
         self.tokens = torch.randint(c.vocab_size, (r1, c.block_size), generator=g)
         self.a = torch.randn(r2 * c.block_size, c.n_embd, generator=g)
         self.b = torch.randn(c.n_embd, 4 * c.n_embd, generator=g)
+        self.a16, self.b16 = self.a.to(torch.bfloat16), self.b.to(torch.bfloat16)
         psi = sum(p.numel() for p in self.gpt.parameters())
         self.flat = torch.nn.Parameter(torch.zeros(psi))
         self.flat.grad = torch.zeros(psi)
@@ -152,9 +155,9 @@ class Calibration:
         self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
         self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
         for k in range(self.world // 2):
-            g = dist.new_group([2 * k, 2 * k + 1])
+            pair = dist.new_group([2 * k, 2 * k + 1])
             if self.rank // 2 == k:
-                self.pair = g
+                self.pair = pair
         self.sizes = tuple(sizes)
         self.probes = {(kind, n): Probe(kind, n, all_pairs=True) for kind in Probe.KINDS for n in self.sizes}
         self.samples: dict[str, list[float]] = {}
@@ -163,12 +166,8 @@ class Calibration:
             self._model()
             self.flat_opt.step()
             self.gpt_opt.step()
-        # calls per timing: enough for about ``budget_s`` of work each (the same count on every rank)
-        start = time.perf_counter()
-        self._layer(r2)
-        per_call = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
-        self.iterations = max(iterations, min(20, math.ceil(budget_s / float(per_call[0]))))
+        self.budget_s = budget_s
+        self.counts: dict[str, int] = {}   # calls per timing of each probe, the same on every rank
 
     # -- the probes' bodies
     def _layer(self, rows: int) -> None:
@@ -179,9 +178,9 @@ class Calibration:
         loss.backward()
 
     def _sync(self, group=None) -> None:
-        import torch.distributed as dist
+        from workbench import comm
 
-        dist.all_reduce(self.one, group=group)
+        comm.all_reduce(self.one, group=group)   # the door the strategies' collectives go through
 
     def _short(self) -> None:
         torch.mm(self.s1, self.s2)
@@ -189,17 +188,27 @@ class Calibration:
     def _matmul(self) -> None:
         torch.mm(self.a, self.b)
 
+    def _matmul_bf16(self) -> None:
+        torch.mm(self.a16, self.b16)
+
     def _gpt_step(self) -> None:
         self.gpt_opt.step()
         for p in self.gpt.parameters():   # as zero_grad(set_to_none=True) then backward would
             p.grad = torch.zeros_like(p)
 
-    def _time(self, fn, *, alone: bool, iterations: int | None = None) -> float:
+    def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None) -> float:
         """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier), or on every
-        rank at once (the slowest rank's). The same number on every rank."""
+        rank at once (the slowest rank's). The same number on every rank. ``key``: the probe's
+        name; its first timing sets how many calls fill ``budget_s`` (short timings favour ranks
+        that just woke up over the machine's other work, long runs do not)."""
         import torch.distributed as dist
 
         n = iterations or self.iterations
+        if key is not None and iterations is None:
+            if key not in self.counts:
+                one = self._time(fn, alone=alone, iterations=1)
+                self.counts[key] = max(self.iterations, min(200, math.ceil(self.budget_s / max(one, 1e-6))))
+            n = self.counts[key]
         dist.barrier()
         t = torch.zeros(1, dtype=torch.float64)
         if not alone or self.rank == 0:
@@ -219,18 +228,17 @@ class Calibration:
 
         r1, r2 = self.rows
         layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
-        self._add("layer_r2_alone", self._time(layer2, alone=True))
-        self._add("layer_r2", self._time(layer2, alone=False))
-        self._add("layer_r1", self._time(layer1, alone=False))
-        self._add("matmul", self._time(self._matmul, alone=False))
-        self._add("model_r1", self._time(self._model, alone=False))
-        self._add("adam_flat", self._time(self.flat_opt.step, alone=False))
-        self._add("adam_model", self._time(self._gpt_step, alone=False))
-        self._add("short", self._time(self._short, alone=False))
+        probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
+                  "matmul": (self._matmul, False), "matmul_bf16": (self._matmul_bf16, False),
+                  "model_r1": (self._model, False),
+                  "adam_flat": (self.flat_opt.step, False), "adam_model": (self._gpt_step, False),
+                  "short": (self._short, False)}
         for g, group in (("world", None), ("pair", self.pair)):
-            self._add(f"sync_{g}", self._time(lambda: self._sync(group), alone=False))
-            self._add(f"layer_r1_sync_{g}", self._time(lambda: (self._layer(r1), self._sync(group)), alone=False))
-            self._add(f"short_sync_{g}", self._time(lambda: (self._short(), self._sync(group)), alone=False))
+            probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
+            probes[f"layer_r1_sync_{g}"] = ((lambda group=group: (self._layer(r1), self._sync(group))), False)
+            probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
+        for key, (fn, alone) in probes.items():
+            self._add(key, self._time(fn, alone=alone, key=key))
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
             self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters))
@@ -264,6 +272,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
     cores = min(float(world_size), max(1.0, world_size * result["layer_r2_alone"] / result["layer_r2"]))
     crowd = world_size / cores
     flops = crowd * 2 * r2 * s * h * 4 * h / result["matmul"]
+    flops16 = crowd * 2 * r2 * s * h * 4 * h / result["matmul_bf16"] if "matmul_bf16" in result else flops
     # one block's forward + backward: t(rows) = overhead + rows s (FLOPs/token / flops + bytes/token x c)
     slope = (result["layer_r2"] - result["layer_r1"]) / ((r2 - r1) * s) / crowd
     overhead = max(0.0, result["layer_r1"] / crowd - r1 * s * slope)
@@ -283,18 +292,20 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])
     _, gamma = cost.fit_line(points["reduction"]) if len(points["reduction"]) >= 2 else (0.0, 0.0)
-    machine = cost.CostModel(alpha=alpha, beta=beta, gamma=gamma, tables=points)
-    own = Link(max(alpha, 0.0), 1.0 / beta if beta > 0 else 1e12)   # this machine's loopback, as a line
+    machine = cost.CostModel(alpha=alpha, beta=beta, gamma=gamma,
+                             tables={k: v for k, v in points.items() if len(v) >= 2} or None)
+    own = Link(float(f"{max(alpha, 0.0):.3g}"), float(f"{1.0 / beta if beta > 0 else 1e12:.3g}"))  # the loopback
     links = topology if topology is not None and topology.emulated else None
     rpn = topology.ranks_per_node if topology is not None else world_size
     intra = (links.intra if links is not None and links.intra is not None else own)
     inter = (links.inter if links is not None and links.inter is not None else own)
     memory = _memory_bytes() / world_size
     return CalibratedCluster(
-        nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops,
+        nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops16, fp32_flops=flops,
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
-        cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead, microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
+        cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
+        microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, overlap=0.0, machine=machine, links=links,
         load=load, measured=dict(result))
 

@@ -22,18 +22,31 @@ one more forward of every layer, ``selective`` the attention core again. Tensor 
 divides the layers' and the head's work by ``t``; pipeline parallelism gives each stage
 ``L/p`` layers (balanced as :func:`workbench.parallel.pipeline.partition` does), the last one
 the head too. A stage's work over ``b s`` tokens runs at the cluster's achieved FLOP/s
-(``cluster.flops``, or ``cluster.flops_by_precision[precision]`` where a cluster gives one).
+(``cluster.flops``; ``cluster.fp32_flops`` for float32 where a cluster gives it).
 
 Small models on a CPU spend as long in fixed per-operator costs (Python, dispatch, a kernel's
-start) as in arithmetic, so a calibrated cluster carries three more numbers, each measured by
-:func:`workbench.advise.calibrate.calibrate` (0 for the datasheet presets, where they vanish
-beside the arithmetic of a real model): ``layer_overhead_s`` per layer and micro-batch (forward
-and backward), ``microbatch_overhead_s`` per micro-batch and stage (embedding, head, loss, the
-schedule's bookkeeping) and ``step_overhead_s`` per step (optimizer call, zeroing gradients).
-The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it
-updates (the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient
-and two moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989
-TFLOP/s bf16, 3.35 TB/s).
+start) and memory-bound operators (norms, GELU, softmax, residual adds) as in matmuls, so a
+calibrated cluster (:func:`workbench.advise.calibrate.calibrate`) carries more numbers, all 0 or
+absent for the datasheet presets, where they vanish beside the arithmetic of a real model:
+``layer_overhead_s`` per layer and micro-batch, ``activation_s_per_byte`` per byte of the
+activations a layer keeps (:func:`workbench.parallel.tensor.activation_bytes_per_layer`, which
+shrinks with tensor and sequence parallelism as that work does), ``microbatch_overhead_s`` per
+micro-batch and stage (embedding, head, loss), ``step_overhead_s`` per step (the optimizer's
+per-tensor cost), and ``sync_by_size``: what a collective costs beyond its bytes when it follows
+compute and the ranks outnumber the cores (they drift apart within the OS's time slices), per
+group size and interpolated at the compute that precedes it (a quarter of a layer for a
+tensor-parallel collective; a stage's whole pass for a pipeline message or a gradient bucket).
+The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it updates
+(the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient and two
+moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989 TFLOP/s
+bf16, 3.35 TB/s).
+
+Ranks that outnumber the cores (``cluster.cores``, a calibrated cluster's: 4 ranks on 2 cores)
+share them: while every rank computes, each runs ``world / cores`` times slower than alone. A
+pipeline is not always all busy -- in its ramp-up and drain a stage computes alone, and fast --
+so its step is the schedule's own action lists replayed (:func:`simulate`) with the cores shared
+among the ranks computing at each moment. On a cluster whose every rank has its own device
+(``cores`` None) the replay is not needed and the closed forms below hold.
 
 Communication, on the link each group crosses
 ---------------------------------------------
@@ -52,7 +65,9 @@ by it (``cost._ring_on_links``).
   micro-batch, direction and stage boundary. On the critical path: the first micro-batch's
   ``p-1`` boundaries forward and back, and one forward and one backward message for each of
   the other ``m-1``: ``2 (m + p - 2)`` messages on the slowest boundary's link; plus the tied
-  embedding's gradient exchanged between the first and the last stage, and the loss broadcast.
+  embedding's gradient exchanged between the first and the last stage, the loss broadcast, and
+  the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
+  ranks up before the step and gathers the measured timeline after it).
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
@@ -68,7 +83,9 @@ The pipeline's idle time with the schedule's formula
 (:func:`workbench.parallel.pipeline_schedules.bubble_formula`): an idle fraction ``f`` of the
 step means ``busy x f / (1 - f)`` idle seconds, ``busy`` being the slowest stage's ``m``
 micro-batches of compute and tensor-parallel communication. For GPipe and 1F1B that is
-``(p-1) x`` one micro-batch's time.
+``(p-1) x`` one micro-batch's time. Where the ranks share cores, the replay gives the span;
+its idle time on the busiest rank is the messages on the critical path (up to the closed form
+above) and the bubble.
 """
 from __future__ import annotations
 
@@ -91,8 +108,10 @@ FLOPS_PER_BYTE = 300  # default device: FLOP/s over memory bytes/s (H100: 989e12
 
 
 def _flops(cluster, precision: str) -> float:
-    by = getattr(cluster, "flops_by_precision", None) or {}
-    return float(by.get(precision, cluster.flops))
+    """Achieved FLOP/s in ``precision`` (:meth:`Cluster.flops_for`: ``fp32_flops`` for float32 where given)."""
+    if hasattr(cluster, "flops_for"):
+        return float(cluster.flops_for(precision))
+    return float(cluster.flops)
 
 
 def stage_layers(layers: int, pp: int) -> list[int]:
@@ -104,8 +123,9 @@ def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str,
     """Forward and backward FLOPs per token on one tensor-parallel rank: ``{"layer": one layer's
     forward + backward (+ recomputation), "head": the head's forward + backward}``."""
     h, s, f = shape.hidden, shape.seq, shape.ffn
+    k = getattr(shape, "kv_dim", h)                 # keys and values (narrower with grouped-query attention)
     mlp = (3 if shape.gated else 2) * h * f
-    weights = 4 * h * h + mlp
+    weights = h * (h + 2 * k) + h * h + mlp
     attention = 2 * 2 * s * h * CAUSAL
     forward = 2 * weights + attention
     extra = {"none": 0.0, "selective": attention, "full": forward}[recompute]
@@ -347,8 +367,8 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     boundary = pp_extra = 0.0
     if p > 1:
         msg = rows * s * h * e / (t if config.sequence_parallel else 1)
-        boundary = _sync(cluster, 2) + max(_link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg)
-                              for k in range(p - 1))
+        boundary = _sync(cluster, 2) + max(
+            _link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg) for k in range(p - 1))
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
@@ -386,7 +406,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
     update_s = getattr(cluster, "update_s_per_param", None)
     if update_s is None:
-        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)
+        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
     compute += (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) * crowd
 
     # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
@@ -453,19 +473,6 @@ def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -
 
 def _parameters_on_rank(shape, t: int, p: int) -> float:
     """Parameters on the most loaded rank: its stage's layers split by ``t`` (norms and row
-    biases replicated), the embedding (first stage) or the head (last stage) split by vocabulary."""
-    h, f, V = shape.hidden, shape.ffn, -(-shape.vocab // t) * t
-    weights = 4 * h * h + (3 if shape.gated else 2) * h * f
-    biases = (3 * h + f + h + h) if shape.bias else 0          # qkv, fc, both projections' outputs
-    norms = (4 if shape.bias else 2) * h
-    layer = (weights + (biases - 2 * h if shape.bias else 0)) / t + norms + (2 * h if shape.bias else 0)
-    counts = stage_layers(shape.layers, p)
-    best = 0.0
-    for k, n in enumerate(counts):
-        total = n * layer
-        if k == 0:
-            total += V * h / t + shape.seq * h
-        if k == p - 1:
-            total += (0 if (shape.tied and p == 1) else V * h / t) + (2 * h if shape.bias else h)
-        best = max(best, total)
-    return best
+    biases replicated), the embedding (first stage) or the head (last stage) split by vocabulary
+    (:meth:`ModelShape.stage_parameters`)."""
+    return float(max(shape.stage_parameters(p, s, t) for s in range(p)))

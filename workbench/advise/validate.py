@@ -8,9 +8,12 @@ micro-batches, sequence parallelism) under :func:`workbench.launch` at world siz
 configuration's prediction beside its measurement:
 
 * **memory per rank** by category: model state (parameters, gradients, optimizer state:
-  :func:`workbench.metrics.model_state_bytes` after a step, exact) and the peak of the step
-  (:class:`workbench.memory.MemoryMeter`: activations, communication buffers), the worst rank
-  of each, against :func:`workbench.advise.memory.memory_per_device`;
+  :func:`workbench.metrics.model_state_bytes` after a step) and the peak of the step
+  (:class:`workbench.memory.MemoryMeter`: activations, communication buffers), each rank against
+  :func:`workbench.advise.memory.memory_by_rank` for its pipeline stage. Model state is compared
+  exactly, Adam's 4-byte step counter per tensor it updates (measured beside it) added to the
+  formula; activations together with buffers, since the meter files what no code tags (ZeRO-3's
+  gathered units, received messages) under activations;
 * **step time**: the median over interleaved trials of the slowest rank's step, against
   :func:`workbench.advise.timing.step_time` on the machine measured in the same launch
   (:class:`workbench.advise.calibrate.Calibration`, one more candidate of the trials, so its
@@ -33,13 +36,14 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from workbench.advise.plan import MEMORY_CATEGORIES, Config
 
-__all__ = ["Setting", "SETTINGS", "measure", "validate", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
+__all__ = ["Setting", "SETTINGS", "measure", "measure_memory", "validate", "summary", "report", "figure",
+           "memory_errors", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
 
 WORLD = 4
 # 2 nodes of 2 ranks; inside a node this machine's own loopback (~50 us, 1-3 GB/s), between nodes
@@ -112,9 +116,20 @@ def _memory(trained, x, y) -> dict[str, int]:
         trained.step(x, y)
     state = model_state_bytes(trained.module, trained.optimizer)
     peak = meter.peak_by_category
+    counters = sum(s["step"].numel() * s["step"].element_size() for s in _optimizer_states(trained.optimizer)
+                   if isinstance(s.get("step"), torch.Tensor))
     return {"parameters": state["params"], "gradients": state["grads"], "optimizer": state["optimizer"],
             "activations": peak.get("activations", 0), "buffers": peak.get("comm", 0),
-            "peak": meter.peak_bytes}
+            "peak": meter.peak_bytes, "step_counters": counters}
+
+
+def _optimizer_states(optimizer):
+    """The per-tensor states of ``optimizer`` (the inner optimizer's for a sharded one)."""
+    inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+    states = list(optimizer.state.values())
+    if not states and inner is not None:
+        states = list(inner.state.values())
+    return states
 
 
 def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: int, steps: int, warmup: int,
@@ -151,27 +166,29 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
         return _common.max_over_ranks(_common.timed(lambda: trained.step(x, y), steps))
 
     candidates = labels + (["calibration"] if calibrate else [])
-    samples = _common.interleaved_trials(candidates, trials, one)
+    samples = _common.interleaved_trials(candidates, trials, one) if trials else {k: [] for k in candidates}
     loads.append(load_average())
     # every rank's memory, on every rank
     rows_mem = {}
     for label in labels:
-        mine = torch.tensor([float(memory[label][k]) for k in (*MEMORY_CATEGORIES, "peak")], dtype=torch.float64)
+        keys = (*MEMORY_CATEGORIES, "peak", "step_counters")
+        mine = torch.tensor([float(memory[label][k]) for k in keys], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        rows_mem[label] = {k: [float(t[i]) for t in everyone] for i, k in enumerate((*MEMORY_CATEGORIES, "peak"))}
+        rows_mem[label] = {k: [float(t[i]) for t in everyone] for i, k in enumerate(keys)}
     return {"time": {label: _common.median(samples[label]) for label in labels},
             "samples": {label: samples[label] for label in labels}, "memory": rows_mem,
             "calibration": cal.result() if cal is not None else None, "load": loads}
 
 
-def _launch(setting: Setting, trials: int, steps: int, warmup: int, calibrate: bool = True) -> dict:
+def _launch(setting: Setting, trials: int, steps: int, warmup: int, calibrate: bool = True,
+            world_size: int = WORLD) -> dict:
     import workbench
     from workbench.comm.topology import Topology
 
     rows = _calibration_rows(setting)
     topo = Topology.parse(setting.topology) if setting.topology else None
-    out = workbench.launch(_run_setting, world_size=WORLD, topology=topo, timeout=900,
+    out = workbench.launch(_run_setting, world_size=world_size, topology=topo, timeout=900,
                            args=(setting.model, setting.batch, setting.configs, trials, steps, warmup, calibrate,
                                  rows))[0]
     out["rows"] = rows
@@ -188,22 +205,34 @@ def _calibration_rows(setting: Setting) -> tuple[int, int]:
 
 def measure(model: str, config: Config, global_batch: int, *, topology: str | None = None, steps: int = 2,
             trials: int = 3, warmup: int = 2) -> dict:
-    """Run ``config`` on 4 ranks (under ``topology``'s emulated links, if given) and return
-    ``{"memory": {category: [bytes per rank]}, "time": seconds per step (median over trials,
-    slowest rank)}``."""
-    _check_config(config)
+    """Run ``config`` on its ``dp x tp x pp`` ranks (under ``topology``'s emulated links, if given)
+    and return ``{"memory": {category: [bytes per rank]}, "time": seconds per step (median over
+    trials, slowest rank), "load": [load average before, after]}``."""
+    _check_config(config, world_size=config.devices)
     setting = Setting(model, global_batch, topology, (config,))
-    out = _launch(setting, trials, steps, warmup, calibrate=False)
+    out = _launch(setting, trials, steps, warmup, calibrate=False, world_size=config.devices)
     label = config.label()
     return {"memory": out["memory"][label], "time": out["time"][label], "load": out["load"]}
 
 
-def _check_config(c: Config) -> None:
+def measure_memory(model: str, configs, global_batch: int, *, world_size: int = WORLD, warmup: int = 2) -> dict:
+    """Bytes by category per rank of each configuration (``{label: {category: [per rank]}}``), all
+    run in one launch of ``world_size`` ranks, no timing (what the tests pin)."""
+    configs = tuple(configs)
+    for c in configs:
+        _check_config(c, world_size=world_size)
+    setting = Setting(model, global_batch, None, configs)
+    return _launch(setting, 0, 1, warmup, calibrate=False, world_size=world_size)["memory"]
+
+
+def _check_config(c: Config, world_size: int = WORLD) -> None:
     if not isinstance(c, Config):
         raise ValueError(f"config={c!r}: pass a workbench.advise.Config")
-    if c.devices != WORLD:
-        raise ValueError(f"config {c.label()}: dp x tp x pp = {c.devices}, but validation runs {WORLD} ranks; "
-                         f"choose sizes whose product is {WORLD}")
+    if c.devices != world_size:
+        raise ValueError(f"config {c.label()}: dp x tp x pp = {c.devices}, but validation runs {world_size} ranks; "
+                         f"choose sizes whose product is {world_size}")
+    if c.devices > 8:
+        raise ValueError(f"config {c.label()}: {c.devices} ranks is more than this machine runs (at most 8)")
     if c.precision != "fp32" or c.recompute != "none":
         raise ValueError(f"config {c.label()}: the mesh runs float32 without recomputation; validate those "
                          "levers with precision='fp32', recompute='none'")
@@ -211,19 +240,21 @@ def _check_config(c: Config) -> None:
         raise ValueError(f"config {c.label()}: the mesh runs schedule 'gpipe' or '1f1b', not {c.schedule!r}")
 
 
-def _predict_memory(shape, c: Config, batch: int) -> dict | None:
+def _predict_memory(shape, c: Config, batch: int) -> list[dict] | None:
+    """Predicted bytes by category for each of the 4 ranks (a rank's pipeline stage decides)."""
     try:
-        from workbench.advise.memory import memory_per_device
+        from workbench.advise.memory import memory_by_rank
     except ImportError:
         return None
-    return memory_per_device(shape, c, batch)
+    stages = memory_by_rank(shape, c, batch)
+    return [stages[r // (c.dp * c.tp)] for r in range(c.devices)]
 
 
 def _worst(values: list[float]) -> float:
     return max(values) if values else float("nan")
 
 
-def validate(settings=None, *, trials: int = 5, steps: int = 1, warmup: int = 2, progress=print) -> list[dict]:
+def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2, progress=print) -> list[dict]:
     """Run every setting (default :data:`SETTINGS`) and return one row per configuration: the
     prediction, the measurement, their errors, and per setting whether the predicted best is the
     measured best (within 5%). ``progress``: called with a line per setting (None: quiet)."""
@@ -258,15 +289,7 @@ def validate(settings=None, *, trials: int = 5, steps: int = 1, warmup: int = 2,
             pm = _predict_memory(shape, c, setting.batch)
             if pm is not None:
                 row["memory_predicted"] = pm
-                errors = {}
-                for cat in MEMORY_CATEGORIES:
-                    worst = _worst(mem[cat])
-                    errors[cat] = (pm[cat] / worst - 1) if worst else (0.0 if not pm[cat] else math.inf)
-                state = sum(_worst(mem[cat]) for cat in ("parameters", "gradients", "optimizer"))
-                errors["model_state"] = sum(pm[cat] for cat in ("parameters", "gradients", "optimizer")) / state - 1
-                total = max(sum(mem[cat][r] for cat in MEMORY_CATEGORIES) for r in range(WORLD))
-                errors["total"] = pm["total"] / total - 1
-                row["memory_error"] = errors
+                row["memory_error"] = memory_errors(pm, mem)
             these.append(row)
         best_pred = min(these, key=lambda r: r["predicted_s"])
         best_meas = min(these, key=lambda r: r["measured_s"])
@@ -281,6 +304,31 @@ def validate(settings=None, *, trials: int = 5, steps: int = 1, warmup: int = 2,
             progress(report(these, title=f"setting {k + 1}/{len(settings)}: {setting.label()}, load average "
                                          f"{load:.2f}, {time.time() - start:.0f} s"))
     return rows
+
+
+def memory_errors(predicted: list[dict], measured: dict[str, list[float]]) -> dict[str, float]:
+    """Relative errors, predicted / measured - 1, each the worst over the ranks (largest in size):
+    per category, model state (parameters + gradients + optimizer) and the total."""
+    def err(p: float, m: float) -> float:
+        return (p / m - 1) if m else (0.0 if not p else math.inf)
+
+    out = {}
+    ranks = range(len(predicted))
+    state = ("parameters", "gradients", "optimizer")
+    for cat in MEMORY_CATEGORIES:
+        out[cat] = max((err(predicted[r][cat], measured[cat][r]) for r in ranks), key=abs)
+    # Adam's step counter (a 4-byte tensor per tensor it updates) is the one part of the state the
+    # formulas leave out: measured beside the state, and added to the prediction here
+    counters = measured.get("step_counters", [0.0] * len(predicted))
+    out["model_state"] = max((err(sum(predicted[r][c] for c in state) + counters[r],
+                                  sum(measured[c][r] for c in state)) for r in ranks), key=abs)
+    # MemoryMeter files what no code tags (ZeRO-3's gathered units, received messages) under
+    # activations: the two transient categories together compare like with like
+    out["activations+buffers"] = max((err(predicted[r]["activations"] + predicted[r]["buffers"],
+                                          measured["activations"][r] + measured["buffers"][r]) for r in ranks), key=abs)
+    out["total"] = max((err(sum(predicted[r][c] for c in MEMORY_CATEGORIES),
+                            sum(measured[c][r] for c in MEMORY_CATEGORIES)) for r in ranks), key=abs)
+    return out
 
 
 def summary(rows: list[dict]) -> dict:
@@ -298,7 +346,8 @@ def summary(rows: list[dict]) -> dict:
     if mem:
         out["memory_rows"] = len(mem)
         out["model_state_exact"] = sum(abs(r["memory_error"]["model_state"]) < 1e-9 for r in mem)
-        out["activations_within_5"] = sum(abs(r["memory_error"]["activations"]) <= ACTIVATION_TOLERANCE for r in mem)
+        out["activations_within_5"] = sum(abs(r["memory_error"]["activations+buffers"]) <= ACTIVATION_TOLERANCE
+                                          for r in mem)
         out["total_within_3"] = sum(abs(r["memory_error"]["total"]) <= MEMORY_TOLERANCE for r in mem)
     return out
 
@@ -312,17 +361,18 @@ def report(rows: list[dict], title: str = "") -> str:
         line = {"config": r["config"], "pred": r["predicted_s"] * 1e3, "meas": r["measured_s"] * 1e3,
                 "err": 100 * r["time_error"], "compute": p["compute"] * 1e3, "tp": p["tp"] * 1e3, "dp": p["dp"] * 1e3,
                 "pp": p["pp"] * 1e3, "bubble": p["bubble"] * 1e3,
-                "mem": max(sum(r["memory_measured"][c][k] for c in MEMORY_CATEGORIES) for k in range(WORLD)) / 2**20}
+                "mem": max(sum(r["memory_measured"][c][k] for c in MEMORY_CATEGORIES)
+                           for k in range(len(r["memory_measured"]["parameters"]))) / 2**20}
         if "memory_error" in r:
-            line["mem_pred"] = r["memory_predicted"]["total"] / 2**20
+            line["mem_pred"] = max(sum(p[c] for c in MEMORY_CATEGORIES) for p in r["memory_predicted"]) / 2**20
             line["state_err"] = 100 * r["memory_error"]["model_state"]
-            line["act_err"] = 100 * r["memory_error"]["activations"]
+            line["act_err"] = 100 * r["memory_error"]["activations+buffers"]
         table.append(line)
     text = _common.format_table(table, [
         ("config", "configuration", "s"), ("pred", "pred ms", "{:.1f}"), ("meas", "meas ms", "{:.1f}"),
         ("err", "err %", "{:+.0f}"), ("compute", "compute", "{:.1f}"), ("tp", "tp", "{:.1f}"), ("dp", "dp", "{:.1f}"),
         ("pp", "pp", "{:.1f}"), ("bubble", "bubble", "{:.1f}"), ("mem_pred", "pred MiB", "{:.2f}"),
-        ("mem", "meas MiB", "{:.2f}"), ("state_err", "state err %", "{:+.2f}"), ("act_err", "act err %", "{:+.1f}")],
+        ("mem", "meas MiB", "{:.2f}"), ("state_err", "state err %", "{:+.2f}"), ("act_err", "act+buf err %", "{:+.1f}")],
         title=title)
     if rows:
         r = rows[0]
@@ -337,8 +387,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"run the first N of the {len(SETTINGS)} settings (default all)")
     parser.add_argument("--validate-trials", type=int, default=5, metavar="T",
                         help="interleaved timing trials per configuration (default 5)")
-    parser.add_argument("--validate-steps", type=int, default=1, metavar="S",
-                        help="training steps per trial (default 1)")
+    parser.add_argument("--validate-steps", type=int, default=2, metavar="S",
+                        help="training steps per trial (default 2)")
     parser.add_argument("--validate-json", default=None, metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--validate-plot", default=None, metavar="FILE",
                         help="draw predicted against measured step time (png)")
@@ -348,7 +398,7 @@ def main(args: argparse.Namespace) -> int:
     """``workbench advise --validate``: run, print, and return 0 if the issue's figures are met."""
     n = getattr(args, "validate_settings", None)
     trials = getattr(args, "validate_trials", 5)
-    steps = getattr(args, "validate_steps", 1)
+    steps = getattr(args, "validate_steps", 2)
     for name, value in (("--validate-trials", trials), ("--validate-steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a whole number >= 1")
@@ -363,8 +413,9 @@ def main(args: argparse.Namespace) -> int:
           f"(mean absolute error {s['time_mape']:.1%})")
     print(f"# predicted best = measured best (within {BEST_TOLERANCE:.0%}): {s['best_ok']}/{s['settings']} settings")
     if "memory_rows" in s:
-        print(f"# memory: model state exact {s['model_state_exact']}/{s['memory_rows']}, activations within 5% "
-              f"{s['activations_within_5']}/{s['memory_rows']}, total within 3% {s['total_within_3']}/{s['memory_rows']}")
+        n = s["memory_rows"]
+        print(f"# memory: model state exact {s['model_state_exact']}/{n}, activations (+ buffers) within 5% "
+              f"{s['activations_within_5']}/{n}, total within 3% {s['total_within_3']}/{n}")
     path = getattr(args, "validate_json", None)
     if path:
         with open(path, "w") as f:
@@ -393,11 +444,20 @@ def figure(rows: list[dict], ax=None):
     ax.plot(xs, xs, color="k", lw=1)
     for topo, marker in ((None, "o"), ("2 nodes", "s")):
         sel = [r for r in rows if (r["topology"] is None) == (topo is None)]
-        ax.scatter([r["measured_s"] * 1e3 for r in sel], [r["predicted_s"] * 1e3 for r in sel], marker=marker,
-                   label="1 node" if topo is None else "2 emulated nodes")
+        if sel:
+            ax.scatter([r["measured_s"] * 1e3 for r in sel], [r["predicted_s"] * 1e3 for r in sel], marker=marker,
+                       label="1 node" if topo is None else "2 emulated nodes")
+    from matplotlib.ticker import ScalarFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("measured ms per step")
     ax.set_ylabel("predicted ms per step")
+    loads = [r["load"] for r in rows]
+    ax.set_title(f"step time, {len(rows)} configurations (load average {min(loads):.1f}-{max(loads):.1f})",
+                 fontsize=9)
     ax.legend(fontsize=8)
     return ax.figure
