@@ -235,10 +235,8 @@ display(widgets.interactive(explore, {"manual": True, "manual_name": "advise"}, 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-SAMPLE = [validate.Setting("tiny", 16, None, (validate._c(dp=4), validate._c(dp=2, tp=2),
-                                              validate._c(pp=4, m=4))),
-          validate.Setting("tiny", 16, validate.DEFAULT_TOPOLOGY, (validate._c(dp=4), validate._c(dp=2, tp=2),
-                                                                   validate._c(pp=4, m=4)))]
+QUICK = (Config(dp=4), Config(dp=2, tp=2), Config(pp=4, microbatches=4))
+SAMPLE = [validate.Setting("tiny", 16, None, QUICK), validate.Setting("tiny", 16, validate.DEFAULT_TOPOLOGY, QUICK)]
 if FOUR:
     rows = validate.validate(SAMPLE, trials=3, progress=None)
     for k, setting in enumerate(SAMPLE):
@@ -251,13 +249,30 @@ else:
     print("skipped: the runs need 4 ranks")
 
 # %%
+STATE = ("parameters", "gradients", "optimizer")
+
+
+def memory_check(row):
+    """Per rank: predicted against measured model state (bytes), and activations + buffers (the meter
+    files what no code tags under activations, so the two transient categories are compared together)."""
+    pred, meas = row["memory_predicted"], row["memory_measured"]
+    ranks = range(len(pred))
+    state = [(sum(pred[k][c] for c in STATE), sum(meas[c][k] for c in STATE)) for k in ranks]
+    transient = max(((pred[k]["activations"] + pred[k]["buffers"]) / (meas["activations"][k] + meas["buffers"][k]) - 1
+                     for k in ranks), key=abs)
+    return state, transient
+
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 if rows:
     s = validate.summary(rows)
+    exact = sum(all(p == m for p, m in memory_check(r)[0]) for r in rows)
+    within = sum(abs(memory_check(r)[1]) <= 0.05 for r in rows)
     show.markdown(
         f"Over {s['configurations']} configurations: step time within 15% for **{s['time_within_15']}**, "
         f"mean absolute error **{s['time_mape']:.0%}** (load average {s['load']:.1f}); model state predicted "
-        f"exactly for **{s['model_state_exact']}**, activations within 5% for **{s['activations_within_5']}**; "
+        f"to the byte on every rank for **{exact}**, activations and buffers within 5% for **{within}**; "
         f"the predicted best was the measured best (or within 5%) in **{s['best_ok']} of {s['settings']}** settings.")
 
 # %% [markdown]
@@ -272,8 +287,9 @@ if rows:
 #   names why (the network's slowdown, or the pipeline's one message per micro-batch across nodes);
 # * the fast node and the slow cluster get different answers, and on the fast node no pipeline;
 # * every plan ranked feasible fits its device, and is ranked by time;
-# * with 4 ranks: the model state predicted for every run equals the measured one exactly, and the
-#   activations within 10% (the issue's 5% on the plain layouts; pipelines miss by more here).
+# * with 4 ranks: the model state predicted for every run and rank equals the measured one to the
+#   byte, and activations with buffers within 10% (the issue asks 5%; a pipeline's middle stages
+#   miss by more than that on this tiny model).
 
 # %%
 assert best_slow.feasible and best_slow.config.tp <= slow.devices_per_node
@@ -286,7 +302,8 @@ for plans, cluster in ((plans_fast, fast), (plans_slow, slow)):
     assert all(p.memory["total"] <= cluster.memory_bytes for p in feasible)
     assert [p.time["total"] for p in feasible] == sorted(p.time["total"] for p in feasible)
 for r in rows:
-    assert abs(r["memory_error"]["model_state"]) < 1e-9, r["config"]
-    assert abs(r["memory_error"]["activations"]) <= 0.10, (r["config"], r["memory_error"])
+    state, transient = memory_check(r)
+    assert all(p == m for p, m in state), (r["config"], state)
+    assert abs(transient) <= 0.10, (r["config"], transient)
 print("check passed: TP inside nodes on the slow network, the choice explained"
       + (", memory predicted for every run" if rows else f" (runs skipped in a world of {WORLD})"))
