@@ -43,8 +43,10 @@ Adam's 4-byte step counter per tensor it updates.
   selective) also backward's working set that ``activation_bytes`` leaves out ("a few percent;
   measured, not modelled"): the gradient flowing in, the MLP's ``ffn``-wide gradient (GELU's
   input gradient replaces its saved output) and, with sequence parallelism, the re-gathered
-  input, ``e (sbh/r + sb ffn/t [+ sbh])``, less what the head has freed by then on the last stage
-  (``r``: ``t`` with sequence parallelism). On GPT tiny and small (one process) this puts the
+  input, ``e (sbh/r + sb ffn/t [+ sbh])``, and when gradients accumulate over micro-batches
+  the new gradient of the largest weight (``h ffn / t`` elements) before it is added to
+  ``.grad``, less what the head has freed by then on the last stage (``r``: ``t`` with sequence
+  parallelism). On GPT tiny and small (one process) this puts the
   prediction within 0.5% of ``MemoryMeter``'s peak (it was 2-4% under).
 
 A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with sequence
@@ -190,6 +192,8 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
         # (sequence parallel) the re-gathered input, beside everything kept; on the last stage the
         # head has freed its own tensors (all but the caller's logits) by then
         work = e * (sbh / rep + sb * shape.ffn / t + (sbh if sp else 0.0))
+        if config.microbatches > 1:   # accumulating: a weight's new gradient exists beside its .grad
+            work += (4 if config.precision == "fp32" else 2) * shape.hidden * shape.ffn / t
         if last:
             work = max(0.0, work - (edge - logits))
         peak = max(peak, kept + work)
