@@ -195,10 +195,10 @@ def _launch(setting: Setting, trials: int, steps: int, warmup: int, calibrate: b
     return out
 
 
-def _calibration_rows(setting: Setting) -> tuple[int, int]:
-    """The block's line is timed at one row and at the largest micro-batch of the setting."""
-    big = max(setting.batch // c.dp // max(1, c.microbatches) for c in setting.configs)
-    return (1, max(4, big))
+def _calibration_rows(setting: Setting) -> tuple[int, ...]:
+    """The block's line is timed at one row and at every micro-batch size of the setting."""
+    sizes = {setting.batch // c.dp // max(1, c.microbatches) for c in setting.configs}
+    return tuple(sorted({1, max(2, max(sizes))} | sizes))
 
 
 # ============================================================================= the parent
