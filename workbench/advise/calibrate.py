@@ -8,23 +8,25 @@ each probe once per call of :meth:`Calibration.once`, so that :mod:`workbench.ad
 can call it as one more candidate of its interleaved trials; :meth:`Calibration.result` takes
 each probe's median. :func:`calibrate` does the same on its own (``workbench advise --calibrate``).
 
-What is measured (every rank runs the same probes; "alone": rank 0 computes while the others
-wait in a barrier, asleep; "all": every rank at once)
+What is measured (every rank runs the same probes at once, as in the runs; the one exception,
+"alone", is rank 0 computing while the others wait in a barrier, asleep)
 ----------------------------------------------------------------------------------------------
-``flops``                 a matmul shaped like the model's MLP, ``(rows s, h) @ (h, 4h)``, in
-                          bfloat16 (``flops``) and float32 (``fp32_flops``): the FLOP/s one rank
-                          achieves with the machine to itself (timed with every rank busy, then
-                          scaled by the share of the cores each had).
-``layer``                 one transformer block's forward + backward on ``r1`` and ``r2`` rows,
-                          alone: a straight line in the tokens. Its intercept is the fixed cost
+Each number is turned into what one rank achieves with the machine to itself (times
+``world / cores``, the share of the cores each rank had), which is what
+:mod:`workbench.advise.timing` expects.
+
+``flops``                 a matmul shaped like the model's MLP, ``(r2 s, h) @ (h, 4h)``, in
+                          bfloat16 (``flops``) and float32 (``fp32_flops``).
+``layer``                 one transformer block's forward + backward on each of ``rows``: a
+                          straight line in the tokens (least squares). Its intercept is the fixed cost
                           per layer and micro-batch (``layer_overhead_s``: Python, dispatch); its
                           slope, less the matmuls' FLOPs at ``flops``, is the memory-bound work
                           (norms, GELU, softmax, residual adds, copies), charged per byte of the
                           activations the layer keeps (``activation_s_per_byte``; the bytes of
                           :func:`workbench.parallel.tensor.activation_bytes_per_layer`, which
                           shrink with tensor and sequence parallelism as that work does).
-``cores``                 the same block on ``r2`` rows on every rank at once: ``world x alone /
-                          all`` is how many ranks' worth of compute the machine runs at once
+``cores``                 the block on ``r2`` rows alone and on every rank at once: ``world x
+                          alone / all`` is how many ranks' worth of compute the machine runs at once
                           (2 on an idle 2-core machine; less when other work shares it).
                           :mod:`workbench.advise.timing` shares them among the ranks computing
                           at each moment, so a pipeline stage working alone in a bubble runs
@@ -113,8 +115,9 @@ class Calibration:
     """The probes, run inside every rank of a launch: ``once()`` times each probe once (a
     collective: call it on every rank), ``result()`` gives the medians (the same on every rank).
 
-    ``model``: the GPT whose blocks are timed (a :class:`GPTConfig` or preset); ``rows``: the two
-    row counts of the block's line (``r1 < r2``; use the micro-batch sizes the runs use);
+    ``model``: the GPT whose blocks are timed (a :class:`GPTConfig` or preset); ``rows``: two or
+    more row counts of the block's line (use the micro-batch sizes the runs use; the smallest is
+    ``r1``, the largest ``r2``);
     ``sizes``: message sizes for the comm probes; ``iterations``: the fewest calls per timing, more
     where they take less than ``budget_s`` (up to 200).
     """
@@ -127,11 +130,14 @@ class Calibration:
         from workbench.models import GPT
         from workbench.models.gpt import Block
 
-        r1, r2 = rows
-        if not (isinstance(r1, int) and isinstance(r2, int) and 1 <= r1 < r2):
-            raise ValueError(f"Calibration(rows={rows!r}): give two row counts r1 < r2, both >= 1")
+        rows = tuple(sorted(set(rows))) if isinstance(rows, (tuple, list)) else rows
+        if not isinstance(rows, tuple) or len(rows) < 2 or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rows):
+            raise ValueError(f"Calibration(rows={rows!r}): give two or more different row counts >= 1 "
+                             "(the micro-batch sizes the runs use), e.g. (1, 4)")
+        r1, r2 = rows[0], rows[-1]
         self.config = _gpt_config(model)
-        self.rows, self.iterations = (r1, r2), iterations
+        self.rows, self.iterations = rows, iterations
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         c = self.config
         g = torch.Generator().manual_seed(seed)
@@ -226,9 +232,10 @@ class Calibration:
         """Every probe once (call on every rank)."""
         from workbench.comm import cost
 
-        r1, r2 = self.rows
+        r1, r2 = self.rows[0], self.rows[-1]
         layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
         probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
+                  **{f"layer_rows{r}": ((lambda r=r: self._layer(r)), False) for r in self.rows[1:-1]},
                   "matmul": (self._matmul, False), "matmul_bf16": (self._matmul_bf16, False),
                   "model_r1": (self._model, False),
                   "adam_flat": (self.flat_opt.step, False), "adam_model": (self._gpt_step, False),
@@ -258,7 +265,7 @@ def max_over(value: float) -> float:
     return float(t[0])
 
 
-def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_size: int,
+def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_size: int,
                  topology: Topology | None = None, *, load: float = float("nan")) -> CalibratedCluster:
     """The :class:`CalibratedCluster` the probes' medians (``Calibration.result()``) describe."""
     from workbench.advise.timing import flops_per_token
@@ -266,7 +273,8 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
     from workbench.parallel.tensor import activation_bytes_per_layer
 
     c = _gpt_config(config)
-    r1, r2 = rows
+    rows = tuple(sorted(set(rows)))
+    r1, r2 = rows[0], rows[-1]
     s, h, a = c.block_size, c.n_embd, c.n_head
     # everything was timed with every rank busy; one rank alone runs ``crowd`` times faster
     cores = min(float(world_size), max(1.0, world_size * result["layer_r2_alone"] / result["layer_r2"]))
@@ -274,8 +282,14 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, int], world_
     flops = crowd * 2 * r2 * s * h * 4 * h / result["matmul"]
     flops16 = crowd * 2 * r2 * s * h * 4 * h / result["matmul_bf16"] if "matmul_bf16" in result else flops
     # one block's forward + backward: t(rows) = overhead + rows s (FLOPs/token / flops + bytes/token x c)
-    slope = (result["layer_r2"] - result["layer_r1"]) / ((r2 - r1) * s) / crowd
-    overhead = max(0.0, result["layer_r1"] / crowd - r1 * s * slope)
+    # least squares through every row count timed (the smallest and largest, and any between)
+    points = [(r * s, result["layer_r1"] if r == r1 else result["layer_r2"] if r == r2 else result[f"layer_rows{r}"])
+              for r in rows]
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    overhead = max(0.0, (my - slope * mx) / crowd)
+    slope = max(slope, 0.0) / crowd
     shape = _shape(c)
     per_token_flops = flops_per_token(shape)["layer"]
     act_per_token = activation_bytes_per_layer(1, s, h, a) / s
@@ -351,7 +365,7 @@ def _run(model, rows, trials: int, topology) -> dict:
 
 
 def calibrate(world_size: int = 4, topology: Topology | str | None = None, *, model="small",
-              rows: tuple[int, int] = (1, 4), trials: int = 5, launch_kwargs: dict | None = None) -> CalibratedCluster:
+              rows: tuple[int, ...] = (1, 2, 4), trials: int = 5, launch_kwargs: dict | None = None) -> CalibratedCluster:
     """Measure this machine with ``world_size`` ranks (on ``topology``'s emulated links, if given)
     and return it as a :class:`CalibratedCluster`; ``model``: the GPT whose blocks are timed;
     ``trials``: calls of every probe (the median is kept)."""

@@ -64,7 +64,8 @@ by it (``cost._ring_on_links``).
 * ``pp``: one message of ``(b/m) s h e`` bytes (``/ t`` with sequence parallelism) per
   micro-batch, direction and stage boundary. On the critical path: the first micro-batch's
   ``p-1`` boundaries forward and back, and one forward and one backward message for each of
-  the other ``m-1``: ``2 (m + p - 2)`` messages on the slowest boundary's link; plus the tied
+  the other ``m-1`` on the slowest boundary: ``2 sum_k c_k + 2 (m-1) max_k c_k``, ``c_k`` a
+  message's time on the link boundary ``k`` crosses; plus the tied
   embedding's gradient exchanged between the first and the last stage, the loss broadcast, and
   the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
   ranks up before the step and gathers the measured timeline after it).
@@ -237,11 +238,12 @@ def _schedule(config: Config, p: int, m: int):
     return plans.zbv(p, m), 2 * p, "v"
 
 
-def simulate(actions, num_stages: int, work: dict, comm: dict, *, message: float = 0.0, style: str = "loop",
+def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, style: str = "loop",
              cores: float | None = None, replicas: int = 1) -> dict:
     """Replay a schedule's per-rank action lists with each action's ``work[(kind, stage)]`` seconds of
     compute (at one rank's full speed) followed by ``comm[(kind, stage)]`` seconds of tensor-parallel
-    communication, and ``message`` seconds for an activation or gradient to reach another rank.
+    communication, and ``message`` seconds for an activation or gradient to reach another rank
+    (one number, or one per stage boundary: ``message[k]`` between stages ``k`` and ``k + 1``).
 
     ``cores``: the machine runs at most this many ranks' compute at once, shared evenly among the
     ranks computing at each moment (processor sharing; each pipeline rank stands for ``replicas``
@@ -253,6 +255,7 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message: float
     ranks = len(actions)
     owner = stage_to_rank(num_stages, ranks, style)
     split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+    hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
     done: dict[tuple, float] = {}
     pos = [0] * ranks
     state = ["idle"] * ranks          # idle, compute, comm
@@ -274,7 +277,7 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message: float
         for d in deps(a):
             if d not in done:
                 return None
-            t = max(t, done[d] + (message if owner[d[1]] != r else 0.0))
+            t = max(t, done[d] + (hop[min(d[1], a.stage)] if owner[d[1]] != r else 0.0))
         return t
 
     left = sum(len(a) for a in actions)
@@ -364,11 +367,13 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     slowest = max(per_rank, key=lambda r: r["compute"] * crowd + r["tp"])
 
     # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
-    boundary = pp_extra = 0.0
+    hops, pp_extra = [0.0], 0.0
     if p > 1:
         msg = rows * s * h * e / (t if config.sequence_parallel else 1)
-        boundary = _sync(cluster, 2) + max(
-            _link_time(groups["pp"][k], groups["pp"][k + 1], dpn, intra, inter, machine, msg) for k in range(p - 1))
+        owner = stage_to_rank(num_stages, p, style)
+        hops = [0.0 if owner[k] == owner[k + 1] else _sync(cluster, 2) + _link_time(
+            groups["pp"][owner[k]], groups["pp"][owner[k + 1]], dpn, intra, inter, machine, msg)
+            for k in range(num_stages - 1)]
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
@@ -377,7 +382,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         # it (an all-reduce of one float, two small all-gathers): part of what it costs here
         pp_extra += PIPELINE_STEP_COLLECTIVES * (cost.predict("all_reduce", "native", 8, p, machine,
                                                               topology=topo["pp"]) + _sync(cluster, p))
-    critical_messages = 2 * (m + p - 2) * boundary if p > 1 else 0.0
+    critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
 
     if p > 1 and cores:
         # the schedule replayed with the machine's cores shared among the ranks computing
@@ -386,7 +391,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
             f = st["compute"] / 3
             work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f, 2 * f, f, f
             comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = st["tp_f"], st["tp_b"], st["tp_b"], 0.0
-        sim = simulate(actions, num_stages, work, comm, message=boundary, style=style, cores=cores,
+        sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=cores,
                        replicas=d * t)
         r = max(range(p), key=lambda i: sim["busy"][i])
         compute, tp_total = sim["compute"][r], sim["comm"][r]

@@ -195,10 +195,10 @@ def _launch(setting: Setting, trials: int, steps: int, warmup: int, calibrate: b
     return out
 
 
-def _calibration_rows(setting: Setting) -> tuple[int, int]:
-    """The block's line is timed at one row and at the largest micro-batch of the setting."""
-    big = max(setting.batch // c.dp // max(1, c.microbatches) for c in setting.configs)
-    return (1, max(4, big))
+def _calibration_rows(setting: Setting) -> tuple[int, ...]:
+    """The block's line is timed at one row and at every micro-batch size of the setting."""
+    sizes = {setting.batch // c.dp // max(1, c.microbatches) for c in setting.configs}
+    return tuple(sorted({1, max(2, max(sizes))} | sizes))
 
 
 # ============================================================================= the parent
@@ -296,7 +296,7 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
         ok = best_pred["measured_s"] <= (1 + BEST_TOLERANCE) * best_meas["measured_s"]
         for r in these:
             r.update(best_predicted=best_pred["config"], best_measured=best_meas["config"], best_ok=ok,
-                     calibration={k2: getattr(cluster, k2) for k2 in ("flops", "cores", "sync_s", "layer_overhead_s",
+                     calibration={k2: getattr(cluster, k2) for k2 in ("fp32_flops", "flops", "cores", "sync_s", "layer_overhead_s",
                                                                      "microbatch_overhead_s", "step_overhead_s",
                                                                      "update_s_per_param", "activation_s_per_byte")})
         rows += these
