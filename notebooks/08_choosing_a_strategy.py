@@ -173,11 +173,13 @@ show.markdown(
 # %% [markdown]
 # The answer the field gives, now with numbers for this model: traffic per step decides where
 # each dimension goes. Tensor parallelism exchanges `b s h` activations four times per layer and
-# micro-batch, so it stays on NVLink; a pipeline sends one message per micro-batch and stage
-# boundary, the least traffic of any split, so it is the one to put across a slow network; data
-# parallelism moves every gradient once per step, overlapped with backward, in between. On one
-# node of fast links, when ZeRO-3 makes the model fit, data parallelism alone does no extra work
-# per device and hides its traffic: nothing else is needed.
+# micro-batch, so it stays on NVLink. What may cross the slow network is the cheaper of the other
+# two: a pipeline's one message per micro-batch and stage boundary (plus the bubble it brings), or
+# data parallelism's gradients, sent once per step and overlapped with backward (the more
+# micro-batches a step accumulates, the less they weigh). Which one wins depends on the model and
+# the batch; the table, the figure and the explanation above say which, and by how much. On one
+# node of fast links, when ZeRO sharding makes the model fit, data parallelism alone adds no work
+# per device and hides most of its traffic: that is the first thing to try.
 #
 # ## 5. Explorer
 #
