@@ -3,6 +3,7 @@
 ``workbench compare``            the main job: every registered strategy on one model, one report
 ``workbench bench NAME [...]``   a benchmark; NAME is a module ``workbench.bench.NAME`` exposing
                                  ``add_arguments(parser)`` and ``main(args) -> int``
+``workbench advise [...]``       choose the strategy for a model and a cluster (``workbench.advise.cli``)
 
 Each sub-command lives in its own module so that a reader finds the code of a job by its name.
 """
@@ -37,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
         bp = bsub.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
         module.add_arguments(bp)
         bp.set_defaults(run=module.main)
+
+    from workbench.advise import cli as advise_cli
+
+    a = sub.add_parser("advise", help="predict memory and step time of every strategy for a model and a cluster, "
+                                      "rank them and explain the choice")
+    advise_cli.add_arguments(a)
+    a.set_defaults(run=advise_cli.main)
     return parser
 
 

@@ -22,6 +22,16 @@ Files, one idea each:
 ``choose``     :func:`advise`: predict every configuration, rank, explain the choice
 ``calibrate``  measure this machine (matmul rate, link costs) into a :class:`Cluster`
 ``validate``   run a sample of configurations here and put measured beside predicted
+``figure``     every plan's predicted time against its memory; the best plans' breakdowns
 ``cli``        ``workbench advise``: table, JSON, figure
 =============  ==================================================================================
 """
+from workbench.advise.cluster import Cluster
+from workbench.advise.plan import MEMORY_CATEGORIES, TIME_PARTS, Config, Plan
+from workbench.advise.shape import ModelShape
+from workbench.advise.memory import memory_per_device
+from workbench.advise.space import configurations, infeasible_reason
+from workbench.advise.choose import advise, predict
+
+__all__ = ["advise", "predict", "Cluster", "Config", "Plan", "ModelShape", "MEMORY_CATEGORIES", "TIME_PARTS",
+           "memory_per_device", "configurations", "infeasible_reason"]

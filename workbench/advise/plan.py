@@ -34,7 +34,7 @@ class Config:
     pp: int = 1
     zero: int = 0                    # ZeRO stage over dp: 0 (DDP), 1, 2, 3 (FSDP)
     schedule: str = "1f1b"           # pipeline schedule when pp > 1: "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"
-    microbatches: int = 1            # per data-parallel rank (the pipeline's m); 1 when pp == 1
+    microbatches: int = 1            # per data-parallel rank: the pipeline's m; with pp == 1, gradient-accumulation steps
     sequence_parallel: bool = False  # needs tp > 1
     precision: str = "fp32"          # "fp32", "bf16" (bf16 compute, fp32 masters), "fp16"
     recompute: str = "none"          # "none", "selective", "full"
@@ -50,6 +50,8 @@ class Config:
             parts.append(f"zero{self.zero}")
         if self.pp > 1:
             parts.append(f"{self.schedule} m{self.microbatches}")
+        elif self.microbatches > 1:
+            parts.append(f"accum m{self.microbatches}")
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(self.precision)
@@ -70,8 +72,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # the facts explain() draws on
 
     def explain(self) -> str:
-        """Why this plan, in plain words (filled in by :mod:`workbench.advise.choose`)."""
-        raise NotImplementedError("explain() is written in workbench.advise.choose")
+        """Why this plan, in plain words: the deciding facts (see :func:`workbench.advise.choose.explain`)."""
+        from workbench.advise.choose import explain
+
+        return explain(self)
 
     def as_dict(self) -> dict:
         d = asdict(self)

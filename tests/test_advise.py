@@ -1,0 +1,348 @@
+"""``workbench.advise``: shapes, clusters, memory per device, the space, the choice and its explanation, the CLI.
+
+Single process, no ranks: the parameter counts against the real GPT (whole, tensor-parallel
+formula, pipeline stages as ``partition`` cuts them) and the published Llama counts; memory
+against the formulas the strategies were checked against and against ``model_state_bytes`` /
+``MemoryMeter`` on the real model; the pipelines' live micro-batches; every infeasibility rule;
+the explanation naming the deciding fact on a single fast node and on many nodes behind a slow
+network; the ``workbench advise`` command (text, JSON, figure, and its delegation to the
+calibrate/validate modules). Runs measured against predicted at world 2 and 4 are in
+tests/test_advise_validate.py.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from workbench.advise import Cluster, Config, ModelShape, advise, configurations, infeasible_reason, \
+    memory_per_device, predict
+from workbench.advise.cluster import GiB
+from workbench.advise.memory import activation_bytes_per_microbatch, memory_by_rank
+from workbench.comm import Link
+from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench.models import GPT, GPTConfig
+from workbench.parallel.pipeline import partition
+from workbench.parallel.recompute import activation_bytes
+from workbench.parallel.tensor import activation_bytes_per_layer, parameters_per_rank
+from workbench.parallel.zero_memory import model_state_per_rank
+
+GPT_VARIANTS = [GPTConfig.preset("tiny"), GPTConfig.preset("small"), GPTConfig.preset("medium"),
+                GPTConfig.preset("tiny", bias=False), GPTConfig.preset("tiny", tie_weights=False, vocab_size=67)]
+
+
+def _cluster(devices_per_node=4, nodes=1, memory_gib=80.0, inter_GBps=5.0):
+    return Cluster(nodes=nodes, devices_per_node=devices_per_node, memory_bytes=memory_gib * GiB, flops=100e12,
+                   intra=Link(2e-6, 100e9), inter=Link(10e-6, inter_GBps * 1e9), name="test")
+
+
+# ----------------------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("config", GPT_VARIANTS, ids=lambda c: f"L{c.n_layer}h{c.n_embd}b{c.bias}t{c.tie_weights}")
+def test_parameter_count_is_the_real_gpts_whole_per_tp_rank_and_per_stage(config):
+    shape = ModelShape.from_gpt(config)
+    model = GPT(config)
+    assert shape.parameters() == sum(p.numel() for p in model.parameters()) == model.num_parameters()
+    for t in (2, 4):
+        assert shape.parameters(tp=t) == parameters_per_rank(config, t)
+    for pp in (2, 3):
+        if pp > config.n_layer:
+            continue
+        stages = partition(GPT(config), pp)
+        # each stage's own parameters; a tied embedding is held by the first and the last stage
+        assert [shape.stage_parameters(pp, s) for s in range(pp)] == \
+            [sum(p.numel() for p in st.parameters()) for st in stages]
+
+
+def test_llama_presets_have_the_published_counts():
+    published = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama-70b": 68_976_648_192,
+                 "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+    for name, count in published.items():
+        shape = ModelShape.preset(name)
+        assert shape.parameters() == count, name
+        assert shape.source and shape.gated and not shape.tied
+    # tp splits the matrices, keeps the norms: 7B on 8 ranks is a little over 1/8
+    seven = ModelShape.preset("llama-7b")
+    assert seven.parameters() / 8 < seven.parameters(tp=8) < seven.parameters() / 8 * 1.001
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(layers=0), "layers=0"), (dict(hidden=100, heads=3), "multiple of heads"),
+    (dict(kv_heads=3), "kv_heads=3"), (dict(norm="batchnorm"), "norm="), (dict(positions="alibi"), "positions=")])
+def test_bad_shapes_are_named(kwargs, match):
+    base = dict(layers=2, hidden=64, heads=4, vocab=65, seq=16, ffn=256)
+    with pytest.raises(ValueError, match=match):
+        ModelShape(**{**base, **kwargs})
+    with pytest.raises(ValueError, match="unknown"):
+        ModelShape.preset("gpt-5")
+    with pytest.raises(ValueError, match="model="):
+        ModelShape.coerce(3.5)
+
+
+def test_cluster_presets_validation_and_changes():
+    dgx = Cluster.preset("dgx-h100", nodes=4)
+    assert (dgx.devices, dgx.intra.bandwidth_Bps, dgx.inter.bandwidth_Bps) == (32, 450e9, 50e9)
+    assert dgx.link_ratio == 9 and dgx.source and dgx.flops_for("fp32") < dgx.flops_for("bf16")
+    assert Cluster.preset("p4d-a100").link_ratio == 48
+    assert Cluster.preset("a2-ultra-100g").link_ratio > 100
+    with pytest.raises(ValueError, match="nodes=0"):
+        dgx.with_(nodes=0)
+    with pytest.raises(ValueError, match="memory_bytes"):
+        dgx.with_(memory_bytes=-1)
+    with pytest.raises(ValueError, match="intra"):
+        dgx.with_(intra="fast")
+    with pytest.raises(ValueError, match="unknown"):
+        Cluster.preset("my-laptop")
+
+
+# ----------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_state_is_the_zero_formula_of_the_stage_shard(zero, precision):
+    """bf16: the paper's formula exactly; fp32: the formula plus what the strategies hold beyond it
+    (flat buffers padded to a multiple of dp, Adam's 4-byte step counter per tensor it updates)."""
+    shape = ModelShape.preset("small")
+    for dp, tp, pp in ((4, 1, 1), (2, 2, 1), (2, 1, 2), (3, 1, 1)):
+        config = Config(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=pp, precision=precision)
+        rows = memory_by_rank(shape, config, 12)
+        for stage, row in enumerate(rows):
+            psi = shape.stage_parameters(pp, stage, tp)
+            want = model_state_per_rank(psi, dp, zero, "adam", "fp32" if precision == "fp32" else "mixed")
+            got = (row["parameters"], row["gradients"], row["optimizer"])
+            if precision == "bf16":
+                assert got == (want["params"], want["grads"], want["optimizer"])
+                continue
+            tensors = len(shape.stage_tensors(pp, stage, tp))
+            slack = 4 * dp * (tensors + shape.layers + 1)   # padding: under dp elements per bucket or unit
+            assert 0 <= got[0] - want["params"] <= slack and 0 <= got[1] - want["grads"] <= slack
+            assert 0 < got[2] - want["optimizer"] <= 4 * tensors + slack
+            if zero == 0:
+                assert got == (want["params"], want["grads"], want["optimizer"] + 4 * tensors)
+    # float32 Adam, one replica: 16 bytes per parameter and the step counters
+    state = memory_per_device("small", Config(), 8)
+    assert state["parameters"] + state["gradients"] == 8 * shape.parameters()
+
+
+def test_model_state_matches_model_state_bytes_of_the_real_model_and_stages():
+    torch.manual_seed(0)
+    config = GPTConfig.preset("tiny")
+    x, y = (torch.randint(0, 65, (2, config.block_size)) for _ in range(2))
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(x, y)[1].backward()
+    opt.step()
+    measured = model_state_bytes(model, opt)
+    predicted = memory_per_device(config, Config(), 2)
+    assert measured["params"] == predicted["parameters"] and measured["grads"] == predicted["gradients"]
+    assert measured["optimizer"] == predicted["optimizer"]   # Adam's moments and its 4-byte step counters
+    # pipeline stages: each stage's own model state (the tied embedding on both ends)
+    stages = partition(GPT(config), 2)
+    rows = memory_by_rank(config, Config(pp=2, microbatches=2), 4)
+    for stage, row in zip(stages, rows):
+        params = list(stage.parameters())
+        assert sum(p.numel() * 4 for p in params) == row["parameters"]
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_activations_without_parallelism_are_recompute_activation_bytes(precision, dtype, policy):
+    """recompute.activation_bytes's peak, plus (without full recomputation) backward's working set:
+    the gradient flowing in and the MLP's 4h-wide gradient, less the head's freed tensors."""
+    cfg = GPTConfig.preset("small")
+    e = 4 if precision == "fp32" else 2
+    b, s, h, V = 6, cfg.block_size, cfg.n_embd, cfg.vocab_size
+
+    def want(batch, accumulating=False):
+        formula = activation_bytes(cfg, batch, policy=policy, dtype=dtype)
+        if policy == "full":
+            return formula["peak"]
+        sbh, sb = s * batch * h, s * batch
+        work = e * (sbh + sb * 4 * h) - e * (2 * sbh + 2 * sb + sb * V)
+        if accumulating:     # the MLP weight's new gradient beside its .grad
+            work += e * h * 4 * h
+        return max(formula["peak"], formula["kept"] + max(0, work))
+
+    got = memory_per_device(cfg, Config(precision=precision, recompute=policy), b)["activations"]
+    assert got == want(b)
+    # gradient accumulation: each of m micro-batches alone
+    acc = memory_per_device(cfg, Config(dp=1, microbatches=3, precision=precision, recompute=policy), b)
+    assert acc["activations"] == want(2, accumulating=True)
+
+
+def test_activations_measured_on_the_real_model():
+    torch.manual_seed(0)
+    config = GPTConfig.preset("tiny")
+    model = GPT(config)
+    x, y = (torch.randint(0, 65, (4, config.block_size)) for _ in range(2))
+    with MemoryMeter(model, x, y, device="cpu") as meter:
+        model(x, y)[1].backward()
+    predicted = memory_per_device(config, Config(), 4)["activations"]
+    assert abs(meter.peak_by_category["activations"] / predicted - 1) <= 0.02
+
+
+def test_tensor_parallel_layer_is_tensor_py_formula_and_sequence_parallel_shards_the_rest():
+    shape = ModelShape.preset("small")
+    base = activation_bytes_per_microbatch(shape, Config(dp=1, tp=1), 4, 0)["kept"]
+    for sp in (False, True):
+        config = Config(tp=4, sequence_parallel=sp)
+        kept = activation_bytes_per_microbatch(shape, config, 4, 0)["kept"]
+        layers = shape.layers * activation_bytes_per_layer(4, shape.seq, shape.hidden, shape.heads, 4, sp)
+        edge = kept - layers      # final norm, head input, logits: the vocabulary-parallel head's share
+        assert 0 < edge < base - shape.layers * activation_bytes_per_layer(4, shape.seq, shape.hidden, shape.heads)
+    assert activation_bytes_per_microbatch(shape, Config(tp=4, sequence_parallel=True), 4, 0)["kept"] < \
+        activation_bytes_per_microbatch(shape, Config(tp=4), 4, 0)["kept"]
+
+
+def test_pipeline_ranks_keep_the_schedules_live_microbatches():
+    shape = ModelShape.preset("small").with_(layers=8)
+    one = lambda config, stage: activation_bytes_per_microbatch(shape, config, 16, stage)  # noqa: E731
+    for schedule, live in (("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1]), ("zb-h1", [4, 4, 4, 4])):
+        config = Config(pp=4, schedule=schedule, microbatches=8)
+        rows = memory_by_rank(shape, config, 16)
+        logits = 8 * 4 * shape.seq * 2 * shape.vocab   # the last stage keeps every micro-batch's logits
+        for r in range(4):
+            kept, peak = one(config, r)["kept"], one(config, r)["peak"]
+            assert rows[r]["activations"] == live[r] * kept + peak - kept + (logits if r == 3 else 0), (schedule, r)
+    # interleaved: two chunks per rank, each half a stage's layers
+    inter = memory_by_rank(shape, Config(pp=2, schedule="interleaved", microbatches=4), 16)
+    assert len(inter) == 2 and inter[0]["activations"] > inter[1]["activations"]
+
+
+# ----------------------------------------------------------------------------------- the space
+def test_infeasibility_reasons_name_the_rule_and_the_numbers():
+    small, four = "small", _cluster(4)
+    cases = [
+        (Config(dp=1, tp=8), _cluster(8), "does not divide the 4 attention heads"),
+        (Config(dp=2), four, "dp x tp x pp = 2 x 1 x 1 = 2 devices, but the cluster has 1 x 4 = 4"),
+        (Config(dp=1, pp=8, microbatches=8), _cluster(8), "8 pipeline stages but only 4 layers"),
+        (Config(dp=1, pp=4, schedule="1f1b", microbatches=2), four, "1f1b needs at least 4 micro-batches"),
+        (Config(dp=1, pp=4, schedule="interleaved", microbatches=4), four, "8 pipeline stages (4 ranks x 2 chunks)"),
+        (Config(dp=4, microbatches=3), four, "does not split into dp x m = 4 x 3"),
+        (Config(dp=4, zero=0), _cluster(4, memory_gib=0.01), "per device, has 10.24 MiB (largest: "),
+        (Config(dp=1, tp=4, zero=2), four, "dp = 1 has nothing to shard"),
+    ]
+    for config, cluster, want in cases:
+        assert want in infeasible_reason(small, cluster, config, 20), (config, infeasible_reason(small, cluster, config, 20))
+    assert infeasible_reason(small, four, Config(dp=4, zero=1), 20) == ""
+    # a 70B model does not fit one 8 x 40 GB node even fully sharded
+    reason = infeasible_reason("llama-70b", Cluster.preset("p4d-a100"), Config(dp=8, zero=3, precision="bf16",
+                                                                                recompute="full", microbatches=32), 256)
+    assert reason.startswith("needs") and "has 37.25 GiB" in reason
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("schedule", "1f2b", "schedule='1f2b'"), ("zero", 4, "zero=4"), ("precision", "fp8", "precision='fp8'"),
+    ("recompute", "some", "recompute='some'"), ("dp", 0, "dp=0")])
+def test_malformed_configs_raise_naming_field_value_and_choices(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        predict("small", _cluster(4), 8, Config(**{"dp": 4, field: value}))
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        memory_per_device("small", Config(sequence_parallel=True), 8)
+    with pytest.raises(ValueError, match="global_batch=0"):
+        infeasible_reason("small", _cluster(4), Config(dp=4), 0)
+
+
+def test_space_uses_every_device_and_only_structurally_possible_configurations():
+    cluster = _cluster(4, nodes=2)
+    space = configurations("small", cluster, 32)
+    assert space and all(c.devices == 8 for c in space)
+    assert all(ModelShape.preset("small").heads % c.tp == 0 for c in space)
+    assert {c.tp for c in space} == {1, 2, 4} and {c.pp for c in space} == {1, 2, 4}
+    assert not any(c.zero and c.dp == 1 for c in space) and not any(c.sequence_parallel and c.tp == 1 for c in space)
+    narrow = configurations("small", cluster, 32, precisions="bf16", zero=(1,), recompute=("none",), max_tp=2,
+                            tp_across_nodes=False, sequence_parallel=False)
+    assert narrow and all(c.precision == "bf16" and c.tp <= 2 and c.recompute == "none" for c in narrow)
+    with pytest.raises(ValueError, match="precisions="):
+        configurations("small", cluster, 32, precisions=("fp64",))
+
+
+# ----------------------------------------------------------------------------------- the choice
+_NARROW = dict(precisions=("bf16",), zero=(1, 3), schedules=("1f1b",), recompute=("selective", "full"),
+               sequence_parallel=(False,))
+
+
+def test_plans_are_ranked_and_carry_memory_and_time_breakdowns():
+    plans = advise("llama-7b", Cluster.preset("dgx-h100"), 256, **_NARROW)
+    feasible = [p for p in plans if p.feasible]
+    assert feasible and plans[0] is feasible[0]
+    assert [p.time["total"] for p in feasible] == sorted(p.time["total"] for p in feasible)
+    for p in feasible[:5]:
+        assert set(p.memory) == {"parameters", "gradients", "optimizer", "activations", "buffers", "total"}
+        assert p.memory["total"] == pytest.approx(sum(v for k, v in p.memory.items() if k != "total"))
+        assert p.time["total"] == pytest.approx(sum(v for k, v in p.time.items() if k != "total"))
+        assert p.memory["total"] <= Cluster.preset("dgx-h100").memory_bytes
+    assert all(p.reason for p in plans if not p.feasible)
+    assert plans[-1].reason and not plans[-1].feasible
+
+
+def test_explanation_names_the_deciding_fact_on_two_contrasting_clusters():
+    # one node of fast links: ZeRO-3 data parallelism hides its traffic; tensor parallelism would only add
+    one = advise("llama-7b", Cluster.preset("dgx-h100", nodes=1), 256, **_NARROW)[0]
+    assert (one.config.dp, one.config.tp, one.config.pp, one.config.zero) == (8, 1, 1, 3)
+    text = one.explain()
+    assert "DP 8 with ZeRO-3" in text and "slower network" not in text
+    assert "TP 1 rather than TP 2: +" in text and "tensor-parallel communication" in text
+    # eight nodes behind a 100 Gb/s network: tensor parallelism stays inside each node, and says why
+    slow = Cluster.preset("a2-ultra-100g", nodes=8)
+    best = advise("llama-7b", slow, 256, **_NARROW)[0]
+    tp = best.config.tp
+    assert 1 < tp <= slow.devices_per_node
+    text = best.explain()
+    assert f"TP {tp} inside each node: its all-reduces" in text
+    assert f"would cross the {slow.link_ratio:.3g}x slower network otherwise" in text
+    assert "Chosen: the fastest of" in text
+
+
+def test_predict_marks_what_does_not_fit_and_keeps_its_numbers():
+    plan = predict("llama-70b", "dgx-h100", 512, Config(dp=8, zero=0, precision="bf16", microbatches=64))
+    assert not plan.feasible and plan.reason.startswith("needs") and plan.memory["optimizer"] > 80e9
+    assert plan.time["total"] > 0 and "infeasible" in plan.explain()
+    json.dumps(plan.as_dict())
+
+
+# ----------------------------------------------------------------------------------- the command
+def _run(capsys, *argv) -> tuple[int, str]:
+    from workbench.cli import main
+
+    rc = main(["advise", *argv])
+    return rc, capsys.readouterr().out
+
+
+def test_cli_text_json_and_figure(tmp_path, capsys):
+    out_json, out_png = tmp_path / "plans.json", tmp_path / "plans.png"
+    rc, text = _run(capsys, "--model", "small", "--cluster", "dgx-h100", "--nodes", "2", "--batch", "64",
+                    "--precision", "bf16", "--recompute", "none", "--json", str(out_json), "--plot", str(out_png))
+    assert rc == 0
+    assert "step s" in text and "Chosen: the fastest of" in text and "infeasible" in text
+    doc = json.loads(out_json.read_text())
+    assert doc["parameters"] == ModelShape.preset("small").parameters()
+    assert doc["chosen"] == doc["plans"][0]["config"]["label"] and doc["chosen"] in text
+    assert doc["plans"][0]["feasible"] and set(doc["plans"][0]["time"]) >= {"compute", "tp", "dp", "pp", "bubble"}
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+    rc, text = _run(capsys, "--model", "llama-7b", "--cluster", "p4d-a100", "--layers", "4", "--inter", "15us@1GB/s",
+                    "--precision", "bf16", "--zero", "3", "--recompute", "full", "--schedule", "1f1b", "--json", "-")
+    doc = json.loads(text)
+    assert doc["model"]["layers"] == 4 and doc["cluster"]["inter"] == "15us@1GB/s"
+
+
+def test_cli_delegates_calibrate_and_validate(monkeypatch, capsys):
+    calls = {}
+    fake_cal = types.ModuleType("workbench.advise.calibrate")
+    fake_cal.calibrate = lambda world_size=4, topology=None: calls.setdefault(
+        "cal", (world_size, str(topology))) and _cluster(4)
+    fake_val = types.ModuleType("workbench.advise.validate")
+    fake_val.add_arguments = lambda p: p.add_argument("--samples", type=int, default=3)
+    fake_val.main = lambda args: calls.setdefault("val", args.samples) and 0
+    import workbench.advise as pkg
+
+    monkeypatch.setitem(sys.modules, "workbench.advise.calibrate", fake_cal)
+    monkeypatch.setitem(sys.modules, "workbench.advise.validate", fake_val)
+    monkeypatch.setattr(pkg, "calibrate", fake_cal, raising=False)
+    monkeypatch.setattr(pkg, "validate", fake_val, raising=False)
+    rc, text = _run(capsys, "--calibrate", "--world-size", "2", "--topology", "ranks_per_node=1,inter=1ms@20MB/s",
+                    "--model", "tiny", "--batch", "8", "--precision", "fp32", "--recompute", "none")
+    assert rc == 0 and calls["cal"][0] == 2 and "inter=1ms@20MB/s" in calls["cal"][1] and "test: 1 node(s)" in text
+    rc, _ = _run(capsys, "--validate", "--samples", "7")
+    assert rc == 0 and calls["val"] == 7

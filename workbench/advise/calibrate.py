@@ -1,0 +1,381 @@
+"""Measure this machine into a :class:`Cluster`, under the concurrency of the runs it predicts.
+
+A prediction validated against a run takes its machine constants in that same run, interleaved
+with the runs it predicts (DESIGN.md, "Predictions calibrate where they are checked"): on a
+shared CPU the achieved speed drifts with the load, so constants measured a minute earlier
+miss. :class:`Calibration` is therefore a set of *probes* that run inside the ranks of a launch,
+each probe once per call of :meth:`Calibration.once`, so that :mod:`workbench.advise.validate`
+can call it as one more candidate of its interleaved trials; :meth:`Calibration.result` takes
+each probe's median. :func:`calibrate` does the same on its own (``workbench advise --calibrate``).
+
+What is measured (every rank runs the same probes at once, as in the runs; the one exception,
+"alone", is rank 0 computing while the others wait in a barrier, asleep)
+----------------------------------------------------------------------------------------------
+Each number is turned into what one rank achieves with the machine to itself (times
+``world / cores``, the share of the cores each rank had), which is what
+:mod:`workbench.advise.timing` expects.
+
+``flops``                 a matmul shaped like the model's MLP, ``(r2 s, h) @ (h, 4h)``, in
+                          bfloat16 (``flops``) and float32 (``fp32_flops``).
+``layer``                 one transformer block's forward + backward on each of ``rows``: a
+                          straight line in the tokens (least squares). Its intercept is the fixed cost
+                          per layer and micro-batch (``layer_overhead_s``: Python, dispatch); its
+                          slope, less the matmuls' FLOPs at ``flops``, is the memory-bound work
+                          (norms, GELU, softmax, residual adds, copies), charged per byte of the
+                          activations the layer keeps (``activation_s_per_byte``; the bytes of
+                          :func:`workbench.parallel.tensor.activation_bytes_per_layer`, which
+                          shrink with tensor and sequence parallelism as that work does).
+``cores``                 the block on ``r2`` rows alone and on every rank at once: ``world x
+                          alone / all`` is how many ranks' worth of compute the machine runs at once
+                          (2 on an idle 2-core machine; less when other work shares it).
+                          :mod:`workbench.advise.timing` shares them among the ranks computing
+                          at each moment, so a pipeline stage working alone in a bubble runs
+                          at full speed, as it does here.
+``sync_by_size``          every rank computes then all-reduces one float (over all ranks, and over
+                          pairs), less the two timed apart: what a collective costs beyond its
+                          bytes when it follows compute and the ranks outnumber the cores (they
+                          drift apart within the OS's time slices, and the collective waits for
+                          the last one to be scheduled again). Timed after a short compute (a
+                          128 x 128 matmul) and a long one (a block on ``r1`` rows): the price
+                          grows with the compute in between, up to a time slice or so.
+                          :mod:`workbench.advise.timing` charges it per collective and message,
+                          interpolated at the compute that precedes each.
+``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
+                          embedding, head, loss, per micro-batch.
+``update_s_per_param``    AdamW's step on one flat tensor of the model's size, per element;
+``step_overhead_s``       the step on the model's own tensors, less that: a cost per tensor.
+``machine``               a :class:`~workbench.comm.cost.CostModel` whose curves are this
+                          machine's messages, timed with every pair of ranks exchanging at once
+                          (:class:`workbench.comm.cost.Probe` with ``all_pairs``): the cost of a
+                          link that is not emulated.
+``links``                 the emulated topology's links, where one is given: a message on an
+                          emulated link costs ``latency + bytes / bandwidth`` whatever the load.
+
+The :class:`CalibratedCluster` returned is a :class:`Cluster` (``flops``, ``intra``, ``inter``:
+the emulated links, or the loopback's straight line where a link is not emulated) with these
+numbers added, and the load average seen.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.advise.cluster import Cluster
+from workbench.comm.topology import Link, Topology
+
+__all__ = ["Calibration", "CalibratedCluster", "calibrate", "load_average"]
+
+# message sizes the comm probes time (bytes, x4 steps): the curves are interpolated between them
+PROBE_SIZES = tuple(16 << (2 * k) for k in range(11))   # 16 B .. 16 MiB
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (NaN where the OS does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
+@dataclass(frozen=True)
+class CalibratedCluster(Cluster):
+    """A :class:`Cluster` measured on this machine (see the module docstring for each number)."""
+
+    cores: float | None = None                 # ranks' worth of compute the machine runs at once
+    sync_s: float = 0.0                        # price of a synchronisation after compute (see docstring)
+    sync_by_size: dict | None = None           # per group size, [(compute before it s, price s), ...]
+    layer_overhead_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    update_s_per_param: float | None = None
+    activation_s_per_byte: float = 0.0
+    overlap: float = 0.0                       # share of compute that hides data-parallel traffic
+    machine: object = None                     # comm.cost.CostModel of the links not emulated
+    links: Topology | None = None              # the emulated links (None: this machine's own)
+    load: float = float("nan")                 # load average while measuring
+    measured: dict = field(default_factory=dict, compare=False)
+
+
+def _gpt_config(model):
+    from workbench.models import GPTConfig
+
+    if isinstance(model, GPTConfig):
+        return model
+    if isinstance(model, str):
+        return GPTConfig.preset(model)
+    raise ValueError(f"calibrate(model={model!r}): pass a GPTConfig or a preset name ('tiny', 'small', 'medium')")
+
+
+class Calibration:
+    """The probes, run inside every rank of a launch: ``once()`` times each probe once (a
+    collective: call it on every rank), ``result()`` gives the medians (the same on every rank).
+
+    ``model``: the GPT whose blocks are timed (a :class:`GPTConfig` or preset); ``rows``: two or
+    more row counts of the block's line (use the micro-batch sizes the runs use; the smallest is
+    ``r1``, the largest ``r2``);
+    ``sizes``: message sizes for the comm probes; ``iterations``: the fewest calls per timing, more
+    where they take less than ``budget_s`` (up to 200).
+    """
+
+    def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, sizes=PROBE_SIZES, iterations: int = 2,
+                 budget_s: float = 0.1, seed: int = 0):
+        import torch.distributed as dist
+
+        from workbench.comm.cost import Probe
+        from workbench.models import GPT
+        from workbench.models.gpt import Block
+
+        rows = tuple(sorted(set(rows))) if isinstance(rows, (tuple, list)) else rows
+        if not isinstance(rows, tuple) or len(rows) < 2 or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rows):
+            raise ValueError(f"Calibration(rows={rows!r}): give two or more different row counts >= 1 "
+                             "(the micro-batch sizes the runs use), e.g. (1, 4)")
+        r1, r2 = rows[0], rows[-1]
+        self.config = _gpt_config(model)
+        self.rows, self.iterations = rows, iterations
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        c = self.config
+        g = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        self.block = Block(c)
+        self.gpt = GPT(c)
+        self.inputs = {r: torch.randn(r, c.block_size, c.n_embd, generator=g, requires_grad=True) for r in rows}
+        self.tokens = torch.randint(c.vocab_size, (r1, c.block_size), generator=g)
+        self.a = torch.randn(r2 * c.block_size, c.n_embd, generator=g)
+        self.b = torch.randn(c.n_embd, 4 * c.n_embd, generator=g)
+        self.a16, self.b16 = self.a.to(torch.bfloat16), self.b.to(torch.bfloat16)
+        psi = sum(p.numel() for p in self.gpt.parameters())
+        self.flat = torch.nn.Parameter(torch.zeros(psi))
+        self.flat.grad = torch.zeros(psi)
+        self.flat_opt = torch.optim.AdamW([self.flat], lr=1e-3)
+        self.gpt_opt = torch.optim.AdamW(self.gpt.parameters(), lr=1e-3)
+        for p in self.gpt.parameters():
+            p.grad = torch.zeros_like(p)
+        self.psi = psi
+        self.one = torch.zeros(1)
+        self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
+        self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
+        for k in range(self.world // 2):
+            pair = dist.new_group([2 * k, 2 * k + 1])
+            if self.rank // 2 == k:
+                self.pair = pair
+        self.sizes = tuple(sizes)
+        self.probes = {(kind, n): Probe(kind, n, all_pairs=True) for kind in Probe.KINDS for n in self.sizes}
+        self.samples: dict[str, list[float]] = {}
+        for _ in range(2):  # warm up: pages, allocator, Adam's state
+            self._layer(r2)
+            self._model()
+            self.flat_opt.step()
+            self.gpt_opt.step()
+        self.budget_s = budget_s
+        self.counts: dict[str, int] = {}   # calls per timing of each probe, the same on every rank
+
+    # -- the probes' bodies
+    def _layer(self, rows: int) -> None:
+        self.block(self.inputs[rows]).sum().backward()
+
+    def _model(self) -> None:
+        _, loss = self.gpt(self.tokens, self.tokens)
+        loss.backward()
+
+    def _sync(self, group=None) -> None:
+        from workbench import comm
+
+        comm.all_reduce(self.one, group=group)   # the door the strategies' collectives go through
+
+    def _short(self) -> None:
+        torch.mm(self.s1, self.s2)
+
+    def _matmul(self) -> None:
+        torch.mm(self.a, self.b)
+
+    def _matmul_bf16(self) -> None:
+        torch.mm(self.a16, self.b16)
+
+    def _gpt_step(self) -> None:
+        self.gpt_opt.step()
+        for p in self.gpt.parameters():   # as zero_grad(set_to_none=True) then backward would
+            p.grad = torch.zeros_like(p)
+
+    def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None) -> float:
+        """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier), or on every
+        rank at once (the slowest rank's). The same number on every rank. ``key``: the probe's
+        name; its first timing sets how many calls fill ``budget_s`` (short timings favour ranks
+        that just woke up over the machine's other work, long runs do not)."""
+        import torch.distributed as dist
+
+        n = iterations or self.iterations
+        if key is not None and iterations is None:
+            if key not in self.counts:
+                one = self._time(fn, alone=alone, iterations=1)
+                self.counts[key] = max(self.iterations, min(200, math.ceil(self.budget_s / max(one, 1e-6))))
+            n = self.counts[key]
+        dist.barrier()
+        t = torch.zeros(1, dtype=torch.float64)
+        if not alone or self.rank == 0:
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            t[0] = (time.perf_counter() - start) / n
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def _add(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
+
+    def once(self) -> None:
+        """Every probe once (call on every rank)."""
+        from workbench.comm import cost
+
+        r1, r2 = self.rows[0], self.rows[-1]
+        layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
+        probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
+                  **{f"layer_rows{r}": ((lambda r=r: self._layer(r)), False) for r in self.rows[1:-1]},
+                  "matmul": (self._matmul, False), "matmul_bf16": (self._matmul_bf16, False),
+                  "model_r1": (self._model, False),
+                  "adam_flat": (self.flat_opt.step, False), "adam_model": (self._gpt_step, False),
+                  "short": (self._short, False)}
+        for g, group in (("world", None), ("pair", self.pair)):
+            probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
+            probes[f"layer_r1_sync_{g}"] = ((lambda group=group: (self._layer(r1), self._sync(group))), False)
+            probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
+        for key, (fn, alone) in probes.items():
+            self._add(key, self._time(fn, alone=alone, key=key))
+        for (kind, n), probe in self.probes.items():
+            iters = max(2, min(10, (4 << 20) // max(n, 1)))
+            self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters))
+        for n, t in cost.reduction_time([n for n in self.sizes if n >= 1024], iterations=5, repeats=1):
+            self._add(f"reduction:{n}", max_over(t))
+
+    def result(self) -> dict[str, float]:
+        """Each probe's median over the calls of :meth:`once` so far."""
+        return {k: statistics.median(v) for k, v in self.samples.items()}
+
+
+def max_over(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_size: int,
+                 topology: Topology | None = None, *, load: float = float("nan")) -> CalibratedCluster:
+    """The :class:`CalibratedCluster` the probes' medians (``Calibration.result()``) describe."""
+    from workbench.advise.timing import flops_per_token
+    from workbench.comm import cost
+    from workbench.parallel.tensor import activation_bytes_per_layer
+
+    c = _gpt_config(config)
+    rows = tuple(sorted(set(rows)))
+    r1, r2 = rows[0], rows[-1]
+    s, h, a = c.block_size, c.n_embd, c.n_head
+    # everything was timed with every rank busy; one rank alone runs ``crowd`` times faster
+    cores = min(float(world_size), max(1.0, world_size * result["layer_r2_alone"] / result["layer_r2"]))
+    crowd = world_size / cores
+    flops = crowd * 2 * r2 * s * h * 4 * h / result["matmul"]
+    flops16 = crowd * 2 * r2 * s * h * 4 * h / result["matmul_bf16"] if "matmul_bf16" in result else flops
+    # one block's forward + backward: t(rows) = overhead + rows s (FLOPs/token / flops + bytes/token x c)
+    # least squares through every row count timed (the smallest and largest, and any between)
+    points = [(r * s, result["layer_r1"] if r == r1 else result["layer_r2"] if r == r2 else result[f"layer_rows{r}"])
+              for r in rows]
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    overhead = max(0.0, (my - slope * mx) / crowd)
+    slope = max(slope, 0.0) / crowd
+    shape = _shape(c)
+    per_token_flops = flops_per_token(shape)["layer"]
+    act_per_token = activation_bytes_per_layer(1, s, h, a) / s
+    act_s = max(0.0, (slope - per_token_flops / flops) / act_per_token)
+    head_flops = flops_per_token(shape)["head"] * r1 * s
+    mb_overhead = max(0.0, (result["model_r1"] - c.n_layer * result["layer_r1"]) / crowd - head_flops / flops)
+    # the price of a synchronisation, after a short compute (a 128 x 128 matmul) and a long one (a block)
+    sync = {n: [(result["short"], max(0.0, result[f"short_sync_{g}"] - result["short"] - result[f"sync_{g}"])),
+                (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result["layer_r1"] - result[f"sync_{g}"]))]
+            for n, g in ((2, "pair"), (world_size, "world"))}
+    update = result["adam_flat"] / crowd / max(1, _psi(c))
+    step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
+    points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
+              for kind in ("exchange", "one_way", "reduction")}
+    alpha, beta = cost.fit_line(points["one_way"])
+    _, gamma = cost.fit_line(points["reduction"]) if len(points["reduction"]) >= 2 else (0.0, 0.0)
+    machine = cost.CostModel(alpha=alpha, beta=beta, gamma=gamma,
+                             tables={k: v for k, v in points.items() if len(v) >= 2} or None)
+    own = Link(float(f"{max(alpha, 0.0):.3g}"), float(f"{1.0 / beta if beta > 0 else 1e12:.3g}"))  # the loopback
+    links = topology if topology is not None and topology.emulated else None
+    rpn = topology.ranks_per_node if topology is not None else world_size
+    intra = (links.intra if links is not None and links.intra is not None else own)
+    inter = (links.inter if links is not None and links.inter is not None else own)
+    memory = _memory_bytes() / world_size
+    return CalibratedCluster(
+        nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops16, fp32_flops=flops,
+        intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
+        source=f"calibrated: {world_size} ranks, load average {load:.2f}",
+        cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
+        microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
+        update_s_per_param=update, activation_s_per_byte=act_s, overlap=0.0, machine=machine, links=links,
+        load=load, measured=dict(result))
+
+
+def _sizes(result: dict, kind: str) -> list[int]:
+    return sorted(int(k.split(":")[1]) for k in result if k.startswith(kind + ":"))
+
+
+def _psi(config) -> int:
+    from workbench.parallel.tensor import parameters_per_rank
+
+    return parameters_per_rank(config, 1)
+
+
+def _shape(config):
+    """The advisor's view of a GPTConfig (ModelShape.from_gpt where it exists)."""
+    from workbench.advise.shape import ModelShape
+
+    if hasattr(ModelShape, "from_gpt"):
+        return ModelShape.from_gpt(config)
+    return ModelShape(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head, vocab=config.vocab_size,
+                      seq=config.block_size, ffn=4 * config.n_embd, tied=config.tie_weights, bias=config.bias,
+                      name="gpt")
+
+
+def _memory_bytes() -> float:
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().total)
+    except Exception:   # psutil missing: a page count
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _run(model, rows, trials: int, topology) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*cannot be held back.*")
+    cal = Calibration(model, rows)
+    for _ in range(trials):
+        cal.once()
+    return {"result": cal.result(), "load": load_average()}
+
+
+def calibrate(world_size: int = 4, topology: Topology | str | None = None, *, model="small",
+              rows: tuple[int, ...] = (1, 2, 4), trials: int = 5, launch_kwargs: dict | None = None) -> CalibratedCluster:
+    """Measure this machine with ``world_size`` ranks (on ``topology``'s emulated links, if given)
+    and return it as a :class:`CalibratedCluster`; ``model``: the GPT whose blocks are timed;
+    ``trials``: calls of every probe (the median is kept)."""
+    import workbench
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"calibrate(world_size={world_size!r}): must be a whole number >= 2 (the links need a pair)")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"calibrate(trials={trials!r}): must be a whole number >= 1")
+    topo = Topology.parse(topology) if isinstance(topology, str) else topology
+    out = workbench.launch(_run, world_size=world_size, args=(model, tuple(rows), trials, topo), topology=topo,
+                           timeout=600, **(launch_kwargs or {}))[0]
+    return cluster_from(out["result"], model, tuple(rows), world_size, topo, load=out["load"])

@@ -1,0 +1,313 @@
+"""Predicted memory per device, by category: the formulas the strategies were checked against, composed.
+
+A device of a ``dp x tp x pp`` configuration holds one tensor-parallel shard of one pipeline
+stage (two with the interleaved and ZBV schedules) of one data-parallel replica. Its bytes, in the
+categories :class:`~workbench.metrics.MemoryMeter` uses (``params``, ``grads``, ``optimizer``,
+``activations``, ``comm``; here spelt as :data:`~workbench.advise.plan.MEMORY_CATEGORIES`):
+
+**Model state** (``parameters``, ``gradients``, ``optimizer``). ``psi`` = the parameters of this
+rank's stage(s) on one tensor-parallel rank, counted exactly by
+:meth:`ModelShape.stage_parameters` (the layers :func:`~workbench.parallel.pipeline.partition`
+gives the stage, the embedding on the first, final norm and head on the last -- a tied head is a
+second copy there). Then the ZeRO formulas over the ``dp`` ranks
+(:func:`workbench.parallel.zero_memory.model_state_per_rank`): float32 Adam ``4 + 4 + 8`` bytes
+per parameter (``16 psi`` for DDP, ``4 + 4 + 8/N``, ``4 + 4/N + 8/N``, ``16/N`` for ZeRO-1/2/3);
+bf16/fp16 the paper's mixed precision ``2 + 2 + 12`` (a float32 master copy beside the two
+moments). In float32 :func:`model_state` is exact for the workbench's strategies: it adds what
+they hold beyond the formula, the padding of each flat bucket (ZeRO-1/2, cut by their own
+:func:`~workbench.parallel.buckets.assign_buckets`) or unit (ZeRO-3) to a multiple of ``N``, and
+Adam's 4-byte step counter per tensor it updates.
+
+**Activations**, per micro-batch of ``b = global_batch / (dp m)`` sequences (without a pipeline
+``m`` is the number of gradient-accumulation steps, each freeing its activations before the next) of ``s`` tokens,
+``h`` wide, ``a`` heads, ``e`` bytes per element (4 in float32, 2 in 16 bits), ``t = tp``:
+
+* one layer, no recomputation: :func:`workbench.parallel.tensor.activation_bytes_per_layer`
+  (Korthikanti et al. 2022 for our float32 GPT with the fused attention kernel:
+  ``e (sbh (4 + 12/t) + asb/t + 4 sb)``, the replicated ``4 sbh + 4 sb`` split by ``t`` too with
+  sequence parallelism), its log-sum-exp kept in float32 also in 16 bits
+  (:func:`workbench.parallel.recompute.activation_bytes`). Shapes other than GPT-2's change three
+  rows of that table: keys and values of width ``k`` (GQA) instead of ``h`` (``2 sb (k - h)/t``),
+  an MLP of ``ffn`` units keeping ``2 ffn`` (plain: the GELU's input and output) or ``4 ffn``
+  (gated: gate, up, SiLU output, product) elements per token instead of ``8 h``, and RMSNorm's one
+  statistic per row instead of LayerNorm's two;
+* ``selective`` drops the attention core's float32 log-sum-exp (``4 asb/t``); ``full`` keeps the
+  layer's input only, ``e sbh`` (``/t`` with sequence parallelism);
+* the last stage adds the final norm's input and statistics, the head's input (``e (2 sbh + 2 sb)``,
+  ``/t`` with sequence parallelism) and the logits with the loss's log-softmax, ``2 e s b V_p / t``
+  (the vocabulary-parallel head keeps ``1/t`` of them);
+* the peak of one micro-batch's backward (``recompute.activation_bytes``'s ``peak``): with
+  ``full`` the first recomputed layer's whole working set plus the gradient flowing into it and
+  the caller's logits, the head's own tensors freed; with ``selective`` the last layer's attention
+  core recomputed beside the kept tensors and two gradients; without recomputation (and
+  selective) also backward's working set that ``activation_bytes`` leaves out ("a few percent;
+  measured, not modelled"): the gradient flowing in, the MLP's ``ffn``-wide gradient (GELU's
+  input gradient replaces its saved output) and, with sequence parallelism, the re-gathered
+  input, ``e (sbh/r + sb ffn/t [+ sbh])``, and when gradients accumulate over micro-batches
+  the new gradient of the largest weight (``h ffn / t`` elements) before it is added to
+  ``.grad``, less what the head has freed by then on the last stage (``r``: ``t`` with sequence
+  parallelism). On GPT tiny and small (one process) this puts the
+  prediction within 0.5% of ``MemoryMeter``'s peak (it was 2-4% under).
+
+A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with sequence
+parallelism) beside its layers, and the last stage every micro-batch's logits (the step returns
+them: ``m e s b V_p / t``); a stage after the first has the receives it posts ahead in flight
+(the next input and the next output gradient, ``e sbh`` each). A pipeline rank keeps several micro-batches alive: the schedule's own action lists
+(:mod:`workbench.parallel.pipeline_schedules`) replayed by
+:func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` with each stage's kept bytes per
+micro-batch (1F1B: ``p - s`` on stage ``s``, GPipe ``m``, ZB-H1 ``p`` on every stage, interleaved
+and ZBV per chunk), plus the one micro-batch in backward's extra peak. With ``pp = 1`` and ``tp = 1``
+this is ``recompute.activation_bytes(...)["peak"]`` plus backward's working set (tests pin it).
+
+**Buffers** (``comm``): ZeRO-3 holds gathered units while they compute -- the root unit (this
+stage's embedding/head) and two blocks (the one running and the one prefetched) in the compute
+dtype, plus two blocks' unsharded gradients (one reduce-scattering while the next accumulates:
+:mod:`workbench.parallel.fsdp`); ZeRO-2 a bucket's flat gradient copy while it is reduce-scattered
+(the largest of :class:`~workbench.parallel.zero.ShardedOptimizer`'s buckets); DDP nothing (gradients are views of its buckets). And on NCCL
+each communicator's own buffers (``cluster.communicator_bytes``): the world group, each of this
+rank's groups of more than one rank, and a pair per pipeline neighbour for send/recv.
+
+The worst device is reported: every pipeline rank is evaluated (the first stage holds the
+embedding and the most live micro-batches, the last the head and the logits, which win for a large
+vocabulary) and the one with the largest total returned.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from workbench.parallel import pipeline_schedules as schedules
+from workbench.parallel.buckets import assign_buckets
+from workbench.parallel.tensor import activation_bytes_per_layer
+from workbench.parallel.zero_memory import model_state_per_rank
+
+from .cluster import Cluster
+from .plan import MEMORY_CATEGORIES, Config
+from .shape import ModelShape
+
+__all__ = ["memory_per_device", "memory_by_rank", "model_state", "activation_bytes_per_microbatch", "ELEMENT_SIZE",
+           "ZERO2_BUCKET_BYTES", "chunks", "rank_stages", "microbatch_size"]
+
+ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}       # bytes of an activation / compute-dtype weight
+_ZERO_PRECISION = {"fp32": "fp32", "bf16": "mixed", "fp16": "mixed"}
+ZERO2_BUCKET_BYTES = 5 * 2 ** 20                       # ShardedOptimizer's default bucket_cap_mb (MiB)
+STEP_BYTES = 4                                         # torch Adam's step counter: a float32 per tensor it updates
+_SCHEDULE_KEY = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb-h1": "zb_h1", "zbv": "zbv"}
+
+
+# ----------------------------------------------------------------------------------- layout of stages
+def chunks(config: Config) -> int:
+    """Stages per pipeline rank: 2 for ``interleaved`` (v = 2) and ``zbv``, else 1."""
+    return 2 if config.pp > 1 and config.schedule in ("interleaved", "zbv") else 1
+
+
+def rank_stages(config: Config, rank: int) -> list[int]:
+    """The (virtual) stages pipeline rank ``rank`` holds: ``[r]``; interleaved ``[r, r + p]``;
+    ZBV ``[r, 2p - 1 - r]`` (:func:`~workbench.parallel.pipeline_schedules.stage_to_rank`)."""
+    p, v = config.pp, chunks(config)
+    style = "v" if config.schedule == "zbv" else "loop"
+    owner = schedules.stage_to_rank(p * v, p, style)
+    return [s for s in range(p * v) if owner[s] == rank]
+
+
+def microbatch_size(config: Config, global_batch: int) -> float:
+    """Sequences per micro-batch: ``global_batch / (dp m)`` (``m``: the pipeline's micro-batches, or
+    the gradient-accumulation steps without a pipeline)."""
+    return global_batch / (config.dp * config.microbatches)
+
+
+@lru_cache(maxsize=4096)
+def _actions(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
+    key = _SCHEDULE_KEY[schedule]
+    if key == "gpipe":
+        lists = schedules.gpipe(p, m)
+    elif key == "1f1b":
+        lists = schedules.one_f_one_b(p, m)
+    elif key == "zb_h1":
+        lists = schedules.zero_bubble_h1(p, m)
+    elif key == "interleaved":
+        lists = schedules.interleaved(p, 2, m)
+    else:
+        lists = schedules.zbv(p, m)
+    return tuple(tuple(a) for a in lists)
+
+
+@lru_cache(maxsize=4096)
+def _live(schedule: str, p: int, m: int, rank: int) -> dict[int, int]:
+    """Most micro-batches alive at once per stage of ``rank``
+    (:func:`~workbench.parallel.pipeline_schedules.live_microbatches`)."""
+    return schedules.live_microbatches(list(_actions(schedule, p, m)[rank]))
+
+
+# ----------------------------------------------------------------------------------- activations
+def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int) -> dict[str, float]:
+    """One layer's kept bytes per policy (and ``none``'s working set), for ``b`` sequences."""
+    s, h, a = shape.seq, shape.hidden, shape.heads
+    rep = t if sp else 1
+    sb = s * b
+    # tensor.py's table for our GPT (q, k, v of width h; MLP 8 sbh; two LayerNorm statistics)
+    gpt = activation_bytes_per_layer(1, s, h, a, t, sp, element_size=e) * b
+    # ... adapted to this shape: keys/values of width kv_dim, the MLP's own units, RMSNorm's one statistic
+    qkv = 2 * sb * (shape.kv_dim - h) / t
+    mlp = (sb * shape.ffn * (4 if shape.gated else 2) - 8 * sb * h) / t
+    stats = -2 * sb / rep if shape.norm == "rmsnorm" else 0.0
+    lse_fp32 = (4 - e) * a * sb / t                  # the fused kernel's log-sum-exp stays float32
+    none = gpt + e * (qkv + mlp + stats) + lse_fp32
+    return {"none": none, "selective": none - 4 * a * sb / t, "full": e * sb * h / rep}
+
+
+def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_batch: int,
+                                    stage: int) -> dict[str, float]:
+    """``{"kept", "peak"}``: bytes one micro-batch leaves on (virtual) ``stage`` for its backward,
+    and the most it needs at once during that backward (see the module docstring)."""
+    shape = ModelShape.coerce(shape, "shape")
+    e, t, sp = ELEMENT_SIZE[config.precision], config.tp, config.sequence_parallel
+    rep = t if sp else 1
+    b = microbatch_size(config, global_batch)
+    s, h = shape.seq, shape.hidden
+    sb, sbh = s * b, s * b * shape.hidden
+    n_stages = config.pp * chunks(config)
+    n_layers = shape.layers_per_stage(n_stages)[stage]
+    last = stage == n_stages - 1
+    layer = _layer_bytes(shape, b, t, sp, e)
+    policy = config.recompute
+    stats = 2 if shape.norm == "layernorm" else 1
+    logits = e * sb * shape.padded_vocab(t) / t
+    edge = (e * (2 * sbh + stats * sb) / rep + 2 * logits) if last else 0.0
+    if n_stages > 1 and not last:
+        edge += e * sbh / rep          # the pipeline keeps the stage's output for its backward
+    kept = n_layers * layer[policy] + edge
+    held = logits if last else 0.0                     # the caller's logits, alive through backward
+    if policy == "full":     # every layer's input + the first recomputed layer + the gradient into it
+        peak = max(kept, n_layers * layer["full"] + layer["none"] + e * sbh / rep + held)
+    elif policy == "selective":  # the last layer's attention core recomputed beside the kept tensors
+        core = layer["none"] - layer["selective"] + e * sbh / rep
+        peak = max(kept, n_layers * layer["selective"] + core + 2 * e * sbh / rep + held)
+    else:
+        peak = kept
+    if policy != "full":
+        # backward's working set: the gradient flowing in, the MLP's ffn-wide gradient and
+        # (sequence parallel) the re-gathered input, beside everything kept; on the last stage the
+        # head has freed its own tensors (all but the caller's logits) by then
+        work = e * (sbh / rep + sb * shape.ffn / t + (sbh if sp else 0.0))
+        if config.microbatches > 1:   # accumulating: a weight's new gradient exists beside its .grad
+            work += (4 if config.precision == "fp32" else 2) * shape.hidden * shape.ffn / t
+        if last:
+            work = max(0.0, work - (edge - logits))
+        peak = max(peak, kept + work)
+    if stage > 0:       # the receives a pipeline stage posts ahead: the next input, the next output gradient
+        peak += e * sbh / rep * (1 if last else 2)
+    return {"kept": kept, "peak": peak}
+
+
+# ----------------------------------------------------------------------------------- model state
+def _zero_buckets(tensors: list[int]) -> list[int]:
+    """Sizes of :class:`~workbench.parallel.zero.ShardedOptimizer`'s flat buckets (elements): its
+    own :func:`~workbench.parallel.buckets.assign_buckets` on the tensors (meta tensors: no memory)."""
+    params = [torch.empty(n, device="meta") for n in tensors]
+    return [sum(tensors[i] for i in idx) for idx in assign_buckets(params, ZERO2_BUCKET_BYTES)]
+
+
+def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
+    """Sizes of :class:`~workbench.parallel.fsdp.FullyShardedDataParallel`'s units (elements): each
+    block one unit and the rest the root when the wrapped module has its ``blocks`` list (no
+    pipeline); a pipeline stage (its blocks in a dict) is one unit."""
+    if config.pp > 1:
+        return [sum(shape.stage_tensors(n_stages, s, config.tp)) for s in stages]
+    layer = sum(shape.layer_tensors(config.tp))
+    return [shape.parameters(config.tp) - shape.layers * layer] + [layer] * shape.layers
+
+
+def model_state(shape: ModelShape, config: Config, stages: list[int], optimizer: str = "adam") -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state on a rank holding (virtual) ``stages``.
+
+    float32 Adam: exactly what the workbench's strategies hold -- the ZeRO formula on the rank's
+    tensors, plus the padding of each flat bucket (ZeRO-1/2) or unit (ZeRO-3) to a multiple of
+    ``dp`` and Adam's 4-byte step counter per tensor it updates (a module's tensors, or one flat
+    chunk per bucket or unit). Otherwise :func:`~workbench.parallel.zero_memory.model_state_per_rank`
+    (mixed precision: the paper's ``2 + 2 + 12`` bytes per parameter)."""
+    n_stages = config.pp * chunks(config)
+    tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
+    psi, n = sum(tensors), config.dp
+    zero = config.zero if n > 1 else 0
+    if config.precision != "fp32" or optimizer != "adam":
+        state = model_state_per_rank(psi, n, zero, optimizer, _ZERO_PRECISION[config.precision])
+        return {"parameters": state["params"], "gradients": state["grads"], "optimizer": state["optimizer"]}
+    if zero == 0:
+        return {"parameters": 4.0 * psi, "gradients": 4.0 * psi, "optimizer": 8.0 * psi + STEP_BYTES * len(tensors)}
+    if zero in (1, 2):
+        shards = [math.ceil(b / n) for b in _zero_buckets(tensors)]
+        return {"parameters": 4.0 * n * sum(shards),                   # the padded flat buffers
+                "gradients": 4.0 * (psi if zero == 1 else sum(shards)),
+                "optimizer": 8.0 * sum(shards) + STEP_BYTES * len(shards)}
+    shards = [math.ceil(u / n) for u in _fsdp_units(shape, config, stages, n_stages)]
+    return {"parameters": 4.0 * sum(shards), "gradients": 4.0 * sum(shards),
+            "optimizer": 8.0 * sum(shards) + STEP_BYTES * len(shards)}
+
+
+# ----------------------------------------------------------------------------------- per rank
+def _communicators(config: Config) -> int:
+    world = config.devices
+    groups = 1 if world > 1 else 0                                      # the default (world) group
+    groups += sum(1 for n in (config.dp, config.tp, config.pp) if 1 < n < world)
+    groups += min(2, config.pp - 1) if config.pp > 1 else 0             # send/recv pairs with neighbours
+    return groups
+
+
+def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | None = None,
+                   optimizer: str = "adam") -> list[dict[str, float]]:
+    """Bytes per device by category (and ``"total"``) for each pipeline rank ``0 .. pp-1``."""
+    from .space import check_config
+
+    shape = ModelShape.coerce(shape, "shape")
+    check_config(config)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r}: must be a whole number of sequences >= 1")
+    n_stages = config.pp * chunks(config)
+    shape.layers_per_stage(n_stages)     # raises when there are more stages than layers
+    e = ELEMENT_SIZE[config.precision]
+    m = config.microbatches if config.pp > 1 else 1
+    actions = _actions(config.schedule, config.pp, m) if config.pp > 1 and chunks(config) > 1 else None
+    piped = config.pp > 1
+    per_stage = [activation_bytes_per_microbatch(shape, config, global_batch, s) for s in range(n_stages)]
+    comms = _communicators(config) * (cluster.communicator_bytes if cluster is not None else 0.0)
+    rows = []
+    for r in range(config.pp):
+        stages = rank_stages(config, r)
+        state = model_state(shape, config, stages, optimizer)
+        if not piped:
+            activations = per_stage[0]["peak"]
+        else:
+            kept = {s: per_stage[s]["kept"] for s in stages}
+            if actions is None:    # one stage: its most live micro-batches times one's bytes
+                live = _live(config.schedule, config.pp, m, r)[stages[0]] * kept[stages[0]]
+            else:                   # several: their peaks need not coincide, so replay the list
+                live = schedules.peak_live_bytes(list(actions[r]), kept)
+            activations = live + max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
+            if n_stages - 1 in stages:   # the last stage keeps every micro-batch's output (the step returns them)
+                b = microbatch_size(config, global_batch)
+                activations += m * e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
+        buffers = comms
+        if config.dp > 1 and config.zero == 3:
+            units = _fsdp_units(shape, config, stages, n_stages)
+            root, block = units[0], max(units[1:], default=0)
+            # gathered: the root and two blocks (running, prefetched); two blocks' full gradients
+            # (one reduce-scattering while the next accumulates)
+            buffers += e * (root + 2 * block) + e * 2 * block
+        elif config.dp > 1 and config.zero == 2:     # a bucket's flat gradient copy in flight, at most the largest
+            buffers += e * max(_zero_buckets([n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]))
+        row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
+               "activations": float(activations), "buffers": float(buffers)}
+        row["total"] = sum(row[c] for c in MEMORY_CATEGORIES)
+        rows.append(row)
+    return rows
+
+
+def memory_per_device(shape, config: Config, global_batch: int, cluster: Cluster | None = None,
+                      optimizer: str = "adam") -> dict[str, float]:
+    """Bytes per device by category (:data:`MEMORY_CATEGORIES`) and ``"total"``, on the worst
+    device (the pipeline rank with the largest total). ``shape``: a :class:`ModelShape`, a
+    ``GPTConfig`` or a preset name; ``cluster``: for the NCCL communicators' bytes (None: none)."""
+    return max(memory_by_rank(shape, config, global_batch, cluster, optimizer), key=lambda row: row["total"])

@@ -1,0 +1,200 @@
+"""The search space: every configuration worth predicting, and why some cannot run.
+
+A configuration (:class:`~workbench.advise.plan.Config`) uses every device: ``dp x tp x pp =
+nodes x devices_per_node``. Around that split, the levers that trade memory for time:
+
+=====================  ===================================================================
+lever                  values tried (``configurations(...)``'s keyword to narrow them)
+=====================  ===================================================================
+ZeRO stage over dp     0 (DDP), 1, 2, 3; only 0 when ``dp = 1`` (nothing to shard) ``zero=``
+pipeline schedule      gpipe, 1f1b, interleaved (2 chunks per rank), zb-h1, zbv; when
+                       ``pp > 1``                                             ``schedules=``
+micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` dividing the rows of each data-parallel
+                       rank (and 1, 2, .. below ``pp`` for the schedules that take them);
+                       without a pipeline, gradient accumulation over 1, 2, 4 .. 32
+                       micro-batches (one gradient reduction per step)      ``microbatches=``
+sequence parallelism   off, on (with ``tp > 1``)                       ``sequence_parallel=``
+precision              fp32, bf16 (bf16 compute, fp32 masters)               ``precisions=``
+recomputation          none, selective, full                                 ``recompute=``
+tensor-parallel size   powers of two up to ``max_tp`` (default: every divisor) ``max_tp=``
+=====================  ===================================================================
+
+Infeasible (:func:`infeasible_reason` says which rule, with the numbers): the sizes do not fill
+the cluster; ``tp`` does not divide the heads (each rank takes ``heads/tp``), the key/value
+heads, the MLP's units or (sequence parallelism) the sequence; more pipeline stages (times
+chunks) than layers; the global batch not divisible into ``dp x m`` equal micro-batches; 1F1B and
+ZB-H1 with fewer micro-batches than stages (:func:`~workbench.parallel.pipeline_schedules.min_microbatches`),
+interleaved off torch's round rule (``m`` a multiple of ``max(1, m // pp)``); the predicted memory
+(:func:`~workbench.advise.memory.memory_per_device`) larger than the device's. A vocabulary that
+``tp`` does not divide is padded (:class:`~workbench.parallel.tensor.VocabParallelEmbedding`),
+not refused. A ``tp`` larger than a node is allowed: its all-reduces then cross the network,
+which the timing model prices (``tp_across_nodes=False`` leaves such configurations out).
+"""
+from __future__ import annotations
+
+from itertools import product
+
+from workbench.memory import format_bytes
+from workbench.parallel.pipeline_schedules import min_microbatches
+from workbench.parallel.recompute import POLICIES
+
+from .cluster import Cluster
+from .plan import Config
+from .shape import ModelShape
+
+__all__ = ["SCHEDULES", "PRECISIONS", "check_config", "configurations", "infeasible_reason", "structural_reason",
+           "memory_reason"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _whole(value, name: str, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Config.{name}={value!r}: must be a whole number >= {minimum}")
+
+
+def check_config(config: Config) -> None:
+    """Raise ValueError (naming the field, the value and the fix) for a configuration that is
+    malformed whatever the model and cluster; :func:`infeasible_reason` judges the rest."""
+    if not isinstance(config, Config):
+        raise ValueError(f"config={config!r}: pass a workbench.advise.Config(dp=, tp=, pp=, ...)")
+    for name in ("dp", "tp", "pp", "microbatches"):
+        _whole(getattr(config, name), name)
+    if config.zero not in (0, 1, 2, 3) or isinstance(config.zero, bool):
+        raise ValueError(f"Config.zero={config.zero!r}: the ZeRO stage is 0 (DDP), 1, 2 or 3")
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"Config.schedule={config.schedule!r}: use one of {SCHEDULES}")
+    if not isinstance(config.sequence_parallel, bool):
+        raise ValueError(f"Config.sequence_parallel={config.sequence_parallel!r}: must be True or False")
+    if config.sequence_parallel and config.tp == 1:
+        raise ValueError("Config.sequence_parallel=True splits norms and residuals over the tensor-parallel ranks "
+                         "and needs tp > 1; set tp >= 2 or sequence_parallel=False")
+    if config.precision not in PRECISIONS:
+        raise ValueError(f"Config.precision={config.precision!r}: use one of {PRECISIONS}")
+    if config.recompute not in POLICIES:
+        raise ValueError(f"Config.recompute={config.recompute!r}: use one of {POLICIES}")
+
+
+def _check_batch(global_batch) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch={global_batch!r}: must be a whole number of sequences >= 1")
+
+
+def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, global_batch: int) -> str:
+    """Why ``config`` cannot run on ``cluster`` whatever the memory ("" if it can)."""
+    check_config(config)
+    dp, tp, pp, m = config.dp, config.tp, config.pp, config.microbatches
+    if config.devices != cluster.devices:
+        return (f"dp x tp x pp = {dp} x {tp} x {pp} = {config.devices} devices, but the cluster has "
+                f"{cluster.nodes} x {cluster.devices_per_node} = {cluster.devices}")
+    if config.zero and dp == 1:
+        return f"ZeRO-{config.zero} shards over the data-parallel ranks, and dp = 1 has nothing to shard"
+    if shape.heads % tp:
+        return f"tp = {tp} does not divide the {shape.heads} attention heads (each rank takes heads / tp)"
+    kv = shape.kv_heads or shape.heads
+    if kv % tp:
+        return f"tp = {tp} does not divide the {kv} key/value heads (grouped-query attention)"
+    if shape.ffn % tp:
+        return f"tp = {tp} does not divide the MLP's {shape.ffn} units"
+    if config.sequence_parallel and shape.seq % tp:
+        return f"sequence parallelism splits the {shape.seq} positions over tp = {tp}, which does not divide them"
+    stages = pp * (2 if pp > 1 and config.schedule in ("interleaved", "zbv") else 1)
+    if stages > shape.layers:
+        chunk = f" ({pp} ranks x 2 chunks)" if stages != pp else ""
+        return f"{stages} pipeline stages{chunk} but only {shape.layers} layers: each stage needs at least one"
+    if pp > 1:
+        key = "zb_h1" if config.schedule == "zb-h1" else config.schedule
+        least = min_microbatches(key, pp)
+        if m < least:
+            return f"{config.schedule} needs at least {least} micro-batches for {pp} stages, got m = {m}"
+        if config.schedule == "interleaved" and m % max(1, m // pp):
+            return f"interleaved needs m a multiple of max(1, m // pp) = {max(1, m // pp)} (torch's rounds), got m = {m}"
+    if global_batch % (dp * m):
+        return f"the global batch of {global_batch} does not split into dp x m = {dp} x {m} equal micro-batches"
+    return ""
+
+
+def memory_reason(memory: dict, cluster: Cluster) -> str:
+    """"" if ``memory["total"]`` fits the device, else how much it needs against what it has."""
+    if memory["total"] <= cluster.memory_bytes:
+        return ""
+    worst = max(("parameters", "gradients", "optimizer", "activations", "buffers"), key=lambda k: memory[k])
+    return (f"needs {format_bytes(memory['total'])} per device, has {format_bytes(cluster.memory_bytes)} "
+            f"(largest: {worst} {format_bytes(memory[worst])})")
+
+
+def infeasible_reason(shape, cluster: Cluster, config: Config, global_batch: int) -> str:
+    """Why ``config`` cannot train ``shape`` with ``global_batch`` on ``cluster``, in words; ""
+    when it can. ``shape``: a ModelShape, a GPTConfig or a preset name."""
+    from .memory import memory_per_device
+
+    shape = ModelShape.coerce(shape, "shape")
+    _check_batch(global_batch)
+    reason = structural_reason(shape, cluster, config, global_batch)
+    if reason:
+        return reason
+    return memory_reason(memory_per_device(shape, config, global_batch, cluster), cluster)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tuple(value, name: str, allowed) -> tuple:
+    values = (value,) if isinstance(value, (str, int, bool)) else tuple(value)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ValueError(f"configurations({name}={value!r}): choose from {tuple(allowed)}")
+    return values
+
+
+def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2, 3), schedules=SCHEDULES,
+                   microbatches=None, sequence_parallel=(False, True), precisions=("fp32", "bf16"),
+                   recompute=POLICIES, max_tp: int | None = None, tp_across_nodes: bool = True,
+                   structural: bool = True) -> list[Config]:
+    """Every configuration of the space on ``cluster`` (module docstring), in a stable order.
+
+    ``structural=True`` (default) leaves out those that cannot run whatever the memory (sizes that do
+    not divide, too few micro-batches); ``False`` keeps them, for :func:`infeasible_reason` to say why.
+    Memory is not judged here. ``microbatches``: an iterable of counts to try instead of the default.
+    """
+    shape = ModelShape.coerce(shape, "shape")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster={cluster!r}: pass a workbench.advise.Cluster or Cluster.preset(name, nodes=)")
+    _check_batch(global_batch)
+    zero = _tuple(zero, "zero", (0, 1, 2, 3))
+    schedules = _tuple(schedules, "schedules", SCHEDULES)
+    sequence_parallel = _tuple(sequence_parallel, "sequence_parallel", (False, True))
+    precisions = _tuple(precisions, "precisions", PRECISIONS)
+    recompute = _tuple(recompute, "recompute", POLICIES)
+    if max_tp is not None:
+        _whole(max_tp, "max_tp")
+    if microbatches is not None:
+        microbatches = tuple(microbatches)
+        for m in microbatches:
+            _whole(m, "microbatches")
+    n = cluster.devices
+    out = []
+    for tp in _divisors(n):
+        if max_tp is not None and tp > max_tp:
+            continue
+        if not tp_across_nodes and tp > cluster.devices_per_node:
+            continue
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            rows = global_batch // dp if global_batch % dp == 0 else 0
+            if pp == 1:    # gradient accumulation: m micro-batches one after the other, one reduction
+                counts = microbatches or tuple(k for k in (1, 2, 4, 8, 16, 32) if k <= max(rows, 1))
+                pipes = [("1f1b", m) for m in counts if not rows or rows % m == 0 or not structural]
+            else:
+                counts = microbatches or tuple(sorted({pp * k for k in (1, 2, 4, 8)} | {k for k in (1, 2, 4) if k < pp}))
+                pipes = [(sch, m) for sch in schedules for m in counts if not rows or rows % m == 0 or not structural]
+            for z, (sch, m), sp, prec, rc in product(zero if dp > 1 else (0,), pipes,
+                                                      sequence_parallel if tp > 1 else (False,), precisions, recompute):
+                c = Config(dp=dp, tp=tp, pp=pp, zero=z, schedule=sch, microbatches=m, sequence_parallel=sp,
+                           precision=prec, recompute=rc)
+                if structural and structural_reason(shape, cluster, c, global_batch):
+                    continue
+                out.append(c)
+    return out

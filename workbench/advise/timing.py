@@ -1,0 +1,483 @@
+"""Predicted step time of one configuration: compute, exposed communication per dimension, bubble.
+
+``step_time(shape, cluster, config, global_batch)`` returns seconds per training step split into
+:data:`~workbench.advise.plan.TIME_PARTS` (``compute``, ``tp``, ``dp``, ``pp``, ``bubble``) and
+their ``total``. Every term is a formula a reader can check by hand; the machine enters only
+through the :class:`~workbench.advise.cluster.Cluster`'s numbers (achieved FLOP/s, the links) and,
+for a calibrated cluster (:mod:`workbench.advise.calibrate`), a few measured overheads.
+
+Notation: ``B`` global batch (sequences), ``s`` sequence length, ``h`` hidden size, ``L`` layers,
+``V`` vocabulary, ``d, t, p`` the data, tensor and pipeline sizes, ``m`` micro-batches per
+data-parallel rank, ``b = B / d`` rows per data-parallel rank, ``e`` bytes per element of the
+compute precision (4 for fp32, 2 for bf16/fp16).
+
+Compute (the slowest pipeline stage)
+------------------------------------
+Forward FLOPs per token: ``2 x`` the weights a token is multiplied by (each layer's attention
+``4 h^2`` and MLP ``2 h f``, or ``3 h f`` gated; the head ``h V``), plus the attention itself,
+``Q K^T`` and ``A V``: ``2 x 2 s h`` per layer, halved because a causal kernel skips the masked
+half. Backward costs twice the forward (the input and the weight gradients), so a step is the
+familiar ``6 x parameters x tokens`` plus attention. Recomputation adds forward work: ``full``
+one more forward of every layer, ``selective`` the attention core again. Tensor parallelism
+divides the layers' and the head's work by ``t``; pipeline parallelism gives each stage
+``L/p`` layers (balanced as :func:`workbench.parallel.pipeline.partition` does), the last one
+the head too. A stage's work over ``b s`` tokens runs at the cluster's achieved FLOP/s
+(``cluster.flops``; ``cluster.fp32_flops`` for float32 where a cluster gives it).
+
+Small models on a CPU spend as long in fixed per-operator costs (Python, dispatch, a kernel's
+start) and memory-bound operators (norms, GELU, softmax, residual adds) as in matmuls, so a
+calibrated cluster (:func:`workbench.advise.calibrate.calibrate`) carries more numbers, all 0 or
+absent for the datasheet presets, where they vanish beside the arithmetic of a real model:
+``layer_overhead_s`` per layer and micro-batch, ``activation_s_per_byte`` per byte of the
+activations a layer keeps (:func:`workbench.parallel.tensor.activation_bytes_per_layer`, which
+shrinks with tensor and sequence parallelism as that work does), ``microbatch_overhead_s`` per
+micro-batch and stage (embedding, head, loss), ``step_overhead_s`` per step (the optimizer's
+per-tensor cost), and ``sync_by_size``: what a collective costs beyond its bytes when it follows
+compute and the ranks outnumber the cores (they drift apart within the OS's time slices), per
+group size and interpolated at the compute that precedes it (a quarter of a layer for a
+tensor-parallel collective; a stage's whole pass for a pipeline message or a gradient bucket).
+The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it updates
+(the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient and two
+moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989 TFLOP/s
+bf16, 3.35 TB/s).
+
+Ranks that outnumber the cores (``cluster.cores``, a calibrated cluster's: 4 ranks on 2 cores)
+share them: while every rank computes, each runs ``world / cores`` times slower than alone. A
+pipeline is not always all busy -- in its ramp-up and drain a stage computes alone, and fast --
+so its step is the schedule's own action lists replayed (:func:`simulate`) with the cores shared
+among the ranks computing at each moment. On a cluster whose every rank has its own device
+(``cores`` None) the replay is not needed and the closed forms below hold.
+
+Communication, on the link each group crosses
+---------------------------------------------
+The mesh is Megatron's (:func:`workbench.parallel.mesh.layout`): ``t`` adjacent ranks, then
+``d``, then ``p``, nodes of ``devices_per_node`` consecutive ranks. Each group is priced by
+:func:`workbench.comm.cost.predict` on a :class:`~workbench.comm.topology.Topology` made from the
+cluster's links and the nodes the group touches, so a ring crossing the slow network is paced
+by it (``cost._ring_on_links``).
+
+* ``tp``: per micro-batch, 2 all-reduces of ``(b/m) s h`` forward and 2 backward per layer of
+  the stage, plus the embedding, the head and the loss
+  (:func:`workbench.parallel.tensor.communication_per_layer`; with sequence parallelism each
+  all-reduce is an all-gather plus a reduce-scatter, and backward re-gathers the inputs of the
+  column-parallel layers). All of it is exposed: every layer waits for its result.
+* ``pp``: one message of ``(b/m) s h e`` bytes (``/ t`` with sequence parallelism) per
+  micro-batch, direction and stage boundary. On the critical path: the first micro-batch's
+  ``p-1`` boundaries forward and back, and one forward and one backward message for each of
+  the other ``m-1`` on the slowest boundary: ``2 sum_k c_k + 2 (m-1) max_k c_k``, ``c_k`` a
+  message's time on the link boundary ``k`` crosses; plus the tied
+  embedding's gradient exchanged between the first and the last stage, the loss broadcast, and
+  the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
+  ranks up before the step and gathers the measured timeline after it).
+* ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
+  reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
+  ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
+  (the units are freed after each). The gradient reduction runs during the last micro-batch's
+  backward and the ZeRO-3 gathers during the compute they feed, so ``overlap x`` that compute
+  is hidden (``cluster.overlap``: 1 by default, as NCCL on its own streams; measured on a
+  calibrated cluster, where gloo's thread competes for the rank's core); the ZeRO-1/2
+  parameter all-gather after the step is exposed.
+
+Bubble
+------
+The pipeline's idle time with the schedule's formula
+(:func:`workbench.parallel.pipeline_schedules.bubble_formula`): an idle fraction ``f`` of the
+step means ``busy x f / (1 - f)`` idle seconds, ``busy`` being the slowest stage's ``m``
+micro-batches of compute and tensor-parallel communication. For GPipe and 1F1B that is
+``(p-1) x`` one micro-batch's time. Where the ranks share cores, the replay gives the span;
+its idle time on the busiest rank is the messages on the critical path (up to the closed form
+above) and the bubble.
+"""
+from __future__ import annotations
+
+import math
+
+from workbench.advise.plan import TIME_PARTS, Config
+from workbench.comm import cost
+from workbench.comm.topology import Topology
+
+__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Config.schedule -> the name pipeline_schedules.bubble_formula uses
+SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb-h1": "zb_h1",
+                  "zb_h1": "zb_h1", "zbv": "zbv"}
+CAUSAL = 0.5          # a causal attention kernel computes about half the score matrix
+ADAM_BYTES = 28       # bytes an Adam update moves per parameter (reads p, g, m, v; writes p, m, v)
+PIPELINE_STEP_COLLECTIVES = 3  # workbench.parallel.pipeline: line-up all-reduce, timeline all-gathers
+FLOPS_PER_BYTE = 300  # default device: FLOP/s over memory bytes/s (H100: 989e12 / 3.35e12)
+
+
+def _flops(cluster, precision: str) -> float:
+    """Achieved FLOP/s in ``precision`` (:meth:`Cluster.flops_for`: ``fp32_flops`` for float32 where given)."""
+    if hasattr(cluster, "flops_for"):
+        return float(cluster.flops_for(precision))
+    return float(cluster.flops)
+
+
+def stage_layers(layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage, balanced as :func:`workbench.parallel.pipeline.partition` cuts them."""
+    return [layers // pp + (1 if k < layers % pp else 0) for k in range(pp)]
+
+
+def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str, float]:
+    """Forward and backward FLOPs per token on one tensor-parallel rank: ``{"layer": one layer's
+    forward + backward (+ recomputation), "head": the head's forward + backward}``."""
+    h, s, f = shape.hidden, shape.seq, shape.ffn
+    k = getattr(shape, "kv_dim", h)                 # keys and values (narrower with grouped-query attention)
+    mlp = (3 if shape.gated else 2) * h * f
+    weights = h * (h + 2 * k) + h * h + mlp
+    attention = 2 * 2 * s * h * CAUSAL
+    forward = 2 * weights + attention
+    extra = {"none": 0.0, "selective": attention, "full": forward}[recompute]
+    vocab = -(-shape.vocab // tp) * tp
+    return {"layer": (3 * forward + extra) / tp, "head": 3 * 2 * h * vocab / tp}
+
+
+def group_topology(ranks: list[int], devices_per_node: int, intra, inter) -> Topology:
+    """The links a group of global ``ranks`` crosses, as :func:`workbench.comm.cost.predict` sees
+    a group of ``len(ranks)`` ranks: nodes of ``k`` consecutive group ranks, ``k`` the group's
+    ranks per node (one node: all of them; one per node: 1; uneven: 1, the slow link throughout)."""
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[r // devices_per_node] = per_node.get(r // devices_per_node, 0) + 1
+    counts = set(per_node.values())
+    k = counts.pop() if len(counts) == 1 else 1
+    return Topology(k, intra=intra, inter=inter)
+
+
+def _machine(cluster):
+    """The machine's own cost model (calibrated clusters) and the links to price messages on:
+    a calibrated cluster keeps the emulated topology's links, None where a link is this machine's."""
+    machine = getattr(cluster, "machine", None) or cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)
+    links = getattr(cluster, "links", None)
+    if links is not None:
+        return machine, links.intra, links.inter
+    return machine, cluster.intra, cluster.inter
+
+
+def _groups(config: Config) -> dict[str, list[int]]:
+    """The first group of each dimension, in Megatron's order (tp adjacent, then dp, then pp)."""
+    d, t, p = config.dp, config.tp, config.pp
+    return {"tp": list(range(t)), "dp": [k * t for k in range(d)], "pp": [k * d * t for k in range(p)]}
+
+
+def _check(shape, cluster, config: Config, global_batch: int) -> None:
+    if not isinstance(config, Config):
+        raise ValueError(f"step_time(config={config!r}): pass a workbench.advise.Config")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"step_time(global_batch={global_batch!r}): must be a whole number of sequences >= 1")
+    if config.precision not in ELEMENT_BYTES:
+        raise ValueError(f"step_time: config.precision={config.precision!r} is not one of {sorted(ELEMENT_BYTES)}")
+    if config.recompute not in ("none", "selective", "full"):
+        raise ValueError(f"step_time: config.recompute={config.recompute!r} must be 'none', 'selective' or 'full'")
+    if config.pp > 1 and config.schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"step_time: config.schedule={config.schedule!r} is not one of {sorted(set(SCHEDULE_NAMES))}")
+    if config.pp > shape.layers:
+        raise ValueError(f"step_time: pp={config.pp} stages but the model has {shape.layers} layers; use pp <= "
+                         f"{shape.layers}")
+    if global_batch % (config.dp * config.microbatches):
+        raise ValueError(f"step_time: global_batch={global_batch} does not split into dp={config.dp} x "
+                         f"microbatches={config.microbatches} equal micro-batches; use a multiple of "
+                         f"{config.dp * config.microbatches}")
+
+
+def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: bool, e: int, topo,
+             machine, sync: float = 0.0) -> tuple[float, float]:
+    """Seconds of tensor-parallel collectives for one micro-batch of ``rows`` on one stage:
+    ``(forward, backward)`` (:func:`workbench.parallel.tensor.communication_per_layer`, and the
+    model's edges as :func:`workbench.parallel.tensor.communication_per_step` lists them)."""
+    from workbench.parallel.tensor import communication_per_layer
+
+    t, s, h = config.tp, shape.seq, shape.hidden
+    if t == 1:
+        return 0.0, 0.0
+    n = rows * s * h
+    calls: dict[str, list[tuple[str, int]]] = {"forward": [], "backward": []}
+    for phase, collectives in communication_per_layer(rows, s, h, config.sequence_parallel, shape.bias).items():
+        for collective, sizes in collectives.items():
+            calls[phase] += [(collective, k) for k in sizes] * layers
+    if config.sequence_parallel:
+        if first:   # embedding: reduce-scattered forward, all-gathered backward (and the positions)
+            calls["forward"].append(("reduce_scatter", n))
+            calls["backward"] += [("all_gather", n), ("all_gather", s * h)]
+        if last:    # head input gathered forward, reduce-scattered and re-gathered backward; ln_f's grads
+            calls["forward"].append(("all_gather", n))
+            calls["backward"] += [("reduce_scatter", n), ("all_gather", n)]
+            calls["backward"] += [("all_reduce", h)] * (2 if shape.bias else 1)
+    else:
+        if first:
+            calls["forward"].append(("all_reduce", n))
+        if last:
+            calls["backward"].append(("all_reduce", n))
+    if last:        # the vocabulary-parallel loss: the maximum, then the sums
+        calls["forward"] += [("all_reduce", rows * s), ("all_reduce", 2 * rows * s)]
+    out = []
+    for phase in ("forward", "backward"):
+        counts: dict[tuple[str, int], int] = {}
+        for call in calls[phase]:          # price each distinct collective once
+            counts[call] = counts.get(call, 0) + 1
+        out.append(sum(n * (cost.predict(c, "native", k * e, t, machine, topology=topo) + sync)
+                       for (c, k), n in counts.items()))
+    return out[0], out[1]
+
+
+def _schedule(config: Config, p: int, m: int):
+    """The schedule's compute actions per rank, its number of stages and their placement style."""
+    from workbench.parallel import pipeline_schedules as plans
+
+    name = SCHEDULE_NAMES[config.schedule]
+    if name == "gpipe":
+        return plans.gpipe(p, m), p, "loop"
+    if name == "1f1b":
+        return plans.one_f_one_b(p, m), p, "loop"
+    if name == "zb_h1":
+        return plans.zero_bubble_h1(p, m), p, "loop"
+    if name == "interleaved":
+        return plans.interleaved(p, 2, m), 2 * p, "loop"
+    return plans.zbv(p, m), 2 * p, "v"
+
+
+def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, style: str = "loop",
+             cores: float | None = None, replicas: int = 1) -> dict:
+    """Replay a schedule's per-rank action lists with each action's ``work[(kind, stage)]`` seconds of
+    compute (at one rank's full speed) followed by ``comm[(kind, stage)]`` seconds of tensor-parallel
+    communication, and ``message`` seconds for an activation or gradient to reach another rank
+    (one number, or one per stage boundary: ``message[k]`` between stages ``k`` and ``k + 1``).
+
+    ``cores``: the machine runs at most this many ranks' compute at once, shared evenly among the
+    ranks computing at each moment (processor sharing; each pipeline rank stands for ``replicas``
+    ranks doing the same, its data- and tensor-parallel peers); None: every rank its own device.
+    Returns ``{"span", "busy": [per rank], "compute": [per rank], "comm": [per rank]}`` in seconds.
+    """
+    from workbench.parallel.pipeline_schedules import stage_to_rank
+
+    ranks = len(actions)
+    owner = stage_to_rank(num_stages, ranks, style)
+    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+    hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
+    done: dict[tuple, float] = {}
+    pos = [0] * ranks
+    state = ["idle"] * ranks          # idle, compute, comm
+    remaining = [0.0] * ranks         # compute seconds left (at full speed) / comm end time
+    comm_end = [0.0] * ranks
+    busy_c, busy_m = [0.0] * ranks, [0.0] * ranks
+    now = 0.0
+
+    def deps(a):
+        s, i = a.stage, a.microbatch
+        if a.kind == "F":
+            return [("F", s - 1, i)] if s > 0 else []
+        if a.kind == "B":
+            return [("B", s + 1, i)] if s < num_stages - 1 else [("F", s, i)]
+        return [("B", s, i)]
+
+    def ready_at(r, a):
+        t = 0.0
+        for d in deps(a):
+            if d not in done:
+                return None
+            t = max(t, done[d] + (hop[min(d[1], a.stage)] if owner[d[1]] != r else 0.0))
+        return t
+
+    left = sum(len(a) for a in actions)
+    while left:
+        waits = []
+        for r in range(ranks):
+            while state[r] == "idle" and pos[r] < len(actions[r]):
+                a = actions[r][pos[r]]
+                t = ready_at(r, a)
+                if t is None:
+                    break
+                if t > now + 1e-15:
+                    waits.append(t)
+                    break
+                key = ("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage)
+                state[r], remaining[r] = "compute", work[key]
+                comm_end[r] = comm[key]
+        computing = [r for r in range(ranks) if state[r] == "compute"]
+        rate = 1.0 if not cores else min(1.0, cores / (len(computing) * replicas)) if computing else 1.0
+        events = waits + [now + remaining[r] / rate for r in computing] + \
+            [remaining[r] for r in range(ranks) if state[r] == "comm"]
+        if not events:
+            stuck = {r: str(actions[r][pos[r]]) for r in range(ranks) if pos[r] < len(actions[r])}
+            raise RuntimeError(f"simulate: the schedule deadlocks at {stuck}")
+        nxt = max(min(events), now)
+        for r in computing:
+            busy_c[r] += nxt - now
+            remaining[r] -= (nxt - now) * rate
+        now = nxt
+        for r in range(ranks):
+            if state[r] == "compute" and remaining[r] <= 1e-12:
+                state[r], remaining[r] = "comm", now + comm_end[r]
+                busy_m[r] += comm_end[r]
+            if state[r] == "comm" and remaining[r] <= now + 1e-15:
+                a = actions[r][pos[r]]
+                done[(a.kind, a.stage, a.microbatch)] = now
+                state[r] = "idle"
+                pos[r] += 1
+                left -= 1
+    return {"span": now, "busy": [c + m for c, m in zip(busy_c, busy_m)], "compute": busy_c, "comm": busy_m}
+
+
+def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, float]:
+    """Seconds per training step of ``config`` for ``shape`` on ``cluster`` with ``global_batch``
+    sequences: ``{"compute", "tp", "dp", "pp", "bubble", "total"}`` (see the module docstring)."""
+    from workbench.parallel.pipeline_schedules import bubble_formula
+    from workbench.parallel.tensor import activation_bytes_per_layer
+
+    _check(shape, cluster, config, global_batch)
+    d, t, p, m = config.dp, config.tp, config.pp, max(1, config.microbatches)
+    e = ELEMENT_BYTES[config.precision]
+    s, h = shape.seq, shape.hidden
+    rate = _flops(cluster, config.precision)
+    machine, intra, inter = _machine(cluster)
+    dpn = cluster.devices_per_node
+    groups = _groups(config)
+    topo = {dim: group_topology(r, dpn, intra, inter) for dim, r in groups.items()}
+    rows = global_batch // d // m                     # sequences per micro-batch
+    tokens = rows * s
+    cores = getattr(cluster, "cores", None)
+    world = d * t * p
+    crowd = max(1.0, world / cores) if cores else 1.0   # slow-down when every rank computes at once
+
+    fpt = flops_per_token(shape, tp=t, recompute=config.recompute)
+    act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
+    act = activation_bytes_per_layer(rows, s, h, shape.heads, t, config.sequence_parallel, e) if act_s else 0
+    layer_s = tokens * fpt["layer"] / rate + act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))
+    mb_over = float(getattr(cluster, "microbatch_overhead_s", 0.0))
+    step_over = float(getattr(cluster, "step_overhead_s", 0.0))
+    # a tensor-parallel collective follows a quarter of a layer's forward + backward (crowded speed)
+    sync = _sync(cluster, t, layer_s * crowd / 4) if t > 1 else 0.0
+
+    # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
+    actions, num_stages, style = _schedule(config, p, m) if p > 1 else ([[]], 1, "loop")
+    per_stage = []
+    for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
+        first, last = k == 0, k == num_stages - 1
+        compute = n_layers * layer_s + (tokens * fpt["head"] / rate if last else 0.0) + mb_over / (num_stages // p)
+        tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
+        per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b})
+    per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
+    from workbench.parallel.pipeline_schedules import stage_to_rank
+
+    for k, owner in enumerate(stage_to_rank(num_stages, p, style)):
+        per_rank[owner]["compute"] += per_stage[k]["compute"]
+        per_rank[owner]["tp"] += per_stage[k]["tp_f"] + per_stage[k]["tp_b"]
+    slowest = max(per_rank, key=lambda r: r["compute"] * crowd + r["tp"])
+
+    # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
+    hops, pp_extra = [0.0], 0.0
+    if p > 1:
+        msg = rows * s * h * e / (t if config.sequence_parallel else 1)
+        owner = stage_to_rank(num_stages, p, style)
+        hops = [0.0 if owner[k] == owner[k + 1] else _sync(cluster, 2) + _link_time(
+            groups["pp"][owner[k]], groups["pp"][owner[k + 1]], dpn, intra, inter, machine, msg)
+            for k in range(num_stages - 1)]
+        if shape.tied:
+            tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
+            pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
+        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"]) + _sync(cluster, p)
+        # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
+        # it (an all-reduce of one float, two small all-gathers): part of what it costs here
+        pp_extra += PIPELINE_STEP_COLLECTIVES * (cost.predict("all_reduce", "native", 8, p, machine,
+                                                              topology=topo["pp"]) + _sync(cluster, p))
+    critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
+
+    if p > 1 and cores:
+        # the schedule replayed with the machine's cores shared among the ranks computing
+        work, comm = {}, {}
+        for k, st in enumerate(per_stage):
+            f = st["compute"] / 3
+            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f, 2 * f, f, f
+            comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = st["tp_f"], st["tp_b"], st["tp_b"], 0.0
+        sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=cores,
+                       replicas=d * t)
+        r = max(range(p), key=lambda i: sim["busy"][i])
+        compute, tp_total = sim["compute"][r], sim["comm"][r]
+        idle = max(0.0, sim["span"] - sim["busy"][r])
+        pp_total = min(idle, critical_messages)
+        bubble = idle - pp_total
+    else:
+        compute, tp_total = m * slowest["compute"] * crowd, m * slowest["tp"]
+        pp_total, bubble = critical_messages, 0.0
+        if p > 1:
+            f = bubble_formula(SCHEDULE_NAMES[config.schedule], p, m)
+            bubble = (compute + tp_total) * f / (1 - f)
+    pp_total += pp_extra
+
+    # -- the optimizer: its update of this rank's parameters (its shard under ZeRO), every rank at once
+    psi_rank = _parameters_on_rank(shape, t, p)
+    updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
+    update_s = getattr(cluster, "update_s_per_param", None)
+    if update_s is None:
+        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
+    compute += (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) * crowd
+
+    # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
+    dp_total = 0.0
+    if d > 1:
+        overlap = float(getattr(cluster, "overlap", 1.0))
+        sync = _sync(cluster, d)
+        grad_bytes = psi_rank * e
+        mb_compute = slowest["compute"] * crowd
+        if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
+            units = max(stage_layers(shape.layers, p)) + 1
+            per_mb = sum(units * cost.predict(c, "native", grad_bytes / units, d, machine, topology=topo["dp"])
+                         for c in ("all_gather", "all_gather", "reduce_scatter")) + 3 * units * sync
+            dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / units)
+        else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
+            cap = (25 if config.zero == 0 else 5) * 2**20
+            first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
+            buckets = 1 + max(0, math.ceil((grad_bytes - first) / cap))
+            bucket = lambda c: buckets * (cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
+                                                       topology=topo["dp"]) + sync)
+            reduce = bucket("all_reduce") if config.zero == 0 else bucket("reduce_scatter")
+            dp_total = max(0.0, reduce - overlap * mb_compute * 2 / 3)   # behind the last backward
+            if config.zero in (1, 2):
+                dp_total += bucket("all_gather")
+        dp_total += cost.predict("all_reduce", "native", 4, d, machine, topology=topo["dp"]) + sync  # the loss
+
+    out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
+    out["total"] = sum(out[k] for k in TIME_PARTS)
+    return out
+
+
+def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:
+    """Seconds a collective (or message) among ``group_size`` ranks costs beyond its bytes when it
+    follows ``chunk`` seconds of compute: a calibrated cluster's ``sync_by_size`` (per group size,
+    points ``(compute, price)``), interpolated in both; 0 for real devices."""
+    by = getattr(cluster, "sync_by_size", None)
+    if not by:
+        return float(getattr(cluster, "sync_s", 0.0))
+
+    def at(points):
+        pts = sorted(points)
+        if chunk <= pts[0][0]:
+            return pts[0][1]
+        for (c0, s0), (c1, s1) in zip(pts, pts[1:]):
+            if chunk <= c1:
+                return s0 + (s1 - s0) * (chunk - c0) / (c1 - c0) if c1 > c0 else s1
+        return pts[-1][1]
+
+    sizes = sorted(by)
+    if group_size <= sizes[0]:
+        return float(at(by[sizes[0]]))
+    for lo, hi in zip(sizes, sizes[1:]):
+        if group_size <= hi:
+            return float(at(by[lo]) + (at(by[hi]) - at(by[lo])) * (group_size - lo) / (hi - lo))
+    return float(at(by[sizes[-1]]))
+
+
+def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -> float:
+    """One message of ``nbytes`` from global rank ``a`` to ``b``: the link between them, or this
+    machine's own one-way time where that link is not emulated."""
+    link = intra if a // dpn == b // dpn else inter
+    return link.time(nbytes) if link is not None else machine.one_way(nbytes)
+
+
+def _parameters_on_rank(shape, t: int, p: int) -> float:
+    """Parameters on the most loaded rank: its stage's layers split by ``t`` (norms and row
+    biases replicated), the embedding (first stage) or the head (last stage) split by vocabulary
+    (:meth:`ModelShape.stage_parameters`)."""
+    return float(max(shape.stage_parameters(p, s, t) for s in range(p)))
