@@ -90,6 +90,10 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
                 f"{cluster.nodes} x {cluster.devices_per_node} = {cluster.devices}")
     if config.zero and dp == 1:
         return f"ZeRO-{config.zero} shards over the data-parallel ranks, and dp = 1 has nothing to shard"
+    if config.zero == 2 and pp > 1 and dp > 1 and shape.tied:
+        return ("ZeRO-2 with a pipeline and a tied embedding: ZeRO-2 frees each gradient during backward, before "
+                "the first and last stages can add their halves of the tied one (workbench's parallelize refuses "
+                "it); use ZeRO-1 or 3, or an untied head")
     if shape.heads % tp:
         return f"tp = {tp} does not divide the {shape.heads} attention heads (each rank takes heads / tp)"
     kv = shape.kv_heads or shape.heads
