@@ -447,13 +447,14 @@ def figure(rows: list[dict], ax=None):
         if sel:
             ax.scatter([r["measured_s"] * 1e3 for r in sel], [r["predicted_s"] * 1e3 for r in sel], marker=marker,
                        label="1 node" if topo is None else "2 emulated nodes")
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter
 
     ax.set_xscale("log")
     ax.set_yscale("log")
+    label = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "125" else "")   # 10, 20, 50, 100, ...
     for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(ScalarFormatter())
+        axis.set_major_formatter(label)
+        axis.set_minor_formatter(label)
     ax.set_xlabel("measured ms per step")
     ax.set_ylabel("predicted ms per step")
     loads = [r["load"] for r in rows]
