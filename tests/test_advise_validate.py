@@ -177,12 +177,14 @@ def test_memory_predictions_pinned_to_measured(world):
         errors = memory_errors(predicted, mem)
         assert errors["model_state"] == pytest.approx(0, abs=1e-12)
         # activations and buffers together (the meter files ZeRO-3's gathered units under
-        # activations): the prediction within 25% on tiny micro-batches, where the pipeline's
-        # message buffers weigh most (see the issue's closing note for the figures)
+        # activations): measured here, without a pipeline 1.5-7% above the prediction (temporaries
+        # of the backward the formulas leave out), with one 12-14% (the interpreter also holds
+        # the whole batch's logits on the last stage, and stage outputs on the first)
+        margin = 0.08 if c.pp == 1 else 0.16
         for r in range(world):
             pa = predicted[r]["activations"] + predicted[r]["buffers"]
             ma = mem["activations"][r] + mem["buffers"][r]
-            assert abs(pa / ma - 1) <= 0.25, (c.label(), r, pa, ma)
+            assert abs(pa / ma - 1) <= margin, (c.label(), r, pa, ma)
 
 
 def _calibrate_tiny():
