@@ -101,18 +101,28 @@ def test_cluster_presets_validation_and_changes():
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_model_state_is_the_zero_formula_of_the_stage_shard(zero, precision):
+    """bf16: the paper's formula exactly; fp32: the formula plus what the strategies hold beyond it
+    (flat buffers padded to a multiple of dp, Adam's 4-byte step counter per tensor it updates)."""
     shape = ModelShape.preset("small")
-    for dp, tp, pp in ((4, 1, 1), (2, 2, 1), (2, 1, 2)):
+    for dp, tp, pp in ((4, 1, 1), (2, 2, 1), (2, 1, 2), (3, 1, 1)):
         config = Config(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=pp, precision=precision)
-        rows = memory_by_rank(shape, config, 8)
+        rows = memory_by_rank(shape, config, 12)
         for stage, row in enumerate(rows):
             psi = shape.stage_parameters(pp, stage, tp)
             want = model_state_per_rank(psi, dp, zero, "adam", "fp32" if precision == "fp32" else "mixed")
-            assert (row["parameters"], row["gradients"], row["optimizer"]) == \
-                (want["params"], want["grads"], want["optimizer"])
-    # float32 Adam, one replica: 16 bytes per parameter
-    assert sum(memory_per_device("small", Config(), 8)[k] for k in ("parameters", "gradients", "optimizer")) == \
-        16 * shape.parameters()
+            got = (row["parameters"], row["gradients"], row["optimizer"])
+            if precision == "bf16":
+                assert got == (want["params"], want["grads"], want["optimizer"])
+                continue
+            tensors = len(shape.stage_tensors(pp, stage, tp))
+            slack = 4 * dp * (tensors + shape.layers + 1)   # padding: under dp elements per bucket or unit
+            assert 0 <= got[0] - want["params"] <= slack and 0 <= got[1] - want["grads"] <= slack
+            assert 0 < got[2] - want["optimizer"] <= 4 * tensors + slack
+            if zero == 0:
+                assert got == (want["params"], want["grads"], want["optimizer"] + 4 * tensors)
+    # float32 Adam, one replica: 16 bytes per parameter and the step counters
+    state = memory_per_device("small", Config(), 8)
+    assert state["parameters"] + state["gradients"] == 8 * shape.parameters()
 
 
 def test_model_state_matches_model_state_bytes_of_the_real_model_and_stages():
@@ -126,9 +136,7 @@ def test_model_state_matches_model_state_bytes_of_the_real_model_and_stages():
     measured = model_state_bytes(model, opt)
     predicted = memory_per_device(config, Config(), 2)
     assert measured["params"] == predicted["parameters"] and measured["grads"] == predicted["gradients"]
-    # Adam's moments exactly; torch adds one 4-byte step counter per parameter tensor
-    tensors = len(list(model.parameters()))
-    assert measured["optimizer"] == predicted["optimizer"] + 4 * tensors
+    assert measured["optimizer"] == predicted["optimizer"]   # Adam's moments and its 4-byte step counters
     # pipeline stages: each stage's own model state (the tied embedding on both ends)
     stages = partition(GPT(config), 2)
     rows = memory_by_rank(config, Config(pp=2, microbatches=2), 4)
@@ -140,12 +148,27 @@ def test_model_state_matches_model_state_bytes_of_the_real_model_and_stages():
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_activations_without_parallelism_are_recompute_activation_bytes(precision, dtype, policy):
+    """recompute.activation_bytes's peak, plus (without full recomputation) backward's working set:
+    the gradient flowing in and the MLP's 4h-wide gradient, less the head's freed tensors."""
     cfg = GPTConfig.preset("small")
-    got = memory_per_device(cfg, Config(precision=precision, recompute=policy), 6)["activations"]
-    assert got == activation_bytes(cfg, 6, policy=policy, dtype=dtype)["peak"]
+    e = 4 if precision == "fp32" else 2
+    b, s, h, V = 6, cfg.block_size, cfg.n_embd, cfg.vocab_size
+
+    def want(batch, accumulating=False):
+        formula = activation_bytes(cfg, batch, policy=policy, dtype=dtype)
+        if policy == "full":
+            return formula["peak"]
+        sbh, sb = s * batch * h, s * batch
+        work = e * (sbh + sb * 4 * h) - e * (2 * sbh + 2 * sb + sb * V)
+        if accumulating:     # the MLP weight's new gradient beside its .grad
+            work += e * h * 4 * h
+        return max(formula["peak"], formula["kept"] + max(0, work))
+
+    got = memory_per_device(cfg, Config(precision=precision, recompute=policy), b)["activations"]
+    assert got == want(b)
     # gradient accumulation: each of m micro-batches alone
-    acc = memory_per_device(cfg, Config(dp=1, microbatches=3, precision=precision, recompute=policy), 6)
-    assert acc["activations"] == activation_bytes(cfg, 2, policy=policy, dtype=dtype)["peak"]
+    acc = memory_per_device(cfg, Config(dp=1, microbatches=3, precision=precision, recompute=policy), b)
+    assert acc["activations"] == want(2, accumulating=True)
 
 
 def test_activations_measured_on_the_real_model():
@@ -156,7 +179,7 @@ def test_activations_measured_on_the_real_model():
     with MemoryMeter(model, x, y, device="cpu") as meter:
         model(x, y)[1].backward()
     predicted = memory_per_device(config, Config(), 4)["activations"]
-    assert 1.0 <= meter.peak_by_category["activations"] / predicted <= 1.10
+    assert abs(meter.peak_by_category["activations"] / predicted - 1) <= 0.02
 
 
 def test_tensor_parallel_layer_is_tensor_py_formula_and_sequence_parallel_shards_the_rest():
@@ -178,9 +201,10 @@ def test_pipeline_ranks_keep_the_schedules_live_microbatches():
     for schedule, live in (("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1]), ("zb-h1", [4, 4, 4, 4])):
         config = Config(pp=4, schedule=schedule, microbatches=8)
         rows = memory_by_rank(shape, config, 16)
+        logits = 8 * 4 * shape.seq * 2 * shape.vocab   # the last stage keeps every micro-batch's logits
         for r in range(4):
             kept, peak = one(config, r)["kept"], one(config, r)["peak"]
-            assert rows[r]["activations"] == live[r] * kept + peak - kept, (schedule, r)
+            assert rows[r]["activations"] == live[r] * kept + peak - kept + (logits if r == 3 else 0), (schedule, r)
     # interleaved: two chunks per rank, each half a stage's layers
     inter = memory_by_rank(shape, Config(pp=2, schedule="interleaved", microbatches=4), 16)
     assert len(inter) == 2 and inter[0]["activations"] > inter[1]["activations"]

@@ -22,6 +22,7 @@ Files, one idea each:
 ``choose``     :func:`advise`: predict every configuration, rank, explain the choice
 ``calibrate``  measure this machine (matmul rate, link costs) into a :class:`Cluster`
 ``validate``   run a sample of configurations here and put measured beside predicted
+``figure``     every plan's predicted time against its memory; the best plans' breakdowns
 ``cli``        ``workbench advise``: table, JSON, figure
 =============  ==================================================================================
 """

@@ -24,7 +24,7 @@ facts, in plain words::
 """
 from __future__ import annotations
 
-from .cluster import GiB, Cluster
+from .cluster import GiB, Cluster, link_text
 from .memory import memory_per_device
 from .plan import TIME_PARTS, Config, Plan
 from .shape import ModelShape
@@ -56,6 +56,8 @@ def _cluster(cluster) -> Cluster:
 
 
 def _gib(n: float) -> str:
+    if n >= 100 * GiB:
+        return f"{n / GiB:,.0f} GiB"
     return f"{n / GiB:.3g} GiB" if n >= 0.1 * GiB else f"{n / 2 ** 20:.3g} MiB"
 
 
@@ -70,20 +72,20 @@ def _layout_facts(shape: ModelShape, cluster: Cluster, config: Config, plan: Pla
     t, d, p = config.tp, config.dp, config.pp
     time, memory = plan.time, plan.memory
     if t > 1:
-        where = (f"inside each node ({cluster.intra})" if t <= dpn else
-                 f"across {-(-t // dpn)} nodes, on the {ratio:.3g}x slower network ({cluster.inter})")
+        where = (f"inside each node ({link_text(cluster.intra)})" if t <= dpn else
+                 f"across {-(-t // dpn)} nodes, on the {ratio:.3g}x slower network ({link_text(cluster.inter)})")
         facts.append(f"TP {t} {where}: 4 all-reduces per layer and micro-batch, "
                      f"{_seconds(time.get('tp', 0.0))} per step")
     if p > 1:
         spans = d * t >= dpn and cluster.nodes > 1
-        link = f"across nodes ({cluster.inter})" if spans else f"inside a node ({cluster.intra})"
+        link = f"across nodes ({link_text(cluster.inter)})" if spans else f"inside a node ({link_text(cluster.intra)})"
         bubble = time.get("bubble", 0.0) / time["total"] if time.get("total") else 0.0
         facts.append(f"PP {p} {link}: one message per micro-batch per boundary "
                      f"({_seconds(time.get('pp', 0.0))} per step); {config.schedule} over m = {config.microbatches} "
                      f"micro-batches idles {bubble:.0%} of the step")
     if d > 1:
         crosses = d * t > dpn and cluster.nodes > 1
-        link = f"across nodes ({cluster.inter})" if crosses else f"inside a node ({cluster.intra})"
+        link = f"across nodes ({link_text(cluster.inter)})" if crosses else f"inside a node ({link_text(cluster.intra)})"
         zero = {0: "DDP (ZeRO-0)", 1: "ZeRO-1 (optimizer state sharded)", 2: "ZeRO-2 (optimizer state and gradients "
                 "sharded)", 3: "ZeRO-3 (parameters sharded too)"}[config.zero]
         facts.append(f"DP {d} {link} with {zero}: {_seconds(time.get('dp', 0.0))} of gradient traffic left exposed")
@@ -206,7 +208,7 @@ def _why(chosen: Plan, plans: list[Plan], cluster: Cluster, shape: ModelShape) -
         why.append(f"TP {cfg.tp} inside each node: its all-reduces (4 per layer and micro-batch) would cross the "
                    f"{ratio:.3g}x slower network otherwise")
     elif cfg.tp > 1 and cfg.tp <= dpn:
-        why.append(f"TP {cfg.tp} inside the node's {cluster.intra} links, where its all-reduces are cheap")
+        why.append(f"TP {cfg.tp} inside the node ({link_text(cluster.intra)}), where its all-reduces are cheap")
     elif cfg.tp > dpn:
         why.append(f"TP {cfg.tp} spans nodes, so its all-reduces pay the {ratio:.3g}x slower network: "
                    "nothing cheaper fits")

@@ -118,13 +118,16 @@ def _s(t: float) -> str:
 
 
 def table(plans: list[Plan], top: int = 10) -> str:
-    """The ranked plans as a text table: time by part (s) and memory by category (GiB)."""
-    head = ["#", "configuration", "step s"] + list(TIME_PARTS) + ["mem GiB"] + \
+    """The ranked feasible plans as a text table: time by part (s) and memory by category (GiB, or
+    MiB when every plan is under 1 GiB)."""
+    shown = [p for p in plans if p.feasible][:top]
+    unit, scale = ("GiB", GiB) if any(p.memory["total"] >= GiB for p in shown) else ("MiB", 2.0 ** 20)
+    head = ["#", "configuration", "step s"] + list(TIME_PARTS) + [f"mem {unit}"] + \
         ["params", "grads", "optim", "activ", "buffers"]
     rows = []
-    for k, p in enumerate([p for p in plans if p.feasible][:top]):
+    for k, p in enumerate(shown):
         rows.append([str(k + 1), p.config.label(), _s(p.time["total"])] + [_s(p.time[t]) for t in TIME_PARTS] +
-                    [f"{p.memory['total'] / GiB:.2f}"] + [f"{p.memory[c] / GiB:.2f}" for c in MEMORY_CATEGORIES])
+                    [f"{p.memory['total'] / scale:.2f}"] + [f"{p.memory[c] / scale:.2f}" for c in MEMORY_CATEGORIES])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     line = lambda r: "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -197,11 +200,10 @@ def main(args: argparse.Namespace) -> int:
 
         from .figure import time_memory
 
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = plt.subplots(figsize=(11, 5), layout="constrained")
         time_memory(plans, ax, memory_limit=cluster.memory_bytes,
                     title=f"{shape.name} on {cluster.nodes} x {cluster.devices_per_node} {cluster.name}, "
                           f"batch {args.batch}")
-        fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         print(f"\nfigure: {args.plot}")
     if args.json and args.json != "-":

@@ -47,7 +47,7 @@ from dataclasses import dataclass, fields, replace
 from workbench.comm.topology import PRESETS as TOPOLOGY_PRESETS
 from workbench.comm.topology import Link
 
-__all__ = ["Cluster", "PRESETS", "GiB"]
+__all__ = ["Cluster", "PRESETS", "GiB", "link_text"]
 
 GiB = float(2 ** 30)
 
@@ -127,7 +127,17 @@ class Cluster:
         """One line: the devices, their memory and speed, the two links."""
         return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} devices, "
                 f"{self.memory_bytes / GiB:.1f} GiB and {self.flops / 1e12:.3g} TFLOP/s each; "
-                f"inside a node {self.intra}, between nodes {self.inter} ({self.link_ratio:.3g}x slower)")
+                f"inside a node {link_text(self.intra)}, between nodes {link_text(self.inter)} "
+                f"({self.link_ratio:.3g}x slower)")
+
+
+def link_text(link: Link) -> str:
+    """A link in three significant digits: ``2 us, 450 GB/s``."""
+    lat = link.latency_s
+    lat_text = f"{lat * 1e6:.3g} us" if lat < 1e-3 else f"{lat * 1e3:.3g} ms"
+    bw = link.bandwidth_Bps
+    bw_text = f"{bw / 1e9:.3g} GB/s" if bw >= 1e9 else f"{bw / 1e6:.3g} MB/s"
+    return f"{lat_text}, {bw_text}"
 
 
 _ACHIEVED = 0.7      # fraction of the dense peak a large matmul reaches (assumption; calibrate to replace)

@@ -32,37 +32,51 @@ def time_memory(plans: Sequence[Plan], ax=None, *, memory_limit: float | None = 
     the chosen one (``plans[0]`` when feasible) starred and labelled. Returns the axes."""
     import matplotlib.pyplot as plt
 
+    import matplotlib.ticker as mticker
+    from matplotlib.lines import Line2D
+
     ax = _axes(ax, (7.5, 4.5))
     feasible = [p for p in plans if p.feasible and p.time]
     tps = sorted({p.config.tp for p in feasible}) or [1]
     pps = sorted({p.config.pp for p in feasible}) or [1]
     cmap = plt.get_cmap("viridis")
-    for i, tp in enumerate(tps):
-        for j, pp in enumerate(pps):
+    color = {tp: cmap(i / max(1, len(tps) - 1)) for i, tp in enumerate(tps)}
+    marker = {pp: _MARKERS[j % len(_MARKERS)] for j, pp in enumerate(pps)}
+    for tp in tps:
+        for pp in pps:
             pts = [p for p in feasible if p.config.tp == tp and p.config.pp == pp]
-            if not pts:
-                continue
-            ax.scatter([p.memory["total"] / GiB for p in pts], [p.time["total"] for p in pts], s=14, alpha=0.6,
-                       color=cmap(i / max(1, len(tps) - 1)), marker=_MARKERS[j % len(_MARKERS)],
-                       label=f"tp{tp} pp{pp}")
+            if pts:
+                ax.scatter([p.memory["total"] / GiB for p in pts], [p.time["total"] for p in pts], s=14, alpha=0.6,
+                           color=color[tp], marker=marker[pp])
+    handles = [Line2D([], [], ls="", marker="o", color=color[tp], label=f"tp {tp}") for tp in tps] + \
+        [Line2D([], [], ls="", marker=marker[pp], color="0.4", label=f"pp {pp}") for pp in pps]
     if infeasible:
         over = [p for p in plans if not p.feasible and p.time and p.memory]
         if over:
-            ax.scatter([p.memory["total"] / GiB for p in over], [p.time["total"] for p in over], s=10, color="0.7",
-                       marker="x", label="does not fit")
+            ax.scatter([p.memory["total"] / GiB for p in over], [p.time["total"] for p in over], s=10, color="0.75",
+                       marker="x")
+            handles.append(Line2D([], [], ls="", marker="x", color="0.75", label="does not fit"))
     if memory_limit:
-        ax.axvline(memory_limit / GiB, color="crimson", lw=1, ls="--", label="device memory")
+        ax.axvline(memory_limit / GiB, color="crimson", lw=1, ls="--")
+        handles.append(Line2D([], [], color="crimson", lw=1, ls="--", label="device memory"))
     if feasible and plans[0] is feasible[0]:
         best = feasible[0]
         ax.scatter([best.memory["total"] / GiB], [best.time["total"]], s=260, marker="*", color="crimson",
-                   edgecolor="black", zorder=5, label="chosen")
-        ax.annotate(best.config.label(), (best.memory["total"] / GiB, best.time["total"]), xytext=(8, 8),
-                    textcoords="offset points", fontsize=8)
+                   edgecolor="black", zorder=5)
+        handles.append(Line2D([], [], ls="", marker="*", markersize=13, color="crimson", markeredgecolor="black",
+                              label="chosen: " + best.config.label()))
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))
+    times = [p.time["total"] for p in plans if p.time]
+    if times and max(times) < 10 * min(times):     # less than a decade: label the minor ticks too
+        ax.yaxis.set_minor_formatter(mticker.FormatStrFormatter("%g"))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+    else:
+        ax.yaxis.set_minor_formatter(mticker.NullFormatter())
     ax.set_xlabel("predicted memory per device (GiB)")
     ax.set_ylabel("predicted step time (s)")
-    ax.set_yscale("log")
     ax.set_title(title or f"{len(feasible)} feasible plans: time against memory")
-    ax.legend(fontsize=7, ncol=2, loc="best")
+    ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return ax
 
 

@@ -9,11 +9,14 @@ categories :class:`~workbench.metrics.MemoryMeter` uses (``params``, ``grads``, 
 rank's stage(s) on one tensor-parallel rank, counted exactly by
 :meth:`ModelShape.stage_parameters` (the layers :func:`~workbench.parallel.pipeline.partition`
 gives the stage, the embedding on the first, final norm and head on the last -- a tied head is a
-second copy there). Then :func:`workbench.parallel.zero_memory.model_state_per_rank` over the
-``dp`` ranks with the ZeRO stage: float32 Adam ``4 + 4 + 8`` bytes per parameter (``16 psi`` for
-DDP, ``4 + 4 + 8/N``, ``4 + 4/N + 8/N``, ``16/N`` for ZeRO-1/2/3); bf16/fp16 the paper's mixed
-precision ``2 + 2 + 12`` (a float32 master copy beside the two moments). Padding of flat shards
-to a multiple of ``N`` (a few elements) is left out.
+second copy there). Then the ZeRO formulas over the ``dp`` ranks
+(:func:`workbench.parallel.zero_memory.model_state_per_rank`): float32 Adam ``4 + 4 + 8`` bytes
+per parameter (``16 psi`` for DDP, ``4 + 4 + 8/N``, ``4 + 4/N + 8/N``, ``16/N`` for ZeRO-1/2/3);
+bf16/fp16 the paper's mixed precision ``2 + 2 + 12`` (a float32 master copy beside the two
+moments). In float32 :func:`model_state` is exact for the workbench's strategies: it adds what
+they hold beyond the formula, the padding of each flat bucket (ZeRO-1/2, cut by their own
+:func:`~workbench.parallel.buckets.assign_buckets`) or unit (ZeRO-3) to a multiple of ``N``, and
+Adam's 4-byte step counter per tensor it updates.
 
 **Activations**, per micro-batch of ``b = global_batch / (dp m)`` sequences (without a pipeline
 ``m`` is the number of gradient-accumulation steps, each freeing its activations before the next) of ``s`` tokens,
@@ -36,20 +39,31 @@ to a multiple of ``N`` (a few elements) is left out.
 * the peak of one micro-batch's backward (``recompute.activation_bytes``'s ``peak``): with
   ``full`` the first recomputed layer's whole working set plus the gradient flowing into it and
   the caller's logits, the head's own tensors freed; with ``selective`` the last layer's attention
-  core recomputed beside the kept tensors and two gradients.
+  core recomputed beside the kept tensors and two gradients; without recomputation (and
+  selective) also backward's working set that ``activation_bytes`` leaves out ("a few percent;
+  measured, not modelled"): the gradient flowing in, the MLP's ``ffn``-wide gradient (GELU's
+  input gradient replaces its saved output) and, with sequence parallelism, the re-gathered
+  input, ``e (sbh/r + sb ffn/t [+ sbh])``, and when gradients accumulate over micro-batches
+  the new gradient of the largest weight (``h ffn / t`` elements) before it is added to
+  ``.grad``, less what the head has freed by then on the last stage (``r``: ``t`` with sequence
+  parallelism). On GPT tiny and small (one process) this puts the
+  prediction within 0.5% of ``MemoryMeter``'s peak (it was 2-4% under).
 
-A pipeline rank keeps several micro-batches alive: the schedule's own action lists
+A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with sequence
+parallelism) beside its layers, and the last stage every micro-batch's logits (the step returns
+them: ``m e s b V_p / t``); a stage after the first has the receives it posts ahead in flight
+(the next input and the next output gradient, ``e sbh`` each). A pipeline rank keeps several micro-batches alive: the schedule's own action lists
 (:mod:`workbench.parallel.pipeline_schedules`) replayed by
 :func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` with each stage's kept bytes per
 micro-batch (1F1B: ``p - s`` on stage ``s``, GPipe ``m``, ZB-H1 ``p`` on every stage, interleaved
 and ZBV per chunk), plus the one micro-batch in backward's extra peak. With ``pp = 1`` and ``tp = 1``
-this is exactly ``recompute.activation_bytes(...)["peak"]`` (tests pin it).
+this is ``recompute.activation_bytes(...)["peak"]`` plus backward's working set (tests pin it).
 
 **Buffers** (``comm``): ZeRO-3 holds gathered units while they compute -- the root unit (this
 stage's embedding/head) and two blocks (the one running and the one prefetched) in the compute
-dtype, plus one block's unsharded gradient before its reduce-scatter (:mod:`workbench.parallel.fsdp`);
-ZeRO-2 one gradient bucket of at most 5 MiB (:class:`~workbench.parallel.zero.ShardedOptimizer`'s
-cap) before it is reduce-scattered; DDP nothing (gradients are views of its buckets). And on NCCL
+dtype, plus two blocks' unsharded gradients (one reduce-scattering while the next accumulates:
+:mod:`workbench.parallel.fsdp`); ZeRO-2 a bucket's flat gradient copy while it is reduce-scattered
+(the largest of :class:`~workbench.parallel.zero.ShardedOptimizer`'s buckets); DDP nothing (gradients are views of its buckets). And on NCCL
 each communicator's own buffers (``cluster.communicator_bytes``): the world group, each of this
 rank's groups of more than one rank, and a pair per pipeline neighbour for send/recv.
 
@@ -59,9 +73,13 @@ vocabulary) and the one with the largest total returned.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
+import torch
+
 from workbench.parallel import pipeline_schedules as schedules
+from workbench.parallel.buckets import assign_buckets
 from workbench.parallel.tensor import activation_bytes_per_layer
 from workbench.parallel.zero_memory import model_state_per_rank
 
@@ -69,12 +87,13 @@ from .cluster import Cluster
 from .plan import MEMORY_CATEGORIES, Config
 from .shape import ModelShape
 
-__all__ = ["memory_per_device", "memory_by_rank", "activation_bytes_per_microbatch", "ELEMENT_SIZE",
+__all__ = ["memory_per_device", "memory_by_rank", "model_state", "activation_bytes_per_microbatch", "ELEMENT_SIZE",
            "ZERO2_BUCKET_BYTES", "chunks", "rank_stages", "microbatch_size"]
 
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}       # bytes of an activation / compute-dtype weight
 _ZERO_PRECISION = {"fp32": "fp32", "bf16": "mixed", "fp16": "mixed"}
-ZERO2_BUCKET_BYTES = 5 * 2 ** 20                       # ShardedOptimizer's default bucket_cap_mb
+ZERO2_BUCKET_BYTES = 5 * 2 ** 20                       # ShardedOptimizer's default bucket_cap_mb (MiB)
+STEP_BYTES = 4                                         # torch Adam's step counter: a float32 per tensor it updates
 _SCHEDULE_KEY = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb-h1": "zb_h1", "zbv": "zbv"}
 
 
@@ -157,6 +176,8 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
     stats = 2 if shape.norm == "layernorm" else 1
     logits = e * sb * shape.padded_vocab(t) / t
     edge = (e * (2 * sbh + stats * sb) / rep + 2 * logits) if last else 0.0
+    if n_stages > 1 and not last:
+        edge += e * sbh / rep          # the pipeline keeps the stage's output for its backward
     kept = n_layers * layer[policy] + edge
     held = logits if last else 0.0                     # the caller's logits, alive through backward
     if policy == "full":     # every layer's input + the first recomputed layer + the gradient into it
@@ -166,7 +187,64 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
         peak = max(kept, n_layers * layer["selective"] + core + 2 * e * sbh / rep + held)
     else:
         peak = kept
+    if policy != "full":
+        # backward's working set: the gradient flowing in, the MLP's ffn-wide gradient and
+        # (sequence parallel) the re-gathered input, beside everything kept; on the last stage the
+        # head has freed its own tensors (all but the caller's logits) by then
+        work = e * (sbh / rep + sb * shape.ffn / t + (sbh if sp else 0.0))
+        if config.microbatches > 1:   # accumulating: a weight's new gradient exists beside its .grad
+            work += (4 if config.precision == "fp32" else 2) * shape.hidden * shape.ffn / t
+        if last:
+            work = max(0.0, work - (edge - logits))
+        peak = max(peak, kept + work)
+    if stage > 0:       # the receives a pipeline stage posts ahead: the next input, the next output gradient
+        peak += e * sbh / rep * (1 if last else 2)
     return {"kept": kept, "peak": peak}
+
+
+# ----------------------------------------------------------------------------------- model state
+def _zero_buckets(tensors: list[int]) -> list[int]:
+    """Sizes of :class:`~workbench.parallel.zero.ShardedOptimizer`'s flat buckets (elements): its
+    own :func:`~workbench.parallel.buckets.assign_buckets` on the tensors (meta tensors: no memory)."""
+    params = [torch.empty(n, device="meta") for n in tensors]
+    return [sum(tensors[i] for i in idx) for idx in assign_buckets(params, ZERO2_BUCKET_BYTES)]
+
+
+def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
+    """Sizes of :class:`~workbench.parallel.fsdp.FullyShardedDataParallel`'s units (elements): each
+    block one unit and the rest the root when the wrapped module has its ``blocks`` list (no
+    pipeline); a pipeline stage (its blocks in a dict) is one unit."""
+    if config.pp > 1:
+        return [sum(shape.stage_tensors(n_stages, s, config.tp)) for s in stages]
+    layer = sum(shape.layer_tensors(config.tp))
+    return [shape.parameters(config.tp) - shape.layers * layer] + [layer] * shape.layers
+
+
+def model_state(shape: ModelShape, config: Config, stages: list[int], optimizer: str = "adam") -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state on a rank holding (virtual) ``stages``.
+
+    float32 Adam: exactly what the workbench's strategies hold -- the ZeRO formula on the rank's
+    tensors, plus the padding of each flat bucket (ZeRO-1/2) or unit (ZeRO-3) to a multiple of
+    ``dp`` and Adam's 4-byte step counter per tensor it updates (a module's tensors, or one flat
+    chunk per bucket or unit). Otherwise :func:`~workbench.parallel.zero_memory.model_state_per_rank`
+    (mixed precision: the paper's ``2 + 2 + 12`` bytes per parameter)."""
+    n_stages = config.pp * chunks(config)
+    tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
+    psi, n = sum(tensors), config.dp
+    zero = config.zero if n > 1 else 0
+    if config.precision != "fp32" or optimizer != "adam":
+        state = model_state_per_rank(psi, n, zero, optimizer, _ZERO_PRECISION[config.precision])
+        return {"parameters": state["params"], "gradients": state["grads"], "optimizer": state["optimizer"]}
+    if zero == 0:
+        return {"parameters": 4.0 * psi, "gradients": 4.0 * psi, "optimizer": 8.0 * psi + STEP_BYTES * len(tensors)}
+    if zero in (1, 2):
+        shards = [math.ceil(b / n) for b in _zero_buckets(tensors)]
+        return {"parameters": 4.0 * n * sum(shards),                   # the padded flat buffers
+                "gradients": 4.0 * (psi if zero == 1 else sum(shards)),
+                "optimizer": 8.0 * sum(shards) + STEP_BYTES * len(shards)}
+    shards = [math.ceil(u / n) for u in _fsdp_units(shape, config, stages, n_stages)]
+    return {"parameters": 4.0 * sum(shards), "gradients": 4.0 * sum(shards),
+            "optimizer": 8.0 * sum(shards) + STEP_BYTES * len(shards)}
 
 
 # ----------------------------------------------------------------------------------- per rank
@@ -198,9 +276,7 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
     rows = []
     for r in range(config.pp):
         stages = rank_stages(config, r)
-        psi = sum(shape.stage_parameters(n_stages, s, config.tp) for s in stages)
-        state = model_state_per_rank(psi, config.dp, config.zero if config.dp > 1 else 0, optimizer,
-                                     _ZERO_PRECISION[config.precision])
+        state = model_state(shape, config, stages, optimizer)
         if not piped:
             activations = per_stage[0]["peak"]
         else:
@@ -210,15 +286,19 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             else:                   # several: their peaks need not coincide, so replay the list
                 live = schedules.peak_live_bytes(list(actions[r]), kept)
             activations = live + max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
+            if n_stages - 1 in stages:   # the last stage keeps every micro-batch's output (the step returns them)
+                b = microbatch_size(config, global_batch)
+                activations += m * e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
         buffers = comms
         if config.dp > 1 and config.zero == 3:
-            layer = shape.layer_parameters(config.tp)
-            root = sum(shape.stage_parameters(n_stages, s, config.tp) - shape.layers_per_stage(n_stages)[s] * layer
-                       for s in stages)
-            buffers += e * (root + 2 * layer) + e * layer     # gathered root + two blocks, one block's gradient
-        elif config.dp > 1 and config.zero == 2:
-            buffers += min(ZERO2_BUCKET_BYTES, state["grads"] * config.dp)
-        row = {"parameters": state["params"], "gradients": state["grads"], "optimizer": state["optimizer"],
+            units = _fsdp_units(shape, config, stages, n_stages)
+            root, block = units[0], max(units[1:], default=0)
+            # gathered: the root and two blocks (running, prefetched); two blocks' full gradients
+            # (one reduce-scattering while the next accumulates)
+            buffers += e * (root + 2 * block) + e * 2 * block
+        elif config.dp > 1 and config.zero == 2:     # a bucket's flat gradient copy in flight, at most the largest
+            buffers += e * max(_zero_buckets([n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]))
+        row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
                "activations": float(activations), "buffers": float(buffers)}
         row["total"] = sum(row[c] for c in MEMORY_CATEGORIES)
         rows.append(row)

@@ -202,6 +202,40 @@ class ModelShape:
             n += self.head_parameters(tp, pipeline=pp > 1)
         return n
 
+    def layer_tensors(self, tp: int = 1) -> list[int]:
+        """Sizes of one layer's parameter tensors on one of ``tp`` ranks, in our GPT block's order
+        (``ln_1``, ``c_attn`` with q, k, v fused, ``c_proj``, ``ln_2``, ``c_fc`` -- gate and up fused
+        when gated -- and the MLP's ``c_proj``; weights then biases). A model laid out otherwise
+        (separate q, k, v) has more, smaller tensors and the same total."""
+        _check_positive(tp, "tp")
+        h, k, f = self.hidden, self.kv_dim, self.ffn * (2 if self.gated else 1)
+        norm = [h, h] if (self.norm == "layernorm" and self.bias) else [h]
+        col_attn, col_mlp = (h + 2 * k) // tp, f // tp
+
+        def linear(rows: int, cols: int, bias: int) -> list[int]:
+            return [rows * cols] + ([bias] if self.bias else [])
+
+        return (norm + linear(col_attn, h, col_attn) + linear(h, h // tp, h) + norm +
+                linear(col_mlp, h, col_mlp) + linear(h, self.ffn // tp, h))
+
+    def stage_tensors(self, pp: int, stage: int, tp: int = 1) -> list[int]:
+        """Sizes of the parameter tensors of pipeline stage ``stage`` (of ``pp``) on one of ``tp``
+        ranks, in ``parameters()`` order (embeddings, the stage's layers, final norm, head); they
+        add up to :meth:`stage_parameters`. What ZeRO's flat buckets and units are cut from."""
+        counts = self.layers_per_stage(pp)
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp:
+            raise ValueError(f"stage={stage!r}: must be a stage index in 0..{pp - 1}")
+        vocab = self.padded_vocab(tp) * self.hidden // tp
+        out: list[int] = []
+        if stage == 0:
+            out += [vocab] + ([self.seq * self.hidden] if self.positions == "learned" else [])
+        out += self.layer_tensors(tp) * counts[stage]
+        if stage == pp - 1:
+            out += [self.hidden, self.hidden] if (self.norm == "layernorm" and self.bias) else [self.hidden]
+            if not self.tied or pp > 1:
+                out.append(vocab)
+        return out
+
     def describe(self) -> str:
         """One line: name, parameter count and the sizes."""
         p = self.parameters()
