@@ -3,7 +3,7 @@
 No timed test: the timing tests check formulas (the bubble's share is the schedule's, each
 group's collectives are priced on the link it crosses, the FLOPs are the 6 N rule). The memory
 tests run tiny configurations of the mesh at world 2 and 4 and pin the prediction to what the
-ranks hold: model state exactly (plus Adam's 4-byte step counters), activations within a margin.
+ranks hold: model state exactly, activations (with buffers) within a margin.
 """
 from __future__ import annotations
 
@@ -170,19 +170,21 @@ def test_memory_predictions_pinned_to_measured(world):
         mem = measured[c.label()]
         predicted = _predict_memory(shape, c, batch)
         for r in range(world):
-            # model state: the formulas exactly, plus Adam's 4-byte step counter per tensor it updates
+            # model state exactly, Adam's 4-byte step counter per tensor it updates included
             assert predicted[r]["parameters"] == mem["parameters"][r], (c.label(), r)
             assert predicted[r]["gradients"] == mem["gradients"][r], (c.label(), r)
-            assert predicted[r]["optimizer"] + mem["step_counters"][r] == mem["optimizer"][r], (c.label(), r)
+            assert predicted[r]["optimizer"] == mem["optimizer"][r], (c.label(), r)
+            assert mem["step_counters"][r] > 0
         errors = memory_errors(predicted, mem)
         assert errors["model_state"] == pytest.approx(0, abs=1e-12)
         # activations and buffers together (the meter files ZeRO-3's gathered units under
-        # activations): the prediction within 25% on tiny micro-batches, where the pipeline's
-        # message buffers weigh most (see the issue's closing note for the figures)
+        # activations): measured here within 0.4-11% of the prediction (ZeRO-3's +11%: its
+        # gathered units and one block's gradient counted at their largest)
+        margin = 0.12
         for r in range(world):
             pa = predicted[r]["activations"] + predicted[r]["buffers"]
             ma = mem["activations"][r] + mem["buffers"][r]
-            assert abs(pa / ma - 1) <= 0.25, (c.label(), r, pa, ma)
+            assert abs(pa / ma - 1) <= margin, (c.label(), r, pa, ma)
 
 
 def _calibrate_tiny():

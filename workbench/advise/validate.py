@@ -11,9 +11,10 @@ configuration's prediction beside its measurement:
   :func:`workbench.metrics.model_state_bytes` after a step) and the peak of the step
   (:class:`workbench.memory.MemoryMeter`: activations, communication buffers), each rank against
   :func:`workbench.advise.memory.memory_by_rank` for its pipeline stage. Model state is compared
-  exactly, Adam's 4-byte step counter per tensor it updates (measured beside it) added to the
-  formula; activations together with buffers, since the meter files what no code tags (ZeRO-3's
-  gathered units, received messages) under activations;
+  exactly (Adam's 4-byte step counter per tensor it updates is measured beside it,
+  ``step_counters``, and is part of the prediction); activations together with buffers, since
+  the meter files what no code tags (ZeRO-3's gathered units, received messages) under
+  activations;
 * **step time**: the median over interleaved trials of the slowest rank's step, against
   :func:`workbench.advise.timing.step_time` on the machine measured in the same launch
   (:class:`workbench.advise.calibrate.Calibration`, one more candidate of the trials, so its
@@ -317,11 +318,8 @@ def memory_errors(predicted: list[dict], measured: dict[str, list[float]]) -> di
     state = ("parameters", "gradients", "optimizer")
     for cat in MEMORY_CATEGORIES:
         out[cat] = max((err(predicted[r][cat], measured[cat][r]) for r in ranks), key=abs)
-    # Adam's step counter (a 4-byte tensor per tensor it updates) is the one part of the state the
-    # formulas leave out: measured beside the state, and added to the prediction here
-    counters = measured.get("step_counters", [0.0] * len(predicted))
-    out["model_state"] = max((err(sum(predicted[r][c] for c in state) + counters[r],
-                                  sum(measured[c][r] for c in state)) for r in ranks), key=abs)
+    out["model_state"] = max((err(sum(predicted[r][c] for c in state), sum(measured[c][r] for c in state))
+                              for r in ranks), key=abs)
     # MemoryMeter files what no code tags (ZeRO-3's gathered units, received messages) under
     # activations: the two transient categories together compare like with like
     out["activations+buffers"] = max((err(predicted[r]["activations"] + predicted[r]["buffers"],
@@ -447,13 +445,14 @@ def figure(rows: list[dict], ax=None):
         if sel:
             ax.scatter([r["measured_s"] * 1e3 for r in sel], [r["predicted_s"] * 1e3 for r in sel], marker=marker,
                        label="1 node" if topo is None else "2 emulated nodes")
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter
 
     ax.set_xscale("log")
     ax.set_yscale("log")
+    label = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "125" else "")   # 10, 20, 50, 100, ...
     for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(ScalarFormatter())
+        axis.set_major_formatter(label)
+        axis.set_minor_formatter(label)
     ax.set_xlabel("measured ms per step")
     ax.set_ylabel("predicted ms per step")
     loads = [r["load"] for r in rows]
