@@ -250,10 +250,58 @@ show.markdown("\n".join(lines))
 # fresh memory on every call and gives it back after (whether the allocator keeps it for the
 # next call decides how many; that is why the count moves from run to run). `all_reduce`, which
 # gloo runs in the caller's buffer, is the control: it takes none. Priced at this machine's cost
-# of a fault, the faults are one measured share of the gap; the rest lies in gloo's path too,
-# not in the network (the messages are the same size), and this lesson does not take it apart.
-# Our collectives send from and receive into the caller's tensors. A hand-written collective is
-# not faster for being Python: it is faster where it does less work per call.
+# of a fault, the faults are only a share of the gap.
+#
+# ### The rest of the gap: what torch does around gloo
+#
+# The sources (torch's `ProcessGroupGloo.cpp`, gloo's `allgather.cc`) say where else the time goes:
+#
+# * **all-gather**: gloo's algorithm is a ring too (each block in two halves), and each rank
+#   sends the same bytes as in ours. But torch runs it on its gloo worker thread (the caller
+#   hands the call over and waits), into a fresh flat buffer of all `p n` bytes, and then copies
+#   that buffer into the caller's `p` output tensors: a hand-over, an allocation (the faults
+#   above) and one more pass over the whole output, per call.
+# * **reduce-scatter**: gloo has no reduce-scatter. torch copies this rank's block into the
+#   output, clones the others, and runs **one all-reduce per block**: `p` all-reduces of `n`
+#   bytes, each sending `2(p-1)/p n`, so `2(p-1) n` bytes per rank where a ring reduce-scatter
+#   sends `(p-1) n`. Twice the bytes, and every block reduced on every rank.
+#
+# `bench.gloo_structure` rebuilds each structure from parts (our ring run the way torch runs
+# gloo's all-gather; one native all-reduce per block) and times it beside `native` and our
+# `ring` in the same interleaved trials, on 2 ranks at the size of the fault count above,
+# counting the bytes each call writes to its sockets (Linux's `/proc/self/io`). If the rebuilt
+# structure is as slow as `native`, the structure is the cause.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+structure = workbench.launch(bench.gloo_structure, args=(FAULT_SIZE,), kwargs={"calls": 20, "trials": 9}, world_size=2)[0]
+show.table([{"collective": r["collective"], "variant": r["variant"], "time / call (ms)": r["time_s"] * 1e3,
+             "sent / call (KiB)": r["sent_bytes"] / 1024 if r["sent_bytes"] is not None else None,
+             "faults / call": r["faults_per_call"]} for r in structure],
+           formats={"time / call (ms)": ".2f", "sent / call (KiB)": ".0f", "faults / call": ".0f"})
+st = {(r["collective"], r["variant"]): r for r in structure}
+lines = []
+for c, rebuilt in (("all_gather", "ring as torch runs gloo's"), ("reduce_scatter", "one native all-reduce per block")):
+    t = {v: st[(c, v)]["time_s"] * 1e3 for v in ("native", "ring", rebuilt)}
+    sent = {v: st[(c, v)]["sent_bytes"] for v in ("native", "ring")}
+    gap = t["native"] - t["ring"]  # the rebuilt parts run in Python, one call after another: expect a little more
+    lines.append(
+        f"* **{c}**, {show.size(FAULT_SIZE)}: gloo's own {t['native']:.2f} ms, our ring {t['ring']:.2f} ms, "
+        f"{rebuilt} {t[rebuilt]:.2f} ms: rebuilt, gloo's structure adds {t[rebuilt] - t['ring']:+.2f} ms to the ring, "
+        f"and gloo's own call {gap:+.2f} ms"
+        + (f". Sent per call and rank: gloo's {sent['native'] / 1024:.0f} KiB, the ring's {sent['ring'] / 1024:.0f} KiB "
+           f"({sent['native'] / sent['ring']:.1f}x)." if None not in sent.values() else "."))
+show.markdown("\n".join(lines))
+
+# %% [markdown]
+# So the cause is not the network, nor C++ against Python. torch's reduce-scatter on gloo
+# moves twice the bytes (one all-reduce per block), and that structure rebuilt is about as slow
+# as the real call. Its all-gather runs the same ring as ours but adds a hand-over to a worker
+# thread, a fresh buffer (the faults) and a copy of the whole output; rebuilt, those account for
+# a large share of its gap, and what they leave lies inside gloo's C++ call, where Python timing
+# cannot take it further apart. Our collectives send from and receive into the caller's tensors,
+# with a ring reduce-scatter. A hand-written collective is not faster for being Python: it is
+# faster where it does less work per call.
 #
 # ## The alpha-beta model
 #

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 
 import pytest
@@ -453,3 +454,29 @@ def test_all_pairs_probes_pair_every_rank_and_page_faults_are_counted():
         assert f["faults_per_call"] >= 0 and f["time_s"] > 0 and f["fault_s"] >= 0
         assert f["faulting_s"] == pytest.approx(f["faults_per_call"] * f["fault_s"])
         assert f["bytes"] == (1 << 16) // 12 * 12  # 3 ranks of whole float32 elements
+
+
+def _gloo_structure():
+    return bc.gloo_structure(1 << 20, calls=2, trials=2)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="bytes sent are read from Linux's /proc/self/io")
+def test_gloo_structure_counts_the_bytes_each_variant_sends():
+    """gloo's reduce-scatter is one all-reduce per block: twice the ring's bytes on the wire (exact
+    counts of socket writes); its all-gather sends what the ring sends; the rebuilt structures send
+    what gloo's own calls send."""
+    rows = workbench.launch(_gloo_structure, 2, timeout=120)[0]
+    by = {(r["collective"], r["variant"]): r for r in rows}
+    assert list(by) == [("all_gather", "native"), ("all_gather", "ring"), ("all_gather", "ring as torch runs gloo's"),
+                        ("reduce_scatter", "native"), ("reduce_scatter", "ring"),
+                        ("reduce_scatter", "one native all-reduce per block")]
+    shard = (1 << 20) // 2  # bytes each rank contributes
+    for r in rows:
+        assert r["time_s"] > 0 and r["faults_per_call"] >= 0 and r["bytes"] == 1 << 20
+        # the payload, plus a few bytes of gloo's headers
+        assert r["sent_bytes"] >= shard * (2 if r["variant"] in ("native", "one native all-reduce per block")
+                                           and r["collective"] == "reduce_scatter" else 1), r
+    ag = [by[("all_gather", v)]["sent_bytes"] for v in ("native", "ring", "ring as torch runs gloo's")]
+    assert max(ag) < 1.05 * shard, ag
+    rs = {v: by[("reduce_scatter", v)]["sent_bytes"] for v in ("native", "ring", "one native all-reduce per block")}
+    assert rs["ring"] < 1.05 * shard and rs["native"] >= 2 * shard and rs["one native all-reduce per block"] >= 2 * shard, rs

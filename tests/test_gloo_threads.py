@@ -46,3 +46,41 @@ def test_normal_leaves_gloo_alone_and_a_bad_value_is_refused_before_start(monkey
     monkeypatch.setenv(gloo_threads.ENV, "sometimes")
     with pytest.raises(ValueError, match="WORKBENCH_GLOO_LOOP='sometimes'.*'idle'.*'normal'"):
         workbench.launch(_rank_policies, 2)
+
+
+def _loop_class() -> set[int]:
+    return set(_policies()[gloo_threads.LOOP_THREAD])
+
+
+def _classes_while_waiting_for_an_emulated_message():
+    import threading
+    import time
+
+    seen = {}
+    with gloo_threads.promoted():  # nests: the threads stay promoted until the outer block ends
+        with gloo_threads.promoted():
+            seen["nested"] = _loop_class()
+        seen["outer"] = _loop_class()
+    seen["after"] = _loop_class()
+    t = torch.zeros(1 << 16)
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # rank 1 waits for this message's bytes meanwhile
+        comm.send(t, dst=1)
+    else:
+        sampler = threading.Timer(0.25, lambda: seen.__setitem__("waiting", _loop_class()))
+        sampler.start()
+        comm.recv(t, src=0)
+        sampler.join()
+    seen["done"] = _loop_class()
+    return seen
+
+
+def test_network_thread_is_promoted_only_while_a_rank_waits_for_an_emulated_message():
+    """On an emulated link gloo's network thread must move the bytes while the rank computes (as a
+    NIC would), so it runs in the normal class while a thread waits for a held-back message."""
+    slow = comm.Topology(1, inter=comm.Link(latency_s=1e-3, bandwidth_Bps=50e6))
+    seen = workbench.launch(_classes_while_waiting_for_an_emulated_message, 2, topology=slow)
+    for rank in seen:
+        assert rank["nested"] == rank["outer"] == {os.SCHED_OTHER}, rank
+        assert rank["after"] == rank["done"] == {os.SCHED_IDLE}, rank
+    assert seen[1]["waiting"] == {os.SCHED_OTHER}, seen[1]

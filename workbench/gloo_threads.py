@@ -43,16 +43,38 @@ The cost: while every core is busy with normal-priority work (all ranks computin
 thread gets almost no CPU, so messages move only when a rank waits. Set the environment
 variable ``WORKBENCH_GLOO_LOOP=normal`` to leave gloo's threads as they are (to see the stall, or
 on a machine with cores to spare). Linux only; elsewhere, or without ``/proc``, it does nothing.
+
+While a rank waits for an emulated message
+------------------------------------------
+That cost matters when a rank computes while its messages are in flight: DDP's bucket all-reduces
+run on ``workbench.comm``'s communication thread while backward keeps the rank's core busy, and the
+idle network thread, which reads the incoming bytes out of the socket (and writes what did not fit
+into it), then runs only once backward ends. On an emulated cluster (:mod:`workbench.comm.emulation`)
+that would hold every message until the end of backward, which no NIC does: a NIC moves the bytes
+while the GPU computes. So :func:`promoted` gives the network threads the normal class back while
+a thread of this process waits for a held-back message (``workbench.comm.group`` does so around the
+wait for the bytes of every message on an emulated link, not around its emulated hold-back, which
+sleeps): they then take their fair share of the core, as the bytes' CPU cost on this machine is
+real, and a waiting thread holds no connection lock, so nothing spins on one. Messages that are not
+emulated keep the idle class throughout: on loopback, moving the bytes costs the same core that
+backward needs (lesson 03 measures both).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
-__all__ = ["LOOP_THREAD", "ENV", "demote_loop_threads", "enabled"]
+__all__ = ["LOOP_THREAD", "ENV", "demote_loop_threads", "enabled", "promoted"]
 
 LOOP_THREAD = "gloo_tcp_loop"
 ENV = "WORKBENCH_GLOO_LOOP"
 _CHOICES = ("idle", "normal")
+
+_loop_tids: set[int] = set()  # this process's network threads, as demote_loop_threads last found them
+_promotions = [0]  # threads of this process inside promoted() right now
+_lock = threading.Lock()
+_pid = os.getpid()
 
 
 def enabled() -> bool:
@@ -72,15 +94,53 @@ def demote_loop_threads() -> int:
     """
     if not enabled() or not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"):
         return 0
+    global _pid
+    if _pid != os.getpid():  # a forked child has other threads, and no promoted() block running
+        _pid, _promotions[0] = os.getpid(), 0
+    _loop_tids.clear()  # found afresh: a thread id of an ended thread may be reused by another
     moved = 0
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().strip() != LOOP_THREAD:
                     continue
-            if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE:
+            _loop_tids.add(int(tid))
+            if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE and not _promotions[0]:  # promoted: later
                 os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
                 moved += 1
         except (OSError, ValueError):  # the thread ended meanwhile, or the system refuses: leave it
             continue
     return moved
+
+
+def _set_class(policy: int) -> None:
+    for tid in list(_loop_tids):
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except OSError:  # the thread ended (its group was destroyed): forget it
+            _loop_tids.discard(tid)
+
+
+@contextlib.contextmanager
+def promoted():
+    """Run the block with gloo's network threads in the normal class, then back to ``SCHED_IDLE``.
+
+    For a thread that waits for a message while other threads of the rank compute (see "While a
+    rank waits for an emulated message" above). Nests and may be entered by several threads at once:
+    the threads go back to idle when the last one leaves. One system call per network thread on
+    entry and one on exit; nothing happens when the threads were never demoted.
+    """
+    if not _loop_tids or _pid != os.getpid():
+        yield
+        return
+    with _lock:
+        _promotions[0] += 1
+        if _promotions[0] == 1:
+            _set_class(os.SCHED_OTHER)
+    try:
+        yield
+    finally:
+        with _lock:
+            _promotions[0] -= 1
+            if _promotions[0] == 0:
+                _set_class(os.SCHED_IDLE)

@@ -344,6 +344,90 @@ def page_faults(collectives, algorithms, nbytes: int, *, calls: int = 10, placem
     return rows
 
 
+def _bytes_written() -> int | None:
+    """Bytes this process has handed to ``write``-like system calls (``/proc/self/io`` wchar:
+    every socket send of every thread, gloo's included), or None where Linux's counter is missing."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def gloo_structure(nbytes: int, *, calls: int = 10, trials: int = 7) -> list[dict]:
+    """Why gloo's own all-gather and reduce-scatter are slower than our rings; call on every rank.
+
+    Reading ``ProcessGroupGloo`` (torch) and ``gloo/allgather.cc``: gloo's all-gather is a ring
+    too, but torch runs it on its worker thread into a fresh flat ``p n`` buffer and then copies
+    that into the caller's ``p`` output tensors; gloo has no reduce-scatter, so torch copies this
+    rank's block into the output, clones the others and runs **one all-reduce per block**: ``p``
+    all-reduces of ``n`` bytes, twice the bytes of a ring reduce-scatter on the wire and every
+    block reduced. This rebuilds each structure from parts whose cost is known, beside ``native``
+    and our ``ring``, in the same interleaved trials, at ``nbytes`` (nccl-tests size: the whole
+    gathered or scattered buffer, float32)::
+
+        all_gather      native | ring | ring as torch runs gloo's (worker thread, fresh flat
+                        output, copied out)
+        reduce_scatter  native | ring | one native all-reduce per block (own block into the
+                        output, the others cloned)
+
+    Returns one row per (collective, variant): ``time_s`` (median over trials of the slowest
+    rank's mean), ``sent_bytes`` (bytes this rank wrote to its sockets per call, rank 0's,
+    None without ``/proc/self/io``) and ``faults_per_call`` (rank 0's minor page faults).
+    """
+    import concurrent.futures
+    import resource
+
+    from workbench import comm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = counts("all_gather", nbytes, world, 4)[0]
+    x, out = torch.randn(n), torch.empty(n)
+    outs, ins = [torch.empty(n) for _ in range(world)], [torch.randn(n) for _ in range(world)]
+    worker = concurrent.futures.ThreadPoolExecutor(1)  # plays torch's gloo worker thread
+
+    def gather_as_gloo() -> None:
+        flat = torch.empty(world * n)  # fresh on every call, as torch's AsyncAllgatherWork does
+        comm.all_gather(list(flat.chunk(world)), x, algorithm="ring")
+        for i, o in enumerate(outs):
+            o.copy_(flat[i * n:(i + 1) * n])
+
+    def scatter_as_gloo() -> None:
+        blocks = [out.copy_(ins[i]) if i == rank else ins[i].clone() for i in range(world)]
+        for b in blocks:
+            comm.all_reduce(b)  # native: gloo's own ring all-reduce
+
+    variants = {
+        ("all_gather", "native"): lambda: comm.all_gather(outs, x),
+        ("all_gather", "ring"): lambda: comm.all_gather(outs, x, algorithm="ring"),
+        ("all_gather", "ring as torch runs gloo's"): lambda: worker.submit(gather_as_gloo).result(),
+        ("reduce_scatter", "native"): lambda: comm.reduce_scatter(out, ins),
+        ("reduce_scatter", "ring"): lambda: comm.reduce_scatter(out, ins, algorithm="ring"),
+        ("reduce_scatter", "one native all-reduce per block"): scatter_as_gloo,
+    }
+    sent = {k: 0.0 for k in variants}
+    faults = {k: 0.0 for k in variants}
+    try:
+        for f in variants.values():
+            for _ in range(2):  # warm-up
+                f()
+
+        def measure(key) -> float:
+            w0, f0 = _bytes_written(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            seconds = _common.timed(variants[key], calls)
+            w1, f1 = _bytes_written(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            sent[key] = None if w0 is None or w1 is None else (w1 - w0) / calls
+            faults[key] += (f1 - f0) / calls / trials
+            return _common.max_over_ranks(seconds)
+
+        samples = _common.interleaved_trials(list(variants), trials, measure)
+    finally:
+        worker.shutdown()
+    return [{"collective": c, "variant": v, "bytes": counts(c, nbytes, world, 4)[1],
+             "time_s": _common.median(samples[(c, v)]), "sent_bytes": sent[(c, v)],
+             "faults_per_call": faults[(c, v)]} for c, v in variants]
+
+
 def fault_cost(nbytes: int = 64 << 20) -> float:
     """Seconds per minor page fault on this machine: the first touch of a fresh ``nbytes`` buffer
     (``mmap``-backed at this size, so every page faults) less a second touch of the same pages,

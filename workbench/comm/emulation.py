@@ -24,7 +24,10 @@ behind each other), a link carries as much each way (full duplex). Not modelled:
 contending for one NIC or switch, a receiver's incoming link (incast), congestion. Waiting is
 sleeping, so the emulated time barely depends on the load of the machine, but a rank that is
 descheduled when its message is due wakes up late (see "Late wake-ups" below), and reductions and
-copies run at the machine's (loaded) speed: keep emulated messages well above a millisecond. The stamps are not counted as traffic. The
+copies run at the machine's (loaded) speed: keep emulated messages well above a millisecond.
+The bytes themselves still cross loopback, read and written by gloo's network thread; while a
+thread waits for them that thread runs in the normal scheduling class, not its usual idle one
+(``workbench.gloo_threads.promoted``), so they move while the rank computes, as a NIC's would. The stamps are not counted as traffic. The
 ranks must share one clock (one machine; ``time.monotonic`` is system-wide on Linux), which is
 also the only setting in which emulating a cluster makes sense.
 

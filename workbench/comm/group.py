@@ -91,8 +91,13 @@ class _Timed:
     def wait(self) -> bool:
         if not self.done:
             start = time.perf_counter()
-            for w in self.works:
-                w.wait()
+            if self.until is None and self.stamp is None or all(w.is_completed() for w in self.works):
+                for w in self.works:
+                    w.wait()
+            else:  # a held-back message: let gloo's network thread move its bytes (see gloo_threads.py)
+                with gloo_threads.promoted():
+                    for w in self.works:
+                        w.wait()
             if self.stamp is not None:  # a held-back receive: its due time came with it
                 self.until = float(self.stamp[0])
             if self.until is not None:
