@@ -614,37 +614,35 @@ class ScheduleInterleaved1F1B(_Schedule):
         return plans.interleaved(p, len(self._stages), m)
 
 
-class ScheduleZBV(_Schedule):
-    """ZBV: the V-shaped zero-bubble schedule, two stages per rank (rank r holds r and 2p-1-r),
-    as torch's ``ScheduleZBVZeroBubble``. Any m >= 1."""
+class _VShaped(_Schedule):
+    """The V placement: two stages per rank, rank r holding stages r and 2p-1-r, so the first and
+    the last stage share rank 0 and the turn of the V sits on rank p-1."""
 
-    name = "zbv"
     multi = True
     style = "v"
 
     def _chunks(self, n_local):
         if n_local != 2:
-            raise ValueError(f"ScheduleZBV needs exactly 2 stages per rank (r and 2p-1-r), got {n_local}")
+            raise ValueError(f"{type(self).__name__} needs exactly 2 stages per rank (r and 2p-1-r), got {n_local}")
         return 2
+
+
+class ScheduleZBV(_VShaped):
+    """ZBV: the V-shaped zero-bubble schedule, two stages per rank (rank r holds r and 2p-1-r),
+    as torch's ``ScheduleZBVZeroBubble``. Any m >= 1."""
+
+    name = "zbv"
 
     def _build(self, p, m):
         return plans.zbv(p, m)
 
 
-
-class ScheduleDualPipeV(_Schedule):
+class ScheduleDualPipeV(_VShaped):
     """DualPipeV (DeepSeek-V3's DualPipe, cut in half), as torch's ``ScheduleDualPipeV``: the V of
     :class:`ScheduleZBV` (rank r holds stages r and 2p-1-r), the steady state pairing one
     chunk's forward with the other's full backward, B/W splits in the ramps. Needs m >= 2p."""
 
     name = "dualpipev"
-    multi = True
-    style = "v"
-
-    def _chunks(self, n_local):
-        if n_local != 2:
-            raise ValueError(f"ScheduleDualPipeV needs exactly 2 stages per rank (r and 2p-1-r), got {n_local}")
-        return 2
 
     def _build(self, p, m):
         return plans.dualpipev(p, m)
