@@ -54,29 +54,18 @@ from workbench.parallel import pipeline as pp
 from workbench.parallel import pipeline_schedules as plans
 
 torch.set_num_threads(1)
-SCHEDULES = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
-             "zb_h1": pp.ScheduleZeroBubble, "zbv": pp.ScheduleZBV, "dualpipev": pp.ScheduleDualPipeV}
+SCHEDULES = pp.SCHEDULES  # every schedule by name
 P = 4            # stages for the timing runs (under torchrun, the world size decides)
 SLEEP = 0.03     # seconds per forward (and per backward half) of a whole stage
 
 
-def sleeping_pipeline(name, m, sleep=SLEEP, steps=3):
-    """Run ``steps`` steps of schedule ``name`` on sleeping stages; the timeline of the least
-    idle one after the first (a busy machine only ever adds idle time: a rank waits for a core)."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    cls = SCHEDULES[name]
-    v = 2 if cls.multi else 1
-    owner = plans.stage_to_rank(v * p, p, cls.style)
-    mine = [pp.PipelineStage(SleepStage(sleep / v), s, v * p) for s in range(v * p) if owner[s] == rank]
-    schedule = cls(mine if cls.multi else mine[0], m, loss_fn=lambda out, target: out.sum())
-    x = torch.zeros(m, 4, requires_grad=True)
-    ids = [s.stage_index for s in mine]
-    timelines = []
-    for _ in range(steps):  # the first step also sends the shapes: not counted
-        schedule.step(*((x,) if 0 in ids else ()), target=x.detach() if v * p - 1 in ids else None)
-        timelines.append(schedule.timeline)
-    best = min(timelines[1:], key=lambda t: plans.bubble(t, p))
-    return {"timeline": best, "actions": schedule.actions, "p": p}
+def sleeping_pipeline(name, m, sleep=SLEEP, steps=2):
+    """Schedule ``name`` on sleeping stages (``bench.pipeline.sleeping_pipeline``): the least idle
+    of ``steps`` timed steps (a busy machine only ever adds idle time: a rank waits for a core)."""
+    p = dist.get_world_size()
+    run = bench_pipeline.sleeping_pipeline(name, m, sleep, steps)
+    best = min(run["timelines"], key=lambda t: plans.bubble(t, p))
+    return {"timeline": best, "actions": run["actions"], "p": p}
 
 
 # %% [markdown]

@@ -18,13 +18,11 @@ import torch.nn.functional as F
 import workbench
 from workbench import comm
 from workbench.models.gpt import GPT, GPTConfig
-from workbench.models.sleep import SleepStage
+from workbench.bench.pipeline import sleeping_pipeline
 from workbench.parallel import pipeline as pp
 from workbench.parallel import pipeline_schedules as plans
 
-SCHEDULES = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "zb_h1": pp.ScheduleZeroBubble,
-             "interleaved": pp.ScheduleInterleaved1F1B, "zbv": pp.ScheduleZBV,
-             "dualpipev": pp.ScheduleDualPipeV}
+SCHEDULES = pp.SCHEDULES
 
 
 def loss_fn(logits, target):
@@ -263,17 +261,8 @@ def test_boundary_bytes_are_two_m_microbatch_activations():
 
 
 def _sleep_rank(name, m, t) -> float:
-    rank, p = dist.get_rank(), dist.get_world_size()
-    cls = SCHEDULES[name]
-    v = 2 if cls.multi else 1
-    owner = plans.stage_to_rank(v * p, p, cls.style)
-    mine = [pp.PipelineStage(SleepStage(t / v), s, v * p) for s in range(v * p) if owner[s] == rank]
-    schedule = cls(mine if cls.multi else mine[0], m, loss_fn=lambda out, tgt: out.sum())
-    x = torch.zeros(m, 4, requires_grad=True)
-    ids = [s.stage_index for s in mine]
-    for _ in range(2):  # the first step also exchanges shapes and warms up: time the second
-        schedule.step(*((x,) if 0 in ids else ()), target=x.detach() if v * p - 1 in ids else None)
-    return plans.bubble(schedule.timeline, p)
+    run = sleeping_pipeline(name, m, t, steps=1)  # the first step exchanges shapes and warms up: time the second
+    return plans.bubble(run["timelines"][0], dist.get_world_size())
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])

@@ -100,10 +100,9 @@ def loss_fn(logits, target):
 
 
 def _ours(name: str):
-    from workbench.parallel import pipeline as pp
+    from workbench.parallel.pipeline import SCHEDULES as ours
 
-    return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved": pp.ScheduleInterleaved1F1B,
-            "zb_h1": pp.ScheduleZeroBubble, "zbv": pp.ScheduleZBV, "dualpipev": pp.ScheduleDualPipeV}[name]
+    return ours[name]
 
 
 def _local(name: str, p: int, rank: int) -> tuple[int, list[int]]:
@@ -211,35 +210,49 @@ def _time_rank(schedules, ms, batch, trials, steps) -> dict:
 
 # ----------------------------------------------------------------------------------- 2. bubble
 
-def _bubble_rank(schedules, ms, sleep_s, steps) -> list[dict]:
+def sleeping_pipeline(name: str, m: int, sleep_s: float, steps: int) -> dict:
+    """Call on every rank: schedule ``name`` (``p`` = the world size, two stages per rank for
+    the multi-stage ones) on stages that sleep ``sleep_s`` per forward and per backward half of
+    a whole stage (:class:`~workbench.models.sleep.SleepStage`), ``m`` micro-batches; runs
+    ``steps + 1`` steps and returns ``timelines`` (those of the last ``steps``: the first also
+    sends the shapes), the schedule's ``actions`` and its ``planned`` timeline. Sleeping releases
+    the core, so 4-8 stages on 2 cores show the schedule's own bubble; noise (a rank waiting for a core, a late wake-up) only ever adds idle time."""
     import torch.distributed as dist
 
     from workbench.models.sleep import SleepStage
     from workbench.parallel import pipeline as pp
+
+    cls = _ours(name)
+    v = 2 if cls.multi else 1
+    S, local = _local(name, dist.get_world_size(), dist.get_rank())
+    stages = [pp.PipelineStage(SleepStage(sleep_s / v), s, S) for s in local]
+    schedule = cls(stages if cls.multi else stages[0], m, loss_fn=lambda out, tgt: out.sum())
+    x = torch.zeros(m, 4, requires_grad=True)
+    timelines = []
+    for i in range(steps + 1):
+        _step(schedule, S, local, x, x.detach())
+        if i:
+            timelines.append(schedule.timeline)
+    return {"timelines": timelines, "actions": schedule.actions, "planned": schedule.planned_timeline()}
+
+
+def _bubble_rank(schedules, ms, sleep_s, steps) -> list[dict]:
+    import torch.distributed as dist
+
     from workbench.parallel import pipeline_schedules as plans
 
-    rank, p = dist.get_rank(), dist.get_world_size()
+    p = dist.get_world_size()
     rows = []
     for name in schedules:
         for m in ms:
             if m < plans.min_microbatches(name, p):
                 continue
-            cls = _ours(name)
-            v = 2 if cls.multi else 1
-            S, local = _local(name, p, rank)
-            stages = [pp.PipelineStage(SleepStage(sleep_s / v), s, S) for s in local]
-            schedule = cls(stages if cls.multi else stages[0], m, loss_fn=lambda out, tgt: out.sum())
-            x = torch.zeros(m, 4, requires_grad=True)
-            measured = []
-            for i in range(steps + 1):  # the first step exchanges shapes: not counted
-                _step(schedule, S, local, x, x.detach())
-                if i:
-                    measured.append(plans.bubble(schedule.timeline, p))
-            # noise (a rank waiting for a core, a late wake-up) only ever adds idle time, so the
-            # least idle of the steps is the best estimate of the schedule's own bubble
-            rows.append({"schedule": name, "p": p, "m": m, "measured": min(measured),
+            # the least idle of the steps is the best estimate of the schedule's own bubble
+            run = sleeping_pipeline(name, m, sleep_s, steps)
+            measured = min(plans.bubble(t, p) for t in run["timelines"])
+            rows.append({"schedule": name, "p": p, "m": m, "measured": measured,
                          "formula": plans.bubble_formula(name, p, m),
-                         "planned": plans.bubble(schedule.planned_timeline(), p)})
+                         "planned": plans.bubble(run["planned"], p)})
     return rows
 
 

@@ -64,7 +64,7 @@ from workbench.parallel import pipeline_schedules as plans
 from workbench.parallel.pipeline_schedules import Action
 
 __all__ = ["partition", "PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "ScheduleZeroBubble", "ScheduleZBV", "ScheduleDualPipeV", "GPTStage", "Action"]
+           "ScheduleZeroBubble", "ScheduleZBV", "ScheduleDualPipeV", "SCHEDULES", "GPTStage", "Action"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _META_LEN = 12         # shape message: ndim, dtype code, up to 10 sizes
@@ -646,3 +646,8 @@ class ScheduleDualPipeV(_VShaped):
 
     def _build(self, p, m):
         return plans.dualpipev(p, m)
+
+
+# every schedule by its name (the key of pipeline_schedules' formulas), as torch's get_schedule_class
+SCHEDULES = {cls.name: cls for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZeroBubble,
+                                       ScheduleZBV, ScheduleDualPipeV)}
