@@ -431,3 +431,15 @@ def test_bench_collectives_cli_under_a_topology(tmp_path, capsys):
     assert {r["algorithm"] for r in data["rows"]} >= {"ring", "hierarchical"}
     assert all(r[p]["wrong"] == 0 for r in data["rows"] for p in bc.PLACEMENTS)
     assert [s["bytes"] for s in data["speedups"]] == [4096]
+
+
+def test_of_group_sees_its_ranks_per_node():
+    topo = Topology(4, inter=Link(1e-3, 50e6))
+    assert topo.of_group([0, 1, 2, 3]).ranks_per_node == 4      # one node
+    assert topo.of_group([0, 4]).ranks_per_node == 1            # one rank per node
+    assert topo.of_group([2, 3, 4, 5]).ranks_per_node == 2      # two on each of two nodes
+    assert topo.of_group([0, 1, 2, 4], uneven="slowest").ranks_per_node == 1
+    with pytest.raises(ValueError, match="unevenly"):
+        topo.of_group([0, 1, 2, 4])
+    with pytest.raises(ValueError, match="uneven="):
+        topo.of_group([0, 1], uneven="fast")

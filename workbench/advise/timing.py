@@ -136,14 +136,9 @@ def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str,
 
 def group_topology(ranks: list[int], devices_per_node: int, intra, inter) -> Topology:
     """The links a group of global ``ranks`` crosses, as :func:`workbench.comm.cost.predict` sees
-    a group of ``len(ranks)`` ranks: nodes of ``k`` consecutive group ranks, ``k`` the group's
-    ranks per node (one node: all of them; one per node: 1; uneven: 1, the slow link throughout)."""
-    per_node: dict[int, int] = {}
-    for r in ranks:
-        per_node[r // devices_per_node] = per_node.get(r // devices_per_node, 0) + 1
-    counts = set(per_node.values())
-    k = counts.pop() if len(counts) == 1 else 1
-    return Topology(k, intra=intra, inter=inter)
+    a group of ``len(ranks)`` ranks (:meth:`Topology.of_group`; a group spread unevenly over
+    nodes is priced on the slow link throughout)."""
+    return Topology(devices_per_node, intra=intra, inter=inter).of_group(ranks, uneven="slowest")
 
 
 def _machine(cluster):

@@ -50,16 +50,8 @@ TOLERANCE = 0.15  # the issue's figure: measured ratio within 15% of the predict
 
 def group_topology(topology, ranks: list[int]):
     """The topology as a group of ``ranks`` sees it, renumbered 0..len-1: one node when they share
-    one, one rank per node when each sits on its own node (what :func:`comm.cost.predict` takes)."""
-    from workbench.comm import Topology
-
-    nodes = {topology.node_of(r) for r in ranks}
-    if len(nodes) == 1:
-        return Topology(len(ranks), intra=topology.intra, inter=topology.inter)
-    if len(nodes) == len(ranks):
-        return Topology(1, intra=topology.intra, inter=topology.inter)
-    raise ValueError(f"group_topology: ranks {ranks} span some nodes partly; pass ranks that share one node or "
-                     "sit one per node")
+    one, one rank per node when each sits on its own (:meth:`workbench.comm.Topology.of_group`)."""
+    return topology.of_group(ranks)
 
 
 def step_collectives(config, batch: int, dp: int, bucket_bytes: list[int], *, element_size: int = 4) -> dict:

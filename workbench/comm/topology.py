@@ -151,6 +151,24 @@ class Topology:
     def nodes(self, world_size: int) -> int:
         return -(-world_size // self.ranks_per_node)
 
+    def of_group(self, ranks: list[int], *, uneven: str = "raise") -> "Topology":
+        """The topology as a group of global ``ranks`` sees it, renumbered ``0..len-1`` (what
+        :func:`workbench.comm.cost.predict` takes): nodes of ``k`` group ranks, ``k`` the group's
+        ranks on each node it touches -- all of them on one node, 1 when each sits on its own.
+        A group with different counts on different nodes has no such ``k``: ``uneven="raise"``
+        refuses it, ``uneven="slowest"`` prices it as one rank per node (the slow link throughout)."""
+        if uneven not in ("raise", "slowest"):
+            raise ValueError(f"Topology.of_group(uneven={uneven!r}): use 'raise' or 'slowest'")
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
+        counts = set(per_node.values())
+        if len(counts) != 1 and uneven == "raise":
+            raise ValueError(f"Topology.of_group: ranks {list(ranks)} span their nodes unevenly "
+                             f"({sorted(per_node.values())} ranks per node); pass ranks with as many on every node "
+                             "they touch, or uneven='slowest'")
+        return Topology(counts.pop() if len(counts) == 1 else 1, intra=self.intra, inter=self.inter)
+
     def check_world(self, world_size: int) -> None:
         """Refuse a world that does not fill whole nodes (every node must hold ranks_per_node)."""
         if world_size % self.ranks_per_node:
