@@ -29,7 +29,8 @@ def _sum_of_ranks(scale):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_return_values_in_rank_order(world_size, capsys):
-    result = workbench.launch(_sum_of_ranks, world_size=world_size, args=(2.0,))
+    # gloo named: on a machine with a GPU per rank the default is NCCL, which cannot reduce CPU tensors
+    result = workbench.launch(_sum_of_ranks, world_size=world_size, args=(2.0,), backend="gloo")
     expected_sum = 2.0 * world_size * (world_size + 1) / 2
     assert [r["rank"] for r in result] == list(range(world_size))
     assert all(r["world"] == world_size and r["sum"] == expected_sum for r in result)
@@ -150,7 +151,7 @@ def test_bad_input_is_refused_before_any_process_starts():
         workbench.launch(42)
     with pytest.raises(ValueError, match="backend='mpx'"):
         workbench.launch(_sum_of_ranks, 2, backend="mpx")
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank"):
             workbench.launch(_sum_of_ranks, 2, backend="nccl")
     with pytest.raises(ValueError, match="timeout"):
@@ -221,10 +222,41 @@ def test_launch_inside_a_rank_runs_in_process():
     assert workbench.launch(_nested, 2) == [[0], [1]]
 
 
-def test_fork_after_cuda_was_initialised_is_refused(monkeypatch):
+def test_after_cuda_was_initialised_a_module_function_is_spawned_and_a_notebook_one_refused(monkeypatch):
+    """A forked child cannot use CUDA initialised in its parent: launch spawns what it can send
+    (with a warning saying why), and refuses what it cannot, naming the cause and the fix."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="CUDA was already initialised.*start_method='spawn'"):
-        workbench.launch(_sum_of_ranks, 2, args=(1.0,))
+    with pytest.warns(UserWarning, match="'spawn' instead of 'fork': CUDA was already initialised"):
+        assert [r["sum"] for r in workbench.launch(_sum_of_ranks, 2, args=(1.0,))] == [3.0, 3.0]
+    with pytest.raises(RuntimeError, match="start_method='fork' cannot work: CUDA was already initialised"):
+        workbench.launch(_sum_of_ranks, 2, args=(1.0,), start_method="fork")
+    with pytest.raises(RuntimeError, match="CUDA was already initialised.*cannot import.*Restart the kernel"):
+        workbench.launch(lambda: 1, 2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="its backward would stop forking for every later test "
+                    "on a GPU machine; test_cuda.py checks the probe there, in a fresh interpreter")
+def test_the_autograd_fork_probe_passes_where_forked_children_can_train(monkeypatch):
+    """On a GPU machine launch forks a probe that runs a backward pass (see _fork_is_unsafe); here
+    the probe is forced to run, and a CPU build's forked child trains, so forking stays."""
+    from workbench import runtime
+    from workbench.launch import _fork_is_unsafe
+
+    monkeypatch.setattr(runtime, "gpu_count", lambda: 1)
+    x = torch.ones(2, requires_grad=True)
+    (x * 3).sum().backward()
+    assert _fork_is_unsafe() is None
+    monkeypatch.setattr(torch.Tensor, "backward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    assert "backward" in _fork_is_unsafe()
+
+
+def test_device_argument_is_checked_before_any_rank_starts():
+    with pytest.raises(ValueError, match="device='tpu' is not known"):
+        workbench.launch(_sum_of_ranks, 2, args=(1.0,), device="tpu")
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ValueError, match="device='cuda' but this machine has no CUDA device"):
+            workbench.launch(_sum_of_ranks, 2, args=(1.0,), device="cuda")
+    assert [r["device"] for r in workbench.launch(_sum_of_ranks, 2, args=(1.0,), device="cpu")] == ["cpu", "cpu"]
 
 
 def test_launches_from_two_processes_at_once_do_not_collide():

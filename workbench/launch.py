@@ -132,19 +132,84 @@ def _validate(fn, world_size, args, kwargs, timeout, start_method) -> str:
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
     methods = mp.get_all_start_methods()
+    requested = start_method
     if start_method is None:
         start_method = "fork" if "fork" in methods else "spawn"
     if start_method not in ("fork", "spawn", "forkserver") or start_method not in methods:
         raise ValueError(f"start_method={start_method!r} is not available here: use one of {methods} "
                          "(fork works for functions defined in a notebook)")
-    if start_method == "fork" and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA was already initialised in this process, and a forked child cannot use it. "
-                           "Restart the kernel and call launch() before any CUDA work in the notebook, or "
-                           "pass start_method='spawn' with a function importable from a module.")
+    if start_method == "fork" and not _under_torchrun() and runtime._context is None:
+        start_method = _instead_of_a_poisoned_fork(fn, args, kwargs or {}, requested)
     if start_method != "fork":
         _check_picklable(fn, args, kwargs or {}, start_method)
     gloo_threads.enabled()  # a bad WORKBENCH_GLOO_LOOP is refused here, before any rank starts
     return start_method
+
+
+def _fork_is_unsafe() -> str | None:
+    """Why a forked rank could not use CUDA or autograd here, or None if forking is safe.
+
+    Two states of the parent process are inherited by a forked child and make it fail later,
+    deep inside the user's function:
+
+    * CUDA initialised in the parent: the child cannot use CUDA at all.
+    * On a machine with CUDA devices (a CUDA build of torch), the first ``backward`` starts
+      autograd's per-device worker threads, and from then on every forked child refuses to run
+      a backward pass ("Unable to handle autograd's threading in combination with fork-based
+      multiprocessing"), even on the CPU. A notebook that trained anything before launching
+      is in this state. It cannot be read from Python, so a forked probe tries a one-element
+      backward (a few milliseconds; only where CUDA devices exist: CPU builds never start the
+      threads).
+    """
+    if torch.cuda.is_initialized():
+        return "CUDA was already initialised in this process, and a forked child cannot use it"
+    if runtime.gpu_count() == 0:
+        return None
+    pid = os.fork()
+    if pid == 0:  # the probe: exit 0 if autograd works in a forked child
+        code = 1
+        try:
+            x = torch.ones(1, requires_grad=True)
+            (x * 2).sum().backward()
+            code = 0
+        except BaseException:  # noqa: BLE001 - any failure means the child cannot train
+            pass
+        os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            status = 1
+            break
+        time.sleep(0.005)
+    if os.waitstatus_to_exitcode(status) == 0:
+        return None
+    return ("this process already ran a backward pass on a machine with CUDA devices, and PyTorch's "
+            "autograd refuses to run in a child forked after that "
+            "(https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork)")
+
+
+def _instead_of_a_poisoned_fork(fn, args, kwargs, requested: str | None) -> str:
+    """``"fork"`` if forking is safe; else ``"spawn"`` when ``fn`` can be sent to a spawned child
+    (with a warning saying why), else a clear error: the rank would fail anyway."""
+    reason = _fork_is_unsafe()
+    if reason is None:
+        return "fork"
+    fix = ("Restart the kernel and call launch() before any CUDA work or backward pass in it, or "
+           "define the function in a .py module and pass start_method='spawn'.")
+    if requested == "fork":
+        raise RuntimeError(f"start_method='fork' cannot work: {reason}. {fix}")
+    try:
+        _check_picklable(fn, args, kwargs, "spawn")
+    except TypeError as e:
+        raise RuntimeError(f"A forked rank cannot work: {reason}; and a spawned one cannot import "
+                           f"what it should run ({e}). {fix}") from None
+    warnings.warn(f"starting the ranks with start_method='spawn' instead of 'fork': {reason}", stacklevel=4)
+    return "spawn"
 
 
 def _check_picklable(fn, args, kwargs, start_method) -> None:
@@ -239,7 +304,7 @@ def _emulate(topology) -> None:
 
 
 def _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_timeout, sink,
-                parent_pid=None) -> None:
+                parent_pid=None, device: str | None = None) -> None:
     """Everything a rank does before running user code (shared by launch and the live ranks).
 
     One intra-op thread, die with the parent, own process group, output into the parent's pipe,
@@ -257,10 +322,9 @@ def _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_t
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    dev = torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
+    dev = runtime.rank_device(backend, device, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     runtime._set_context(runtime._RankContext(
         rank=rank, world_size=world_size, local_rank=rank, backend=backend, device=dev, sink=sink))
     init_group(rank, world_size, store_path, backend, pg_timeout)
@@ -275,11 +339,11 @@ def init_group(rank, world_size, store_path, backend, pg_timeout) -> None:
 
 
 def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout,
-               topology=None):
+               topology=None, device=None):
     code = 0
     try:
         _rank_setup(rank, world_size, store_path, backend, out_conn, dump_conn, pg_timeout,
-                    sink=lambda record: queue.put(("record", rank, record)))
+                    sink=lambda record: queue.put(("record", rank, record)), device=device)
         _emulate(topology)
         value = fn(*args, **kwargs)
         try:
@@ -468,7 +532,7 @@ def _print_output(outputs) -> None:
 
 def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwargs: dict | None = None,
            backend: str | None = None, timeout: float = 45.0, start_method: str | None = None,
-           stream: bool = False, topology=None) -> LaunchResult:
+           stream: bool = False, topology=None, device: str | None = None) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks, each in an initialised process group.
 
     Returns the ranks' return values as a list (index = rank) with ``.records`` (from
@@ -478,6 +542,10 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     ``backend``: ``"gloo"`` (CPU, the default without enough GPUs) or ``"nccl"`` (one GPU per rank).
     ``start_method``: ``"fork"`` (default; works for notebook functions) or ``"spawn"`` (needs an
     importable, picklable ``fn``). ``stream=True`` prints rank output live instead of at the end.
+    ``device``: where each rank computes (``runtime.device()``): None for the backend's own
+    (a GPU per rank under NCCL, the CPU under gloo), or ``"cuda"`` under gloo to put the ranks on
+    this machine's GPUs, round robin, so that many ranks share one GPU (NCCL refuses that) and
+    messages carry CUDA tensors through gloo.
     ``topology``: an emulated cluster (a :class:`workbench.comm.Topology` or its spec string;
     default ``WORKBENCH_TOPOLOGY``): which ranks share a node, and how slow the links are.
 
@@ -489,9 +557,10 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     if runtime._context is not None or _under_torchrun():
         world = runtime._context.world_size if runtime._context is not None else int(os.environ["WORLD_SIZE"])
         return _launch_in_process(fn, world_size, args, kwargs, backend, timeout,
-                                  _resolve_topology(topology, world))
+                                  _resolve_topology(topology, world), device)
     topology = _resolve_topology(topology, world_size)
     backend = runtime.check_backend(backend, world_size)
+    runtime.check_device(device, backend)
 
     ctx = mp.get_context(method)
     rendezvous = tempfile.TemporaryDirectory(prefix="workbench-launch-")
@@ -503,7 +572,8 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
         for r in range(world_size):
             proc, output, dump = _start_rank(
                 ctx, r, _rank_main, lambda out, dump, r=r: (
-                    r, world_size, store_path, backend, fn, tuple(args), kwargs, queue, out, dump, timeout + 60, topology),
+                    r, world_size, store_path, backend, fn, tuple(args), kwargs, queue, out, dump, timeout + 60, topology,
+                    device),
                 stream)
             procs.append(proc)
             outputs.append(output)
@@ -631,7 +701,7 @@ def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
 
 # ------------------------------------------------------------------------------ under torchrun
 
-def _launch_in_process(fn, world_size, args, kwargs, backend, timeout, topology=None) -> LaunchResult:
+def _launch_in_process(fn, world_size, args, kwargs, backend, timeout, topology=None, device=None) -> LaunchResult:
     """Run ``fn`` in this process, as one rank of torchrun's group (or of an enclosing launch)."""
     start = time.monotonic()
     nested = runtime._context is not None
@@ -652,7 +722,7 @@ def _launch_in_process(fn, world_size, args, kwargs, backend, timeout, topology=
         local = int(os.environ.get("LOCAL_RANK", 0))
         runtime._set_context(runtime._RankContext(
             rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, backend=backend,
-            device=torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")))
+            device=runtime.rank_device(backend, device, local)))
     if topology is not None:
         from workbench.comm import emulation
 

@@ -101,9 +101,19 @@ def report(**fields: Any) -> None:
         ctx.records.append(record)
 
 
+def gpu_count() -> int:
+    """CUDA devices on this machine, counted without initialising CUDA in this process.
+
+    ``torch.cuda.is_available()`` asks the CUDA runtime, which poisons ``fork``: a rank forked
+    afterwards fails with "Cannot re-initialize CUDA in forked subprocess". ``device_count()``
+    asks NVML first, which leaves the process fork-safe, so the launcher's parent uses only it.
+    """
+    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+
+
 def default_backend(world_size: int) -> str:
     """NCCL when this machine has a GPU for every rank, gloo on the CPU otherwise."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
+    if gpu_count() >= world_size and dist.is_nccl_available():
         return "nccl"
     return "gloo"
 
@@ -118,11 +128,36 @@ def check_backend(backend: str | None, world_size: int, *, local_world_size: int
     backend = backend.lower()
     if backend == "nccl":
         need = local_world_size or world_size
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        have = gpu_count()
         if have < need or not dist.is_nccl_available():
             raise ValueError(f"backend='nccl' needs one GPU per rank: {need} ranks on this machine but "
                              f"{have} CUDA device(s) found. Use backend='gloo' to run on the CPU.")
     return backend
+
+
+def check_device(device: str | None, backend: str) -> None:
+    """Validate ``device=`` of a launch (see :func:`rank_device`) before any rank starts."""
+    if device is None:
+        return
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not known: use 'cuda' (ranks on this machine's GPUs), 'cpu', "
+                         "or None for the backend's own (NCCL: one GPU per rank; gloo: the CPU)")
+    if device == "cuda" and gpu_count() == 0:
+        raise ValueError("device='cuda' but this machine has no CUDA device: leave device=None to compute "
+                         "on the CPU")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("device='cpu' cannot go with backend='nccl' (NCCL moves only CUDA tensors): use "
+                         "backend='gloo' for CPU ranks")
+
+
+def rank_device(backend: str, device: str | None, local_rank: int) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL; under gloo the CPU, or with
+    ``device="cuda"`` GPU ``local_rank % gpu_count()`` (ranks share GPUs round robin)."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    if device == "cuda":
+        return torch.device("cuda", local_rank % gpu_count())
+    return torch.device("cpu")
 
 
 def limit_threads(threads: int = 1) -> None:
