@@ -69,6 +69,7 @@ from workbench.comm.emulation import emulate
 from workbench.comm.topology import Link, Topology, node_groups
 from workbench.comm.ops import ReduceOp
 from workbench.comm.p2p import irecv, isend, recv, send
+from workbench.comm.group import wire_device
 from workbench.comm.reduce import ALGORITHMS as _REDUCE, reduce
 from workbench.comm.reduce_scatter import ALGORITHMS as _REDUCE_SCATTER, reduce_scatter
 from workbench.comm.scatter_gather import GATHER_ALGORITHMS as _GATHER, SCATTER_ALGORITHMS as _SCATTER

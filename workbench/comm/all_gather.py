@@ -117,7 +117,7 @@ def ring(c: Comm, blocks: list[torch.Tensor]) -> None:
 def _in_one_buffer(blocks: list[torch.Tensor], rank: int) -> torch.Tensor:
     """The algorithms below send runs of adjacent blocks in one message: stage them in one buffer."""
     m = blocks[rank].numel()
-    full = scratch(len(blocks) * m, blocks[rank].dtype, "stage")
+    full = scratch(len(blocks) * m, blocks[rank].dtype, "stage", device=blocks[rank].device)
     full[rank * m:(rank + 1) * m].copy_(blocks[rank])
     return full
 
@@ -169,7 +169,7 @@ def bruck(c: Comm, blocks: list[torch.Tensor]) -> None:
     Then copy each block to its rank's place. ``ceil(lg p) alpha + ((p-1)/p) n beta``.
     """
     p, r, m = c.size, c.rank, blocks[c.rank].numel()
-    tmp = scratch(p * m, blocks[r].dtype, "stage")
+    tmp = scratch(p * m, blocks[r].dtype, "stage", device=blocks[r].device)
     tmp[:m].copy_(blocks[r])
     d = 1
     while d < p:
@@ -200,7 +200,7 @@ def hierarchical(c: Comm, blocks: list[torch.Tensor]) -> None:
                     left=col[(k - 1) % n_nodes], tag=TAG_INTER)
     if per_node == 1:
         return
-    stage = scratch(per_node * n_nodes * m, blocks[c.rank].dtype, "hier").view(per_node, n_nodes * m)
+    stage = scratch(per_node * n_nodes * m, blocks[c.rank].dtype, "hier", device=blocks[c.rank].device).view(per_node, n_nodes * m)
     for kk, node in enumerate(h.nodes):
         stage[i, kk * m:(kk + 1) * m].copy_(blocks[node[i]])
     ring_all_gather(c, list(stage), me=i, right=row[(i + 1) % per_node], left=row[(i - 1) % per_node],

@@ -97,7 +97,7 @@ def recursive_doubling(c: Comm, buf: torch.Tensor, op) -> None:
     fold in (the even rank of each extra pair sends to the odd one) and out (the result goes back).
     """
     fold, r = Fold(c.size), c.rank
-    tmp = scratch(buf.numel(), buf.dtype) if c.size > 1 else None  # reused: no page faults per call
+    tmp = scratch(buf.numel(), buf.dtype, device=buf.device) if c.size > 1 else None  # reused: no page faults per call
     _fold_in(c, buf, tmp, fold, op)
     me = fold.new_rank(r)
     if me is not None:
@@ -135,7 +135,7 @@ def _fold_in(c: Comm, buf: torch.Tensor, tmp, fold: Fold, op) -> None:
         if r % 2 == 0:
             c.send(buf, r + 1)
         else:
-            tmp = scratch(buf.numel(), buf.dtype) if tmp is None else tmp
+            tmp = scratch(buf.numel(), buf.dtype, device=buf.device) if tmp is None else tmp
             c.recv(tmp, r - 1)
             ops.reduce_into(buf, tmp, op)
 

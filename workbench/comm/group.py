@@ -68,6 +68,15 @@ def resolve_group(group) -> GroupView | None:
     return GroupView(group, dist.get_rank(group), dist.get_world_size(group))
 
 
+def wire_device(group=None) -> torch.device:
+    """Where a small message of the library's own (a shape, an order, a timeline) lives on
+    ``group``: the CPU under gloo, which moves host memory; this rank's GPU under NCCL, which
+    moves only device memory."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class _Done:
     """The handle of a message that was not sent because it was empty."""
 
@@ -81,12 +90,13 @@ class _Done:
 class _Timed:
     """A message's handle that adds the time spent waiting for it to its link's counter."""
 
-    __slots__ = ("works", "stat", "until", "stamp", "keep", "done")
+    __slots__ = ("works", "stat", "until", "stamp", "keep", "done", "unstage")
 
-    def __init__(self, works, stat: LinkStat, until: float | None = None, stamp: torch.Tensor | None = None,
-                 keep: torch.Tensor | None = None):
+    def __init__(self, works, stat: LinkStat | None, until: float | None = None, stamp: torch.Tensor | None = None,
+                 keep=None, unstage: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.works, self.stat, self.until, self.stamp, self.done = works, stat, until, stamp, False
-        self.keep = keep  # a sent stamp stays alive until its send is done
+        self.keep = keep  # a sent stamp (or host copy) stays alive until its send is done
+        self.unstage = unstage  # (device tensor, host copy): a staged receive copies back once done
 
     def wait(self) -> bool:
         if not self.done:
@@ -102,7 +112,10 @@ class _Timed:
                 self.until = float(self.stamp[0])
             if self.until is not None:
                 emulation._sleep_until(self.until)
-            self.stat.seconds += time.perf_counter() - start
+            if self.unstage is not None:
+                self.unstage[0].copy_(self.unstage[1])
+            if self.stat is not None:
+                self.stat.seconds += time.perf_counter() - start
             self.done = True
         return True
 
@@ -113,6 +126,18 @@ class _Timed:
             return False
         until = float(self.stamp[0]) if self.stamp is not None else self.until
         return until is None or time.monotonic() >= until
+
+
+class _AnySource(_Timed):
+    """A staged receive from any source: torch's handle, which knows the sender, plus the copy back."""
+
+    __slots__ = ()
+
+    def __init__(self, work, unstage) -> None:
+        super().__init__((work,), None, unstage=unstage)
+
+    def _source_rank(self) -> int:
+        return self.works[0]._source_rank()
 
 
 class Comm:
@@ -133,6 +158,7 @@ class Comm:
         self.links: dict[str, LinkStat] = {}
         self.topology = emulation.layout()
         self._ranks = emulation.global_ranks(self.pg)
+        self._host_only = dist.get_backend(self.pg) == "gloo"
 
     def _link(self, peer: int) -> tuple[LinkStat, str, object]:
         cls = self.topology.link_class(self._ranks[self.rank], self._ranks[peer])
@@ -140,6 +166,14 @@ class Comm:
         if stat is None:
             stat = self.links[cls] = LinkStat()
         return stat, cls, self.topology.link(cls)
+
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        """gloo moves host memory only: its point-to-point calls would read a CUDA tensor's
+        device address as if it were host memory ("writev: Bad address"). A CUDA tensor on a
+        gloo group therefore travels through a host copy: one device-to-host copy before a send,
+        one host-to-device copy after a receive (each ``n / PCIe bandwidth`` on top of the
+        message, and ``n`` host bytes while in flight). NCCL sends device memory directly."""
+        return self._host_only and tensor.device.type != "cpu"
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         if tensor.numel() == 0:
@@ -149,13 +183,16 @@ class Comm:
         stat, cls, link = self._link(peer)
         stat.messages += 1
         stat.bytes_sent += nbytes
+        staged = self._staged(tensor)
+        wire = tensor.to("cpu") if staged else tensor
         if link is None:
-            return _Timed((dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag),), stat)
+            return _Timed((dist.isend(wire, group=self.pg, group_dst=peer, tag=tag),), stat,
+                          keep=wire if staged else None)
         due, free = emulation.schedule(cls, link, nbytes)  # held back: see emulation.py
-        stamp = torch.tensor([due], dtype=torch.float64, device=tensor.device)
+        stamp = torch.tensor([due], dtype=torch.float64, device=wire.device)
         works = (dist.isend(stamp, group=self.pg, group_dst=peer, tag=tag + emulation.STAMP_TAG),
-                 dist.isend(tensor, group=self.pg, group_dst=peer, tag=tag))
-        return _Timed(works, stat, until=free, keep=stamp)
+                 dist.isend(wire, group=self.pg, group_dst=peer, tag=tag))
+        return _Timed(works, stat, until=free, keep=(stamp, wire))
 
     def irecv(self, tensor: torch.Tensor, peer: int | None, tag: int = 0):
         """Receive from ``peer`` (None: from any rank of the group). Messages with the same
@@ -164,19 +201,23 @@ class Comm:
             return _Done()
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_received += nbytes
+        staged = self._staged(tensor)
+        wire = torch.empty(tensor.shape, dtype=tensor.dtype) if staged else tensor
+        unstage = (tensor, wire) if staged else None
         if peer is None:  # from any source: the link is unknown until the message arrives
             if self.topology.emulated:
                 raise ValueError("a receive from any source (src=None) cannot be emulated on a topology with "
                                  "slowed links: name the sender (src= or group_src=)")
-            return dist.irecv(tensor, group=self.pg, tag=tag)
+            work = dist.irecv(wire, group=self.pg, tag=tag)
+            return work if not staged else _AnySource(work, unstage)
         stat, cls, link = self._link(peer)
         stat.bytes_received += nbytes
         if link is None:
-            return _Timed((dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag),), stat)
-        stamp = torch.empty(1, dtype=torch.float64, device=tensor.device)
+            return _Timed((dist.irecv(wire, group=self.pg, group_src=peer, tag=tag),), stat, unstage=unstage)
+        stamp = torch.empty(1, dtype=torch.float64, device=wire.device)
         works = (dist.irecv(stamp, group=self.pg, group_src=peer, tag=tag + emulation.STAMP_TAG),
-                 dist.irecv(tensor, group=self.pg, group_src=peer, tag=tag))
-        return _Timed(works, stat, stamp=stamp)
+                 dist.irecv(wire, group=self.pg, group_src=peer, tag=tag))
+        return _Timed(works, stat, stamp=stamp, unstage=unstage)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
         self.isend(tensor, peer, tag).wait()
@@ -273,7 +314,7 @@ def segment(block: torch.Tensor, nseg: int, j: int) -> torch.Tensor:
 _scratch = threading.local()
 
 
-def scratch(numel: int, dtype: torch.dtype, slot: str = "recv") -> torch.Tensor:
+def scratch(numel: int, dtype: torch.dtype, slot: str = "recv", *, device: torch.device | None = None) -> torch.Tensor:
     """A 1-D work buffer of ``numel`` elements of ``dtype``, reused from call to call.
 
     A fresh multi-MiB buffer per call costs page faults: the allocator hands big blocks back to
@@ -287,11 +328,13 @@ def scratch(numel: int, dtype: torch.dtype, slot: str = "recv") -> torch.Tensor:
     Slots in use: ``"recv"`` (incoming data about to be reduced), ``"stage"`` (a whole gathered
     or scattered vector laid out in one piece), ``"input"`` (a private copy of the caller's input),
     ``"hier"`` (the hierarchical algorithms' blocks laid out by node and local index).
+    ``device``: where the buffer lives, the device of the tensors it works with (default CPU).
     """
+    device = torch.device(device or "cpu")
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = {}
-    buf = buffers.get((slot, dtype))
+    buf = buffers.get((slot, dtype, device))
     if buf is None or buf.numel() < numel:
-        buf = buffers[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+        buf = buffers[(slot, dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]

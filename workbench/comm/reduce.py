@@ -39,7 +39,7 @@ def flat(c: Comm, buf: torch.Tensor, root: int, op) -> None:
     if c.rank != root:
         c.send(buf, root)
         return
-    tmp = scratch(buf.numel(), buf.dtype)
+    tmp = scratch(buf.numel(), buf.dtype, device=buf.device)
     for peer in range(c.size):
         if peer != root:
             c.recv(tmp, peer)
@@ -65,7 +65,7 @@ def binomial(c: Comm, buf: torch.Tensor, root: int, op) -> None:
             return
         if v + mask < p:
             if tmp is None:
-                tmp = scratch(buf.numel(), buf.dtype)
+                tmp = scratch(buf.numel(), buf.dtype, device=buf.device)
             c.recv(tmp, real(v + mask))
             ops.reduce_into(buf, tmp, op)
         mask <<= 1
@@ -97,7 +97,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op=ReduceOp.SUM, group=
         if is_root:
             buf, write_back = flat_buffer(tensor)
         else:
-            buf, write_back = scratch(tensor.numel(), tensor.dtype, "input"), (lambda: None)
+            buf, write_back = scratch(tensor.numel(), tensor.dtype, "input", device=tensor.device), (lambda: None)
             buf.view(tensor.shape).copy_(tensor)  # a private copy: the tree clobbers it
         algo(c, buf, root, ops.combining_op(op))
         if is_root:

@@ -79,8 +79,8 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
     rows = min(RECV_WINDOW, (p - 1) * nseg)
     width = -(-max(b.numel() for b in blocks) // nseg)
     dtype = blocks[0].dtype
-    tmp = scratch(rows * width, dtype).view(rows, width)
-    acc = scratch(2 * nseg * width, dtype, "stage").view(2, nseg, width) if out is not None and p > 2 else None
+    tmp = scratch(rows * width, dtype, device=blocks[0].device).view(rows, width)
+    acc = scratch(2 * nseg * width, dtype, "stage", device=blocks[0].device).view(2, nseg, width) if out is not None and p > 2 else None
     seg = lambda block, j: segment(blocks[block % p], nseg, j)  # noqa: E731
 
     # Receives, in the order the left neighbour sends them: (step s, segment j), s-major.
@@ -140,7 +140,7 @@ def halving_reduce_scatter(c: Comm, buf: torch.Tensor, units: list[int], op, me:
         keep, give = ((mid, hi), (lo, mid)) if me & mask else ((lo, mid), (mid, hi))
         k0, k1 = units[keep[0]], units[keep[1]]
         if tmp is None:  # the first kept half is the largest
-            tmp = scratch(max(units[mid] - units[lo], units[hi] - units[mid]), buf.dtype)
+            tmp = scratch(max(units[mid] - units[lo], units[hi] - units[mid]), buf.dtype, device=buf.device)
         incoming = tmp[:k1 - k0]
         c.sendrecv(buf[units[give[0]]:units[give[1]]], real(partner), incoming, real(partner))
         ops.reduce_into(buf[k0:k1], incoming, op)
@@ -158,7 +158,7 @@ def recursive_halving(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op
     """Recursive halving swaps runs of adjacent blocks, and reduces into them: it works on a copy
     of the inputs laid out in one buffer (see :func:`_recursive_halving`)."""
     m = out.numel()
-    full = scratch(c.size * m, out.dtype, "stage")  # the inputs are not to be modified
+    full = scratch(c.size * m, out.dtype, "stage", device=out.device)  # the inputs are not to be modified
     for i, t in enumerate(inputs):
         full[i * m:(i + 1) * m].copy_(t)
     _recursive_halving(c, full, m, op)
@@ -179,7 +179,7 @@ def _recursive_halving(c: Comm, full: torch.Tensor, m: int, op) -> None:
         if r % 2 == 0:
             c.send(full, r + 1)
         else:
-            tmp = scratch(full.numel(), full.dtype)
+            tmp = scratch(full.numel(), full.dtype, device=full.device)
             c.recv(tmp, r - 1)
             ops.reduce_into(full, tmp, op)
     me = fold.new_rank(r)
@@ -210,7 +210,7 @@ def hierarchical(c: Comm, inputs: list[torch.Tensor], out: torch.Tensor, op) -> 
     h = checks.hierarchy("reduce_scatter", c.view)
     col, row, k, i = h.column, h.row, h.node, h.local
     n_nodes, per_node, m = len(col), len(row), out.numel()
-    stage = scratch(per_node * n_nodes * m, out.dtype, "hier").view(per_node, n_nodes * m)
+    stage = scratch(per_node * n_nodes * m, out.dtype, "hier", device=out.device).view(per_node, n_nodes * m)
     for ii in range(per_node):
         for kk, node in enumerate(h.nodes):
             stage[ii, kk * m:(kk + 1) * m].copy_(inputs[node[ii]])

@@ -66,7 +66,7 @@ def scatter_binomial(c: Comm, out: torch.Tensor, blocks: list[torch.Tensor] | No
         while not v & mask:
             mask <<= 1
         size = min(mask, p - v)
-        held = out if size == 1 else scratch(size * m, out.dtype, "stage")
+        held = out if size == 1 else scratch(size * m, out.dtype, "stage", device=out.device)
         c.recv(held, real(v - mask))
     mask >>= 1
     while mask > 0:
@@ -77,7 +77,7 @@ def scatter_binomial(c: Comm, out: torch.Tensor, blocks: list[torch.Tensor] | No
             elif hi - lo == 1:
                 run = blocks[real(lo)]
             else:  # the root lays several blocks out in one message (sent before the buffer is reused)
-                run = scratch((hi - lo) * m, out.dtype, "stage")
+                run = scratch((hi - lo) * m, out.dtype, "stage", device=out.device)
                 for k in range(lo, hi):
                     run[(k - lo) * m:(k - lo + 1) * m].copy_(blocks[real(k)])
             c.send(run, real(v + mask))
@@ -121,7 +121,7 @@ def gather_binomial(c: Comm, inp: torch.Tensor, blocks: list[torch.Tensor] | Non
     if v != 0 and size == 1:  # a leaf
         c.send(inp, real(v - mask))
         return
-    held = None if v == 0 else scratch(size * m, inp.dtype, "stage")
+    held = None if v == 0 else scratch(size * m, inp.dtype, "stage", device=inp.device)
     if held is not None:
         held[:m].copy_(inp)
     else:
@@ -134,7 +134,7 @@ def gather_binomial(c: Comm, inp: torch.Tensor, blocks: list[torch.Tensor] | Non
         elif hi - child == 1:
             c.recv(blocks[real(child)], real(v + child))
         else:  # several blocks in one message: receive, then put each in its place
-            run = scratch((hi - child) * m, inp.dtype, "stage")
+            run = scratch((hi - child) * m, inp.dtype, "stage", device=inp.device)
             c.recv(run, real(v + child))
             for k in range(child, hi):
                 blocks[real(k)].copy_(run[(k - child) * m:(k - child + 1) * m])
