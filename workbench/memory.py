@@ -193,8 +193,11 @@ class MemoryMeter:
     pass inputs such as the batch if they should count). ``device``: whose memory to measure
     (default: this rank's device). After the block:
 
-    * ``peak_bytes``: the most bytes alive at once (on CUDA: the allocator's peak, which also
-      includes every other live tensor on the device);
+    * ``peak_bytes``: the most bytes alive at once (on CUDA: the caching allocator's peak above
+      what was allocated when the block began, plus the tracked tensors, so the same quantity as
+      on the CPU but as the allocator sees it: 512-byte rounding and allocations no tensor
+      explains, such as cuBLAS's workspace, included; tensors alive before the block and not
+      tracked are left out on both);
     * ``peak_by_category``: ``{params, grads, optimizer, activations, comm}`` at the peak
       (on CUDA plus ``other``: allocator bytes the tensors seen do not explain);
     * ``current_bytes`` / ``current_by_category``: what was still alive at the end;
@@ -253,6 +256,8 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         for obj in self._track:
             self._add_tracked(obj)
+        if self.device.type == "cuda":  # what the allocator held before the block, tracked or not
+            self._cuda_base = torch.cuda.memory_allocated(self.device) - self._total
         self._hooks.append(register_optimizer_step_pre_hook(self._before_step))
         self._hooks.append(register_optimizer_step_post_hook(self._after_step))
         self._mode = _Watcher(self)
@@ -275,7 +280,7 @@ class MemoryMeter:
             self._hooks.clear()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-                self._cuda_peak = torch.cuda.max_memory_allocated(self.device)
+                self._cuda_peak = max(0, torch.cuda.max_memory_allocated(self.device) - self._cuda_base)
             for entry in self._live.values():  # stop listening for frees
                 entry.ref = None
             self._live.clear()
@@ -295,6 +300,7 @@ class MemoryMeter:
         self._optimizers: list[weakref.ref] = []
         self._hooks: list = []
         self._cuda_peak: int | None = None
+        self._cuda_base = 0
         self.history: list[tuple[float, int, int]] = []
 
     def _counts(self, s: torch.UntypedStorage) -> bool:
