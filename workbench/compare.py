@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", default=d.recompute, choices=["none", "selective", "full"],
                         help=f"activation recomputation for every strategy (default: {d.recompute})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per strategy (default: 600)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="where the ranks compute (default: one GPU per rank over NCCL when there are "
+                             "enough GPUs, else the CPU over gloo); cuda with fewer GPUs than ranks shares "
+                             "them, over gloo")
 
 
 def _load_strategy_modules() -> None:
@@ -87,28 +91,34 @@ def _selected(requested: list[str] | None) -> list[strategies.Strategy]:
 
 
 def run(config: TrainConfig, names: list[str] | None = None, world_size: int = 2, timeout: float = 600.0,
-        log=print) -> list[dict]:
+        log=print, device: str | None = None) -> list[dict]:
     """Train with each strategy and return one summary row each (see :func:`workbench.train.summarize`).
 
     The reference ``single`` runs first when selected; the others' ``loss_diff`` is measured
-    against it (None without it).
+    against it (None without it). ``device``: see ``workbench.launch``; ``"cuda"`` runs every
+    strategy's ranks on this machine's GPUs, over NCCL where each rank has its own GPU, else over
+    gloo (several ranks on one GPU).
     """
     import workbench
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size {world_size!r} must be a whole number >= 1")
+    from workbench import runtime
+
     chosen = _selected(names)
     config.check_world_size(world_size)
+    runtime.check_device(device, runtime.default_backend(world_size) if device != "cpu" else "gloo")
     if config.precision != "fp32":
-        from workbench import runtime
-
-        device_type = "cuda" if runtime.default_backend(world_size) == "nccl" else "cpu"
-        unable = [s for s in chosen if not strategies.supports_mixed_precision(s, device_type)]
+        device_type = device or ("cuda" if runtime.default_backend(world_size) == "nccl" else "cpu")
+        tied = config.gpt_config().tie_weights
+        why = {s.name: strategies.mixed_precision_refusal(s, device_type, tied) for s in chosen}
+        unable = [s for s in chosen if why[s.name]]
         if unable and names:   # asked for by name: say why it cannot run
-            raise ValueError(f"--precision {config.precision}: {', '.join(s.name for s in unable)} cannot train in "
-                             f"mixed precision on {device_type}; leave it out of --strategies")
+            raise ValueError(f"--precision {config.precision}: " + "; ".join(
+                f"{s.name} cannot train in mixed precision on {device_type}: {why[s.name]}" for s in unable)
+                + "; leave it out of --strategies")
         for s in unable:       # the default set: run the others, say which were left out
-            log(f"skipping {s.name}: no mixed precision on {device_type} (PyTorch DDP's needs CUDA events)")
+            log(f"skipping {s.name} on {device_type}: {why[s.name]}")
         chosen = [s for s in chosen if s not in unable]
     chosen.sort(key=lambda s: s.name != REFERENCE)  # stable: the reference first, the rest in order
     preload()  # imports and the tokenized corpus, inherited by every forked rank
@@ -117,7 +127,11 @@ def run(config: TrainConfig, names: list[str] | None = None, world_size: int = 2
         n = strategy.ranks(world_size)
         config.check_world_size(n)
         log(f"[{i + 1}/{len(chosen)}] {strategy.name} on {n} rank(s): {strategy.description}")
-        result = workbench.launch(train, world_size=n, args=(strategy.name, config), timeout=timeout)
+        backend = None
+        if device is not None:  # NCCL where every rank has its own GPU; else gloo, on the device asked for
+            backend = "nccl" if device == "cuda" and runtime.default_backend(n) == "nccl" else "gloo"
+        result = workbench.launch(train, world_size=n, args=(strategy.name, config), timeout=timeout,
+                                  backend=backend, device=None if backend == "nccl" else device)
         row = summarize(list(result), reference)
         row["description"] = strategy.description
         if strategy.name == REFERENCE:
@@ -205,7 +219,8 @@ def main(args: argparse.Namespace) -> int:
         config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                              seed=args.seed, precision=getattr(args, "precision", "fp32"),
                              recompute=getattr(args, "recompute", "none"))
-        rows = run(config, args.strategies, args.world_size, timeout=args.timeout)
+        rows = run(config, args.strategies, args.world_size, timeout=args.timeout,
+                   device=getattr(args, "device", None))
     except ValueError as e:
         print(f"workbench compare: error: {e}", file=sys.stderr)
         return 2

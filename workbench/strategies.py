@@ -56,7 +56,7 @@ import torch.nn as nn
 
 __all__ = ["Strategy", "OptimizerFactory", "register", "get", "names", "all_strategies",
            "shard_rows", "whole_batch", "data_parallel_step", "mean_over_ranks", "same_on_every_rank",
-           "supports_mixed_precision"]
+           "supports_mixed_precision", "mixed_precision_refusal"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -146,17 +146,29 @@ class Strategy:
         return self.world_size or requested
 
 
-def supports_mixed_precision(strategy: Strategy, device_type: str = "cpu") -> bool:
-    """Whether ``strategy.wrap`` takes ``mp_policy=`` (see the module docstring) on devices of
-    ``device_type``; a wrap function may narrow that with a ``mixed_precision_devices`` attribute."""
+def mixed_precision_refusal(strategy: Strategy, device_type: str = "cpu", tied: bool = False) -> str | None:
+    """Why ``strategy`` cannot train in mixed precision on ``device_type`` (a model with a
+    parameter used twice if ``tied``), or None if it can: its ``wrap`` must take ``mp_policy=``,
+    and may narrow that with ``mixed_precision_devices`` and ``mixed_precision_untied_only``."""
     import inspect
 
     try:
         accepts = "mp_policy" in inspect.signature(strategy.wrap).parameters
     except (TypeError, ValueError):
-        return False
+        accepts = False
+    if not accepts:
+        return "its wrap takes no mixed-precision policy"
     devices = getattr(strategy.wrap, "mixed_precision_devices", None)
-    return accepts and (devices is None or device_type in devices)
+    if devices is not None and device_type not in devices:
+        return f"its mixed precision runs only on {', '.join(devices)}"
+    if tied and getattr(strategy.wrap, "mixed_precision_untied_only", None):
+        return strategy.wrap.mixed_precision_untied_only
+    return None
+
+
+def supports_mixed_precision(strategy: Strategy, device_type: str = "cpu", tied: bool = False) -> bool:
+    """Whether :func:`mixed_precision_refusal` finds nothing against it."""
+    return mixed_precision_refusal(strategy, device_type, tied) is None
 
 
 _REGISTRY: dict[str, Strategy] = {}
@@ -219,6 +231,10 @@ def _wrap_torch_ddp(model: nn.Module, make_optimizer: OptimizerFactory, mp_polic
     if mp_policy is not None:
         from torch.nn.parallel.distributed import _MixedPrecision
 
+        shared = _shared_parameter_names(model)
+        if shared:
+            raise ValueError(f"torch-ddp: {_wrap_torch_ddp.mixed_precision_untied_only} ({', '.join(shared)}): "
+                             "train it in fp32, or untie the parameters")
         extra["mixed_precision"] = _MixedPrecision(param_dtype=mp_policy.param_dtype,
                                                    reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype)
     ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, **extra)
@@ -226,6 +242,22 @@ def _wrap_torch_ddp(model: nn.Module, make_optimizer: OptimizerFactory, mp_polic
 
 
 _wrap_torch_ddp.mixed_precision_devices = ("cuda",)  # its mixed_precision records CUDA events
+# Seen on an H100 (torch 2.11, GPT tiny, tied head): DDP's private _MixedPrecision hooks every use of
+# a parameter's low-precision copy, so a tied one is "marked ready twice" and DDP stops; with
+# static_graph=True, its error's advice, it trains, but 0.30 off a single process at world size 1,
+# where our DDP, ZeRO and FSDP match it exactly.
+_wrap_torch_ddp.mixed_precision_untied_only = ("PyTorch DDP's mixed precision (_MixedPrecision) cannot train a "
+                                               "parameter used twice, such as a head tied to the embedding")
+
+
+def _shared_parameter_names(model: nn.Module) -> list[str]:
+    """Names under which an already-seen parameter appears again (a tied weight's second name)."""
+    seen, shared = set(), []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            shared.append(name)
+        seen.add(id(p))
+    return shared
 
 
 def _wrap_torch_fsdp(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):

@@ -150,9 +150,10 @@ def train(strategy: str | strategies.Strategy, config: TrainConfig | None = None
     if PRECISIONS[config.precision] is not None:
         from workbench.parallel import MixedPrecision
 
-        if not strategies.supports_mixed_precision(strategy, device.type):
+        why = strategies.mixed_precision_refusal(strategy, device.type, config.gpt_config().tie_weights)
+        if why:
             raise ValueError(f"strategy {strategy.name!r} cannot train with precision={config.precision!r} on "
-                             f"{device.type} (its wrap takes no mp_policy= there): leave it out, or use fp32")
+                             f"{device.type}: {why}; leave it out, or use fp32")
         extra["mp_policy"] = MixedPrecision(param_dtype=PRECISIONS[config.precision])
     model, optimizer = strategy.wrap(model, functools.partial(make_optimizer, lr=config.lr), **extra)
 

@@ -289,7 +289,7 @@ class DistributedDataParallel(nn.Module):
         """Re-assign the buckets in the order gradients became ready in the first backward
         (rank 0's order, broadcast), keeping any gradient already in them. Once, as PyTorch."""
         self._rebuild_pending = False
-        order = torch.tensor(self._ready_order, dtype=torch.int64)
+        order = torch.tensor(self._ready_order, dtype=torch.int64, device=comm.wire_device(self.process_group))
         if self.world_size > 1:
             comm.broadcast(order, src=self._src, group=self.process_group)
         order = order.tolist()

@@ -318,7 +318,7 @@ class _Schedule:
                 inputs = tuple(t.to(stage.device) for t in arg_chunks[0])
             else:
                 if self._owner[s - 1] != self._rank:
-                    meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                    meta = torch.zeros(_META_LEN, dtype=torch.int64, device=comm.wire_device(self._group))
                     comm.recv(meta, group=self._group, group_src=self._owner[s - 1], tag=_META_TAG + s)
                     ndim, code = int(meta[0]), int(meta[1])
                     shapes[s] = (torch.Size(meta[2:2 + ndim].tolist()), _DTYPES[code])
@@ -334,9 +334,9 @@ class _Schedule:
                     if out.dim() > _META_LEN - 2 or out.dtype not in _DTYPES:
                         raise ValueError(f"stage {s} returns a {out.dim()}-d {out.dtype} tensor: stage "
                                          f"outputs may have at most {_META_LEN - 2} dims and dtype in {_DTYPES}")
-                    meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                    meta = torch.zeros(_META_LEN, dtype=torch.int64, device=comm.wire_device(self._group))
                     meta[0], meta[1] = out.dim(), _DTYPES.index(out.dtype)
-                    meta[2:2 + out.dim()] = torch.tensor(out.shape)
+                    meta[2:2 + out.dim()] = torch.tensor(out.shape, device=meta.device)
                     pending.append((comm.isend(meta, group=self._group, group_dst=self._owner[s + 1],
                                                tag=_META_TAG + s + 1), meta))
         for work, _ in pending:
@@ -390,7 +390,7 @@ class _Schedule:
         compute_at = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
         # line the ranks up (one 4-byte all-reduce), so that every rank's step starts together
         # and the timelines of different ranks share their origin
-        comm.all_reduce(torch.zeros(1), group=group)
+        comm.all_reduce(torch.zeros(1, device=comm.wire_device(group)), group=group)
         t0 = self.timeline_origin = time.perf_counter()
         self._step_params: dict[int, list] = {}
 
@@ -548,11 +548,12 @@ class _Schedule:
         kinds = ["F", "B", "W", "send", "recv"]
         counts = self._records_per_rank
         longest = max(counts)
-        padded = torch.zeros(longest, 6, dtype=torch.float64)
+        device = comm.wire_device(self._group)
+        padded = torch.zeros(longest, 6, dtype=torch.float64, device=device)
         if records:
             padded[:len(records)] = torch.tensor(
                 [[r, s, kinds.index(k), i, a, b] for r, s, k, i, a, b in records], dtype=torch.float64)
-        everyone = [torch.zeros(longest, 6, dtype=torch.float64) for _ in range(self._p)]
+        everyone = [torch.zeros(longest, 6, dtype=torch.float64, device=device) for _ in range(self._p)]
         comm.all_gather(everyone, padded, group=self._group)
         out = []
         for c, rows in zip(counts, everyone):
