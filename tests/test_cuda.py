@@ -118,7 +118,8 @@ def _meter_one_step(batch: int = 4) -> dict:
     with MemoryMeter(device=dev) as alone:
         block = torch.empty(1 << 20, device=dev)  # 4 MiB, nothing else
         del block
-    return {"first_other": first.peak_by_category.get("other", 0), "peak": meter.peak_bytes, "by": meter.peak_by_category, "alone": alone.peak_bytes,
+    return {"first_other": first.peak_by_category.get("other", 0), "peak": meter.peak_bytes,
+            "by": meter.peak_by_category, "alone": alone.peak_bytes,
             "after": meter.current_by_category, "param_tensors": len(list(model.parameters()))}
 
 

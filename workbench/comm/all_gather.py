@@ -200,7 +200,8 @@ def hierarchical(c: Comm, blocks: list[torch.Tensor]) -> None:
                     left=col[(k - 1) % n_nodes], tag=TAG_INTER)
     if per_node == 1:
         return
-    stage = scratch(per_node * n_nodes * m, blocks[c.rank].dtype, "hier", device=blocks[c.rank].device).view(per_node, n_nodes * m)
+    own = blocks[c.rank]
+    stage = scratch(per_node * n_nodes * m, own.dtype, "hier", device=own.device).view(per_node, n_nodes * m)
     for kk, node in enumerate(h.nodes):
         stage[i, kk * m:(kk + 1) * m].copy_(blocks[node[i]])
     ring_all_gather(c, list(stage), me=i, right=row[(i + 1) % per_node], left=row[(i - 1) % per_node],

@@ -80,7 +80,9 @@ def ring_reduce_scatter(c: Comm, blocks: list[torch.Tensor], op, me: int, right:
     width = -(-max(b.numel() for b in blocks) // nseg)
     dtype = blocks[0].dtype
     tmp = scratch(rows * width, dtype, device=blocks[0].device).view(rows, width)
-    acc = scratch(2 * nseg * width, dtype, "stage", device=blocks[0].device).view(2, nseg, width) if out is not None and p > 2 else None
+    acc = None
+    if out is not None and p > 2:
+        acc = scratch(2 * nseg * width, dtype, "stage", device=blocks[0].device).view(2, nseg, width)
     seg = lambda block, j: segment(blocks[block % p], nseg, j)  # noqa: E731
 
     # Receives, in the order the left neighbour sends them: (step s, segment j), s-major.
