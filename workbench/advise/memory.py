@@ -158,48 +158,124 @@ def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int) -> dict[
     return {"none": none, "selective": none - 4 * a * sb / t, "full": e * sb * h / rep}
 
 
-def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_batch: int,
-                                    stage: int) -> dict[str, float]:
-    """``{"kept", "peak"}``: bytes one micro-batch leaves on (virtual) ``stage`` for its backward,
-    and the most it needs at once during that backward (see the module docstring)."""
-    shape = ModelShape.coerce(shape, "shape")
+def _grads_are_transient(config: Config) -> bool:
+    """Whether a weight's gradient, when backward makes it, is a temporary beside the model state
+    rather than becoming ``.grad`` itself: DDP copies it into its bucket view, ZeRO-2 adds it into
+    the bucket's flat buffer and ZeRO-3 into the unit's flat gradient; plain ``.grad`` (one
+    replica, ZeRO-1) takes the new tensor over, unless it is accumulating into an existing one."""
+    return config.dp > 1 and config.zero in (0, 2, 3)
+
+
+def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int, *,
+                transient_grads: bool, hold_logits: bool) -> dict[str, float]:
+    """``{"kept", "peak"}`` of one micro-batch on (virtual) ``stage``; see the module docstring.
+    ``transient_grads``: the weight gradients backward makes are temporaries (not ``.grad``);
+    ``hold_logits``: the caller holds this micro-batch's logits through backward (counted in kept)."""
     e, t, sp = ELEMENT_SIZE[config.precision], config.tp, config.sequence_parallel
+    g = 4 if config.precision == "fp32" else 2      # a gradient made by backward: the compute dtype
     rep = t if sp else 1
     b = microbatch_size(config, global_batch)
-    s, h = shape.seq, shape.hidden
-    sb, sbh = s * b, s * b * shape.hidden
+    h, ffn = shape.hidden, shape.ffn
+    sb = shape.seq * b
+    sbh = sb * h
     n_stages = config.pp * chunks(config)
     n_layers = shape.layers_per_stage(n_stages)[stage]
-    last = stage == n_stages - 1
+    first, last = stage == 0, stage == n_stages - 1
     layer = _layer_bytes(shape, b, t, sp, e)
     policy = config.recompute
-    stats = 2 if shape.norm == "layernorm" else 1
-    logits = e * sb * shape.padded_vocab(t) / t
-    edge = (e * (2 * sbh + stats * sb) / rep + 2 * logits) if last else 0.0
+    vt = shape.padded_vocab(t) / t                   # this rank's vocabulary columns
+    logits = e * sb * vt
+    stats = (2 if shape.norm == "layernorm" else 1) * e * sb / rep
+    # the loss's saved tensors: log_softmax's output; vocabulary-parallel: the float32 softmax,
+    # the local target ids (int64) and the mask of the targets this rank holds (bool)
+    loss_saved = logits if t == 1 else 4 * sb * vt + 9 * sb
+    head = (e * 2 * sbh / rep + stats + loss_saved) if last else 0.0   # final norm's input, output, statistics
+    edge = head
     if n_stages > 1 and not last:
         edge += e * sbh / rep          # the pipeline keeps the stage's output for its backward
-    kept = n_layers * layer[policy] + edge
-    held = logits if last else 0.0                     # the caller's logits, alive through backward
+    if first and t > 1:
+        edge += 9 * sb                 # the vocabulary-parallel embedding's local ids (int64) and mask (bool)
+    held = logits if (last and hold_logits) else 0.0   # the caller's logits, alive through backward
+    kept = n_layers * layer[policy] + edge + held
+    grad_in = e * sbh / rep            # the gradient flowing into the stage's last layer
     if policy == "full":     # every layer's input + the first recomputed layer + the gradient into it
-        peak = max(kept, n_layers * layer["full"] + layer["none"] + e * sbh / rep + held)
+        peak = max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held)
     elif policy == "selective":  # the last layer's attention core recomputed beside the kept tensors
-        core = layer["none"] - layer["selective"] + e * sbh / rep
-        peak = max(kept, n_layers * layer["selective"] + core + 2 * e * sbh / rep + held)
+        core = layer["none"] - layer["selective"] + grad_in
+        peak = max(kept, kept - head + core + 2 * grad_in)
     else:
         peak = kept
     if policy != "full":
-        # backward's working set: the gradient flowing in, the MLP's ffn-wide gradient and
-        # (sequence parallel) the re-gathered input, beside everything kept; on the last stage the
-        # head has freed its own tensors (all but the caller's logits) by then
-        work = e * (sbh / rep + sb * shape.ffn / t + (sbh if sp else 0.0))
-        if config.microbatches > 1:   # accumulating: a weight's new gradient exists beside its .grad
-            work += (4 if config.precision == "fp32" else 2) * shape.hidden * shape.ffn / t
-        if last:
-            work = max(0.0, work - (edge - logits))
-        peak = max(peak, kept + work)
-    if stage > 0:       # the receives a pipeline stage posts ahead: the next input, the next output gradient
-        peak += e * sbh / rep * (1 if last else 2)
+        # the last layer's backward begins (the MLP's output projection): beside everything kept
+        # but the head's tensors, the gradient flowing in, (sequence parallel) its all-gathered copy,
+        # the gradient of the ffn-wide input and -- when they are temporaries -- the weight's and
+        # bias's new gradients, and the tied head's gradient waiting for the embedding's
+        work = grad_in + (e * sbh if sp else 0.0) + e * sb * ffn / t
+        if transient_grads:
+            work += g * (h * ffn / t + h)
+            if shape.tied and first and last:
+                work += g * vt * h
+        peak = max(peak, kept - head + work)
+    if last:
+        # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
+        # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized
+        loss_work = (4 * sb * vt + 8 * sb + (e * sb * vt if e != 4 else 0.0)) if t > 1 else 2 * logits
+        # then the head's: the logits' gradient, the input's gradient (all of it before a sequence
+        # parallel reduce-scatter) and its re-gathered input, the head's weight gradient if transient
+        head_work = logits + e * sbh + (e * sbh if sp else 0.0) + (g * vt * h if transient_grads else 0.0)
+        peak = max(peak, kept + loss_work, kept - loss_saved + head_work)
     return {"kept": kept, "peak": peak}
+
+
+def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_batch: int,
+                                    stage: int) -> dict[str, float]:
+    """``{"kept", "peak"}``: bytes one micro-batch leaves on (virtual) ``stage`` for its backward,
+    and the most it needs at once during that backward (see the module docstring). Its weight
+    gradients are temporaries when the strategy copies them (:func:`_grads_are_transient`) or
+    when they accumulate over micro-batches; without a pipeline the caller's logits are kept."""
+    shape = ModelShape.coerce(shape, "shape")
+    accumulating = config.microbatches > 1
+    return _microbatch(shape, config, global_batch, stage,
+                       transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1)
+
+
+def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, rank: int) -> float:
+    """Most bytes of activations on pipeline rank ``rank`` of a one-stage-per-rank schedule: the
+    rank's action list (with its messages, :func:`~workbench.parallel.pipeline_schedules.with_comms`)
+    replayed. At each backward: the micro-batches still alive (forwarded, not yet backwarded) kept
+    whole, the one in backward at its peak (its weight gradients temporaries unless they become
+    ``.grad``: the rank's first backward with plain gradients), the receives the pipeline has
+    posted for the next compute action (``e sbh`` each, ``/t`` with sequence parallelism), and on
+    the last stage the logits of every micro-batch forwarded so far (the step returns them)."""
+    e = ELEMENT_SIZE[config.precision]
+    rep = config.tp if config.sequence_parallel else 1
+    b = microbatch_size(config, global_batch)
+    message = e * shape.seq * b * shape.hidden / rep
+    logits = e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
+    last = rank == config.pp - 1
+    actions = schedules.with_comms([list(a) for a in _actions(config.schedule, config.pp, config.microbatches)],
+                                   config.pp)[rank]
+    transient = _grads_are_transient(config)
+    mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
+                             hold_logits=False) for first in (True, False)}
+    compute = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
+    live = forwarded = 0
+    first = True
+    peak = 0.0
+    for k, j in enumerate(compute):
+        a = actions[j]
+        nxt = compute[k + 1] if k + 1 < len(compute) else len(actions)
+        posted = sum(1 for x in actions[j + 1:nxt] if x.kind == "recv") * message
+        if a.kind == "F":
+            live += 1
+            forwarded += 1
+            peak = max(peak, live * mb[True]["kept"] + posted + (forwarded * logits if last else 0.0))
+        elif a.kind == "B":
+            one = mb[first]
+            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + (forwarded * logits if last else 0.0))
+            live -= 1
+            first = False
+    return peak
 
 
 # ----------------------------------------------------------------------------------- model state
@@ -208,6 +284,24 @@ def _zero_buckets(tensors: list[int]) -> list[int]:
     own :func:`~workbench.parallel.buckets.assign_buckets` on the tensors (meta tensors: no memory)."""
     params = [torch.empty(n, device="meta") for n in tensors]
     return [sum(tensors[i] for i in idx) for idx in assign_buckets(params, ZERO2_BUCKET_BYTES)]
+
+
+def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> int:
+    """Elements of ZeRO-2's flat gradient buffers alive when the last layer's backward begins:
+    :class:`~workbench.parallel.zero.ShardedOptimizer` allocates a bucket's buffer (padded to a
+    multiple of ``dp``) at its first gradient and frees them all at the end of backward; by then
+    only the final norm's (and an untied head's) gradients are complete, on the last stage."""
+    tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
+    if n_stages - 1 not in stages:
+        return 0
+    tail = len(shape.stage_tensors(n_stages, n_stages - 1, config.tp)) - shape.layer_tensors(config.tp).__len__() \
+        * shape.layers_per_stage(n_stages)[n_stages - 1] - (len(shape.stage_tensors(n_stages, 0, config.tp))
+                                                              if n_stages == 1 else 0)
+    done = set(range(len(tensors) - tail, len(tensors)))
+    params = [torch.empty(n, device="meta") for n in tensors]
+    n = config.dp
+    return sum(math.ceil(sum(tensors[i] for i in idx) / n) * n
+               for idx in assign_buckets(params, ZERO2_BUCKET_BYTES) if done & set(idx))
 
 
 def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
@@ -279,25 +373,27 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
         state = model_state(shape, config, stages, optimizer)
         if not piped:
             activations = per_stage[0]["peak"]
-        else:
+        elif actions is None:    # one stage per rank: replay its action list
+            activations = _pipeline_activations(shape, config, global_batch, r)
+        else:                    # several: their peaks need not coincide, so replay the list
             kept = {s: per_stage[s]["kept"] for s in stages}
-            if actions is None:    # one stage: its most live micro-batches times one's bytes
-                live = _live(config.schedule, config.pp, m, r)[stages[0]] * kept[stages[0]]
-            else:                   # several: their peaks need not coincide, so replay the list
-                live = schedules.peak_live_bytes(list(actions[r]), kept)
-            activations = live + max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
+            activations = schedules.peak_live_bytes(list(actions[r]), kept)
+            activations += max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
+            b = microbatch_size(config, global_batch)
+            sbh = shape.seq * b * shape.hidden / (config.tp if config.sequence_parallel else 1)
             if n_stages - 1 in stages:   # the last stage keeps every micro-batch's output (the step returns them)
-                b = microbatch_size(config, global_batch)
                 activations += m * e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
+            if r > 0:                    # the receives posted ahead: the next input, the next output gradient
+                activations += e * sbh * 2
         buffers = comms
         if config.dp > 1 and config.zero == 3:
             units = _fsdp_units(shape, config, stages, n_stages)
             root, block = units[0], max(units[1:], default=0)
-            # gathered: the root and two blocks (running, prefetched); two blocks' full gradients
-            # (one reduce-scattering while the next accumulates)
-            buffers += e * (root + 2 * block) + e * 2 * block
-        elif config.dp > 1 and config.zero == 2:     # a bucket's flat gradient copy in flight, at most the largest
-            buffers += e * max(_zero_buckets([n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]))
+            # gathered while backward runs: the root (its embedding needs it last) and two blocks
+            # (the one running and the one prefetched)
+            buffers += e * (root + 2 * block)
+        elif config.dp > 1 and config.zero == 2:
+            buffers += e * _zero2_open_buckets(shape, config, stages, n_stages)
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
                "activations": float(activations), "buffers": float(buffers)}
         row["total"] = sum(row[c] for c in MEMORY_CATEGORIES)
