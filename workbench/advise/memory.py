@@ -245,8 +245,9 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     replayed. At each backward: the micro-batches still alive (forwarded, not yet backwarded) kept
     whole, the one in backward at its peak (its weight gradients temporaries unless they become
     ``.grad``: the rank's first backward with plain gradients), the receives the pipeline has
-    posted for the next compute action (``e sbh`` each, ``/t`` with sequence parallelism), and on
-    the last stage the logits of every micro-batch forwarded so far (the step returns them)."""
+    posted for the next compute action (``e sbh`` each, ``/t`` with sequence parallelism), on a
+    stage after the first the input gradient the previous backward sent (held until the pipeline
+    sees it delivered, which it checks between compute actions), and on the last stage the logits of every micro-batch forwarded so far (the step returns them)."""
     e = ELEMENT_SIZE[config.precision]
     rep = config.tp if config.sequence_parallel else 1
     b = microbatch_size(config, global_batch)
@@ -272,7 +273,11 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
             peak = max(peak, live * mb[True]["kept"] + posted + (forwarded * logits if last else 0.0))
         elif a.kind == "B":
             one = mb[first]
-            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + (forwarded * logits if last else 0.0))
+            # a stage after the first sent the previous backward's input gradient; the pipeline lets
+            # go of a sent tensor only once it sees it delivered, between compute actions
+            sent = message if (rank > 0 and not first) else 0.0
+            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + sent
+                       + (forwarded * logits if last else 0.0))
             live -= 1
             first = False
     return peak
