@@ -299,9 +299,8 @@ def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_
     tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
     if n_stages - 1 not in stages:
         return 0
-    tail = len(shape.stage_tensors(n_stages, n_stages - 1, config.tp)) - shape.layer_tensors(config.tp).__len__() \
-        * shape.layers_per_stage(n_stages)[n_stages - 1] - (len(shape.stage_tensors(n_stages, 0, config.tp))
-                                                              if n_stages == 1 else 0)
+    norms = 2 if (shape.norm == "layernorm" and shape.bias) else 1
+    tail = norms + (1 if (not shape.tied or n_stages > 1) else 0)    # stage_tensors ends with them
     done = set(range(len(tensors) - tail, len(tensors)))
     params = [torch.empty(n, device="meta") for n in tensors]
     n = config.dp
