@@ -260,6 +260,7 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
                              hold_logits=False) for first in (True, False)}
     compute = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
+    split = {a.microbatch for a in actions if a.kind == "W"}    # zero bubble: W frees what B left
     live = forwarded = 0
     first = True
     peak = 0.0
@@ -278,8 +279,10 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
             sent = message if (rank > 0 and not first) else 0.0
             peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + sent
                        + (forwarded * logits if last else 0.0))
-            live -= 1
+            live -= a.microbatch not in split
             first = False
+        else:
+            live -= 1
     return peak
 
 
@@ -388,7 +391,7 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             if n_stages - 1 in stages:   # the last stage keeps every micro-batch's output (the step returns them)
                 activations += m * e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
             if r > 0:                    # the receives posted ahead: the next input, the next output gradient
-                activations += e * sbh * 2
+                activations += e * sbh * (1 if n_stages - 1 in stages else 2)
         buffers = comms
         if config.dp > 1 and config.zero == 3:
             units = _fsdp_units(shape, config, stages, n_stages)
