@@ -220,9 +220,11 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
         # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
         # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized
         loss_work = (4 * sb * vt + 8 * sb + (e * sb * vt if e != 4 else 0.0)) if t > 1 else 2 * logits
-        # then the head's: the logits' gradient, the input's gradient (all of it before a sequence
-        # parallel reduce-scatter) and its re-gathered input, the head's weight gradient if transient
-        head_work = logits + e * sbh + (e * sbh if sp else 0.0) + (g * vt * h if transient_grads else 0.0)
+        # then the head's: the logits' gradient, the input's gradient (all of it) and, with sequence
+        # parallelism, its sequence blocks made contiguous for the reduce-scatter and that one's
+        # output (the input re-gathered for the weight's gradient comes after them and is no larger);
+        # the head's weight gradient if transient
+        head_work = logits + e * sbh + (e * sbh + e * sbh / t if sp else 0.0) + (g * vt * h if transient_grads else 0.0)
         peak = max(peak, kept + loss_work, kept - loss_saved + head_work)
     return {"kept": kept, "peak": peak}
 
