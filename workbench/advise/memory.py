@@ -33,39 +33,60 @@ Adam's 4-byte step counter per tensor it updates.
   statistic per row instead of LayerNorm's two;
 * ``selective`` drops the attention core's float32 log-sum-exp (``4 asb/t``); ``full`` keeps the
   layer's input only, ``e sbh`` (``/t`` with sequence parallelism);
-* the last stage adds the final norm's input and statistics, the head's input (``e (2 sbh + 2 sb)``,
-  ``/t`` with sequence parallelism) and the logits with the loss's log-softmax, ``2 e s b V_p / t``
-  (the vocabulary-parallel head keeps ``1/t`` of them);
-* the peak of one micro-batch's backward (``recompute.activation_bytes``'s ``peak``): with
-  ``full`` the first recomputed layer's whole working set plus the gradient flowing into it and
-  the caller's logits, the head's own tensors freed; with ``selective`` the last layer's attention
-  core recomputed beside the kept tensors and two gradients; without recomputation (and
-  selective) also backward's working set that ``activation_bytes`` leaves out ("a few percent;
-  measured, not modelled"): the gradient flowing in, the MLP's ``ffn``-wide gradient (GELU's
-  input gradient replaces its saved output) and, with sequence parallelism, the re-gathered
-  input, ``e (sbh/r + sb ffn/t [+ sbh])``, and when gradients accumulate over micro-batches
-  the new gradient of the largest weight (``h ffn / t`` elements) before it is added to
-  ``.grad``, less what the head has freed by then on the last stage (``r``: ``t`` with sequence
-  parallelism). On GPT tiny and small (one process) this puts the
-  prediction within 0.5% of ``MemoryMeter``'s peak (it was 2-4% under).
+* the last stage adds the final norm's input, output and statistics (``e (2 sbh + 2 sb)``, ``/t``
+  with sequence parallelism) and what the loss saves: log_softmax's output (``e s b V_p``), or
+  with the vocabulary-parallel loss its float32 softmax (``4 s b V_p / t``), the local target ids
+  (int64) and the mask of targets this rank holds (bool); without a pipeline the caller's logits
+  (``e s b V_p / t``) are alive through backward too. The vocabulary-parallel embedding keeps its
+  local ids and mask (``9 sb`` bytes) on the first stage.
 
-A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with sequence
-parallelism) beside its layers, and the last stage every micro-batch's logits (the step returns
-them: ``m e s b V_p / t``); a stage after the first has the receives it posts ahead in flight
-(the next input and the next output gradient, ``e sbh`` each). A pipeline rank keeps several micro-batches alive: the schedule's own action lists
-(:mod:`workbench.parallel.pipeline_schedules`) replayed by
-:func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` with each stage's kept bytes per
-micro-batch (1F1B: ``p - s`` on stage ``s``, GPipe ``m``, ZB-H1 ``p`` on every stage, interleaved
-and ZBV per chunk), plus the one micro-batch in backward's extra peak. With ``pp = 1`` and ``tp = 1``
-this is ``recompute.activation_bytes(...)["peak"]`` plus backward's working set (tests pin it).
+**Backward's peak** (one micro-batch, beside everything kept), the larger of its busiest moments,
+each a sum of tensors alive at once (measured op by op with :class:`~workbench.memory.MemoryMeter`):
 
-**Buffers** (``comm``): ZeRO-3 holds gathered units while they compute -- the root unit (this
-stage's embedding/head) and two blocks (the one running and the one prefetched) in the compute
-dtype, plus two blocks' unsharded gradients (one reduce-scattering while the next accumulates:
-:mod:`workbench.parallel.fsdp`); ZeRO-2 a bucket's flat gradient copy while it is reduce-scattered
-(the largest of :class:`~workbench.parallel.zero.ShardedOptimizer`'s buckets); DDP nothing (gradients are views of its buckets). And on NCCL
-each communicator's own buffers (``cluster.communicator_bytes``): the world group, each of this
-rank's groups of more than one rank, and a pair per pipeline neighbour for send/recv.
+* the last layer's first product (the MLP's output projection): the head's tensors are freed (all
+  but the caller's logits); alive are the gradient flowing in (``e sbh/r``, ``r = t`` with
+  sequence parallelism), its all-gathered copy (sequence parallel: ``e sbh``), the gradient of the
+  ``ffn``-wide input (``e sb ffn/t``) and, where the strategy copies a new weight gradient instead
+  of making it ``.grad`` (DDP into its bucket view, ZeRO-2 into the bucket's flat buffer, ZeRO-3
+  into the unit's flat gradient, and any accumulation into an existing ``.grad``), the projection's
+  weight and bias gradients (``g (h ffn/t + h)``, ``g``: bytes of a gradient) and a tied head's
+  gradient, which waits in autograd's input buffer for the embedding's (``g V_p h/t``). A new
+  gradient that becomes ``.grad`` is model state: the meter files it under gradients;
+* the loss's backward: nll_loss's and log_softmax's gradients (``2 e s b V_p``); vocabulary
+  parallel: the float32 gradient of the logits and the int64 row indices;
+* the head's backward: the logits' gradient, the input's gradient (``e sbh``, all of it) and with
+  sequence parallelism its contiguous sequence blocks for the reduce-scatter and that one's output
+  (``e sbh + e sbh/t``), plus the head's weight gradient if the strategy copies it.
+
+With ``selective`` the last layer's attention core is recomputed beside the kept tensors and two
+gradients; with ``full`` the first recomputed layer's whole working set, the gradient flowing into
+it and the caller's logits. On GPT tiny and small these put the prediction within 0.3% of
+``MemoryMeter``'s peak on one process and in every data-, tensor- and sequence-parallel layout
+that :func:`workbench.advise.validate.measure_memory` runs.
+
+**Pipelines.** A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with
+sequence parallelism). For GPipe and 1F1B each rank's action list (with its messages,
+:func:`~workbench.parallel.pipeline_schedules.with_comms`) is replayed: at each backward, the
+micro-batches still alive kept whole, the one in backward at its peak (its weight gradients are
+temporaries after the rank's first backward: they accumulate into ``.grad``), the receives the
+pipeline has posted for the next compute action (``e sbh/r`` each), on a stage after the first the
+input gradient the previous backward sent (held until the pipeline sees it delivered, which it
+checks between compute actions), and on the last stage the logits of every micro-batch forwarded
+so far (the step returns them). The interleaved, ZB-H1 and ZBV schedules use
+:func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` on their action lists with each
+stage's kept bytes per micro-batch, plus one micro-batch's backward peak and the two receives
+posted ahead.
+
+**Buffers** (``comm``): ZeRO-3 holds gathered units while backward runs -- the root unit (this
+stage's embedding and head, needed again by the embedding's backward at the end) and two blocks
+(the one running and the one prefetched) in the compute dtype; a unit's flat gradient is only
+built once backward has left the unit (its activations freed), so it is not alive at the peak.
+ZeRO-2 allocates a bucket's flat gradient buffer at the bucket's first gradient and frees them all
+at the end of backward (:class:`~workbench.parallel.zero.ShardedOptimizer`): at the last layer's
+peak only the buckets holding the final norm's (and an untied head's) gradients are open. DDP
+holds nothing more (gradients are views of its buckets). And on NCCL each communicator's own
+buffers (``cluster.communicator_bytes``): the world group, each of this rank's groups of more than
+one rank, and a pair per pipeline neighbour for send/recv.
 
 The worst device is reported: every pipeline rank is evaluated (the first stage holds the
 embedding and the most live micro-batches, the last the head and the logits, which win for a large
