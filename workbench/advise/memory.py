@@ -188,9 +188,10 @@ def _grads_are_transient(config: Config) -> bool:
 
 
 def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int, *,
-                transient_grads: bool, hold_logits: bool) -> dict[str, float]:
+                transient_grads: bool, hold_logits: bool, unit: tuple[float, int] | None = None) -> dict[str, float]:
     """``{"kept", "peak"}`` of one micro-batch on (virtual) ``stage``; see the module docstring.
     ``transient_grads``: the weight gradients backward makes are temporaries (not ``.grad``);
+    ``unit``: ZeRO-3's ``(elements of a unit, layers in it)``, whose flat gradient backward assembles;
     ``hold_logits``: the caller holds this micro-batch's logits through backward (counted in kept)."""
     e, t, sp = ELEMENT_SIZE[config.precision], config.tp, config.sequence_parallel
     g = 4 if config.precision == "fp32" else 2      # a gradient made by backward: the compute dtype
@@ -232,11 +233,24 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
         # the gradient of the ffn-wide input and -- when they are temporaries -- the weight's and
         # bias's new gradients, and the tied head's gradient waiting for the embedding's
         work = grad_in + (e * sbh if sp else 0.0) + e * sb * ffn / t
+        waiting = g * vt * h if (transient_grads and shape.tied and first and last) else 0.0
         if transient_grads:
-            work += g * (h * ffn / t + h)
-            if shape.tied and first and last:
-                work += g * vt * h
+            work += g * (h * ffn / t + h) + waiting
         peak = max(peak, kept - head + work)
+        if unit is not None and config.dp > 1:
+            # ZeRO-3 assembles a unit's flat gradient once backward has left the unit (autograd runs
+            # the slices' backward after the unit's own nodes, whose sequence numbers are higher):
+            # its layers' activations are freed; alive are the gradient flowing on, the unit's weight
+            # gradients not yet placed (all but the MLP's output projection, placed first), and three
+            # unit-sized flat tensors (the running sum, the next zero-padded slice, their sum). The
+            # unit before it (backward's order) may still be in its asynchronous reduce-scatter, its
+            # flat gradient with it: so also the next unit's moments, one layer fewer kept, plus it.
+            u, per_unit = g * unit[0], unit[1]
+            rest = kept - head - per_unit * layer[policy]
+            assembly = rest + grad_in + 3 * u + (u - g * (h * ffn / t + h)) + waiting
+            peak = max(peak, assembly)
+            if n_layers > per_unit:
+                peak = max(peak, assembly - per_unit * layer[policy] + u, kept - head + work - per_unit * layer[policy] + u)
     if last:
         # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
         # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized
@@ -259,7 +273,20 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
     shape = ModelShape.coerce(shape, "shape")
     accumulating = config.microbatches > 1
     return _microbatch(shape, config, global_batch, stage,
-                       transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1)
+                       transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1,
+                       unit=_zero3_unit(shape, config, stage))
+
+
+def _zero3_unit(shape: ModelShape, config: Config, stage: int) -> tuple[float, int] | None:
+    """ZeRO-3's largest unit on ``stage`` and the layers in it (None without ZeRO-3): a block
+    without a pipeline, the whole stage with one (see :func:`_fsdp_units`)."""
+    if config.zero != 3 or config.dp == 1:
+        return None
+    n_stages = config.pp * chunks(config)
+    units = _fsdp_units(shape, config, [stage], n_stages)
+    if config.pp > 1:
+        return float(units[0]), shape.layers_per_stage(n_stages)[stage]
+    return float(max(units[1:], default=0)), 1
 
 
 def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, rank: int) -> float:
@@ -281,7 +308,7 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
                                    config.pp)[rank]
     transient = _grads_are_transient(config)
     mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
-                             hold_logits=False) for first in (True, False)}
+                             hold_logits=False, unit=_zero3_unit(shape, config, rank)) for first in (True, False)}
     compute = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
     split = {a.microbatch for a in actions if a.kind == "W"}    # zero bubble: W frees what B left
     live = forwarded = 0
