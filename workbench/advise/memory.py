@@ -233,9 +233,10 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
         # the gradient of the ffn-wide input and -- when they are temporaries -- the weight's and
         # bias's new gradients, and the tied head's gradient waiting for the embedding's
         work = grad_in + (e * sbh if sp else 0.0) + e * sb * ffn / t
+        # (a Llama-shaped model has no biases)
         waiting = g * vt * h if (transient_grads and shape.tied and first and last) else 0.0
         if transient_grads:
-            work += g * (h * ffn / t + h) + waiting
+            work += g * (h * ffn / t + (h if shape.bias else 0)) + waiting
         peak = max(peak, kept - head + work)
         if unit is not None and config.dp > 1:
             # ZeRO-3 assembles a unit's flat gradient once backward has left the unit (autograd runs
@@ -247,7 +248,7 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
             # flat gradient with it: so also the next unit's moments, one layer fewer kept, plus it.
             u, per_unit = g * unit[0], unit[1]
             rest = kept - head - per_unit * layer[policy]
-            assembly = rest + grad_in + 3 * u + (u - g * (h * ffn / t + h)) + waiting
+            assembly = rest + grad_in + 3 * u + (u - g * (h * ffn / t + (h if shape.bias else 0))) + waiting
             peak = max(peak, assembly)
             if n_layers > per_unit:
                 peak = max(peak, assembly - per_unit * layer[policy] + u, kept - head + work - per_unit * layer[policy] + u)
