@@ -241,14 +241,16 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
         if unit is not None and config.dp > 1:
             # ZeRO-3 assembles a unit's flat gradient once backward has left the unit (autograd runs
             # the slices' backward after the unit's own nodes, whose sequence numbers are higher):
-            # its layers' activations are freed; alive are the gradient flowing on, the unit's weight
-            # gradients not yet placed (all but the MLP's output projection, placed first), and three
-            # unit-sized flat tensors (the running sum, the next zero-padded slice, their sum). The
-            # unit before it (backward's order) may still be in its asynchronous reduce-scatter, its
-            # flat gradient with it: so also the next unit's moments, one layer fewer kept, plus it.
-            u, per_unit = g * unit[0], unit[1]
-            rest = kept - head - per_unit * layer[policy]
-            assembly = rest + grad_in + 3 * u + (u - g * (h * ffn / t + (h if shape.bias else 0))) + waiting
+            # its layers' activations are freed (a pipeline stage's received input is not: the
+            # schedule holds it until the backward ends); alive are the gradient flowing on, the
+            # unit's weight gradients not yet placed (all but its last two tensors', placed first),
+            # and three unit-sized flat tensors (the running sum, the next zero-padded slice, their
+            # sum). The unit before it in backward's order may still be in its asynchronous
+            # reduce-scatter, its flat gradient with it: so also the next unit's moments, one
+            # layer fewer kept, plus that gradient.
+            u, per_unit, placed = g * unit[0], unit[1], g * unit[2]
+            rest = kept - head - per_unit * layer[policy] + (grad_in if (n_stages > 1 and not first) else 0.0)
+            assembly = rest + grad_in + 3 * u + (u - placed) + waiting
             peak = max(peak, assembly)
             if n_layers > per_unit:
                 peak = max(peak, assembly - per_unit * layer[policy] + u, kept - head + work - per_unit * layer[policy] + u)
@@ -278,16 +280,18 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
                        unit=_zero3_unit(shape, config, stage))
 
 
-def _zero3_unit(shape: ModelShape, config: Config, stage: int) -> tuple[float, int] | None:
-    """ZeRO-3's largest unit on ``stage`` and the layers in it (None without ZeRO-3): a block
-    without a pipeline, the whole stage with one (see :func:`_fsdp_units`)."""
+def _zero3_unit(shape: ModelShape, config: Config, stage: int) -> tuple[float, int, float] | None:
+    """ZeRO-3's largest unit on ``stage``: ``(elements, layers in it, elements of its last two
+    tensors)`` (None without ZeRO-3): a block without a pipeline, the whole stage with one (see
+    :func:`_fsdp_units`)."""
     if config.zero != 3 or config.dp == 1:
         return None
     n_stages = config.pp * chunks(config)
-    units = _fsdp_units(shape, config, [stage], n_stages)
     if config.pp > 1:
-        return float(units[0]), shape.layers_per_stage(n_stages)[stage]
-    return float(max(units[1:], default=0)), 1
+        tensors = shape.stage_tensors(n_stages, stage, config.tp)
+        return float(sum(tensors)), shape.layers_per_stage(n_stages)[stage], float(sum(tensors[-2:]))
+    tensors = shape.layer_tensors(config.tp)
+    return float(sum(tensors)), 1, float(sum(tensors[-2:]))
 
 
 def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, rank: int) -> float:
