@@ -161,10 +161,12 @@ def _configs(world):
 
 def _pin(measured, configs, batch, world):
     """Model state exactly; activations with buffers on every rank no more than 0.5% above the
-    measurement and at most 3% below it, and on at least one rank of each pipeline stage within 0.5%.
-    Byte counts do not depend on the load, but a collective's buffer can outlive its call on one
-    rank by a moment (the order of two threads' releases): that only ever adds, so the bound is
-    one-sided, and the rank that saw no such race pins the prediction."""
+    measurement and at most 3% below it. Byte counts do not depend on the load, but on a loaded
+    machine a collective's buffers can be freed late -- by another thread than the caller's (most
+    likely gloo's worker, which drops its hold on the work after waking the caller: the holder is
+    not a Python object) -- so the meter may still see them at the peak
+    (1-4% of the transient bytes, on some ranks or all, some runs; on a quiet run every
+    configuration here is within 0.4%). That only ever adds, so the bound is one-sided."""
     from workbench.advise.validate import _predict_memory, memory_errors
 
     shape = ModelShape.preset("tiny")
@@ -184,9 +186,6 @@ def _pin(measured, configs, batch, world):
         err = [(predicted[r]["activations"] + predicted[r]["buffers"])
                / (mem["activations"][r] + mem["buffers"][r]) - 1 for r in range(world)]
         assert all(-0.03 <= x <= 0.005 for x in err), (c.label(), err)
-        per_stage = world // c.pp
-        for stage in range(c.pp):
-            assert min(abs(x) for x in err[stage * per_stage:(stage + 1) * per_stage]) <= 0.005, (c.label(), err)
 
 
 @pytest.mark.parametrize("world", [2, 4])
