@@ -253,7 +253,8 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
             assembly = rest + grad_in + 3 * u + (u - placed) + waiting
             peak = max(peak, assembly)
             if n_layers > per_unit:
-                peak = max(peak, assembly - per_unit * layer[policy] + u, kept - head + work - per_unit * layer[policy] + u)
+                fewer = per_unit * layer[policy]
+                peak = max(peak, assembly - fewer + u, kept - head + work - fewer + u)
     if last:
         # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
         # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized
@@ -302,7 +303,8 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     ``.grad``: the rank's first backward with plain gradients), the receives the pipeline has
     posted for the next compute action (``e sbh`` each, ``/t`` with sequence parallelism), on a
     stage after the first the input gradient the previous backward sent (held until the pipeline
-    sees it delivered, which it checks between compute actions), and on the last stage the logits of every micro-batch forwarded so far (the step returns them)."""
+    sees it delivered, which it checks between compute actions), and on the last stage the logits
+    of every micro-batch forwarded so far (the step returns them)."""
     e = ELEMENT_SIZE[config.precision]
     rep = config.tp if config.sequence_parallel else 1
     b = microbatch_size(config, global_batch)
