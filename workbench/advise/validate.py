@@ -217,13 +217,16 @@ def measure(model: str, config: Config, global_batch: int, *, topology: str | No
     return {"memory": out["memory"][label], "time": out["time"][label], "load": out["load"]}
 
 
-def measure_memory(model: str, configs, global_batch: int, *, world_size: int = WORLD, warmup: int = 2) -> dict:
+def measure_memory(model: str, configs, global_batch: int, *, world_size: int = WORLD, warmup: int = 2,
+                   topology: str | None = None) -> dict:
     """Bytes by category per rank of each configuration (``{label: {category: [per rank]}}``), all
-    run in one launch of ``world_size`` ranks, no timing (what the tests pin)."""
+    run in one launch of ``world_size`` ranks (under ``topology``'s emulated links, if given: the
+    collectives that cross a slowed link run a hand-written algorithm, whose buffers count), no
+    timing (what the tests pin)."""
     configs = tuple(configs)
     for c in configs:
         _check_config(c, world_size=world_size)
-    setting = Setting(model, global_batch, None, configs)
+    setting = Setting(model, global_batch, topology, configs)
     return _launch(setting, 0, 1, warmup, calibrate=False, world_size=world_size)["memory"]
 
 
@@ -360,9 +363,9 @@ def memory_summary(rows: list[dict]) -> dict:
 
 def validate_memory(settings=None, *, warmup: int = 2, progress=print) -> list[dict]:
     """Memory only, no timing: every setting's configurations measured in one launch each
-    (:func:`measure_memory`; byte counts, so the machine's load does not change them, and a
-    setting that differs from an earlier one only by its emulated topology is not run again) and
-    one row per configuration with the prediction and its errors, as :func:`validate` gives them."""
+    (:func:`measure_memory` under the setting's topology; byte counts, so the machine's load
+    does not change them) and one row per configuration with the prediction and its errors, as
+    :func:`validate` gives them."""
     from workbench.advise.calibrate import _shape
     from workbench.models import GPTConfig
 
@@ -370,16 +373,15 @@ def validate_memory(settings=None, *, warmup: int = 2, progress=print) -> list[d
     for s in settings:
         for c in s.configs:
             _check_config(c)
-    rows, done = [], {}
+    rows = []
     for k, setting in enumerate(settings):
-        key = (setting.model, setting.batch, setting.configs)
         start = time.time()
-        if key not in done:
-            done[key] = measure_memory(setting.model, setting.configs, setting.batch, warmup=warmup)
+        measured = measure_memory(setting.model, setting.configs, setting.batch, warmup=warmup,
+                                  topology=setting.topology)
         shape = _shape(GPTConfig.preset(setting.model))
         these = []
         for c in setting.configs:
-            mem = done[key][c.label()]
+            mem = measured[c.label()]
             pm = _predict_memory(shape, c, setting.batch)
             these.append({"setting": k, "setting_label": setting.label(), "model": setting.model,
                           "batch": setting.batch, "topology": setting.topology, "config": c.label(),
@@ -451,7 +453,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate-steps", type=int, default=2, metavar="S",
                         help="training steps per trial (default 2)")
     parser.add_argument("--validate-memory", action="store_true",
-                        help="memory only: measure every configuration's bytes by category, no timing (~2 min)")
+                        help="memory only: measure every configuration's bytes by category, no timing (~4 min)")
     parser.add_argument("--validate-json", default=None, metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--validate-plot", default=None, metavar="FILE",
                         help="draw predicted against measured step time (png)")
