@@ -93,9 +93,11 @@ show.table([{"cluster": c.name, "devices per node": c.devices_per_node, "memory"
 #   stage shards it);
 # * **activations**: Korthikanti et al.'s per-layer table for our kernels
 #   (`tensor.activation_bytes_per_layer`), adapted to the gated MLP and grouped keys/values, for
-#   one micro-batch, plus backward's working set; with a pipeline, times the schedule's live
-#   micro-batches;
-# * **buffers**: ZeRO-3's gathered units and unsharded gradients, NCCL's communicators.
+#   one micro-batch, plus backward's peak: the tensors alive at its busiest moments (the gradient
+#   flowing in, the MLP's wide gradient, a weight gradient the strategy copies rather than keeps,
+#   the loss's and the head's backward, ZeRO-3's assembly of a unit's flat gradient); with a
+#   pipeline, the schedule's action list replayed with its live micro-batches and messages;
+# * **buffers**: ZeRO-3's gathered units, ZeRO-2's open gradient buckets, NCCL's communicators.
 #
 # Step time: every stage's FLOPs at the achieved rate, each dimension's collectives priced on the
 # link its group crosses (less what overlaps compute), and the schedule's bubble.
@@ -290,8 +292,7 @@ if rows:
 # * the fast node and the slow cluster get different answers, and on the fast node no pipeline;
 # * every plan ranked feasible fits its device, and is ranked by time;
 # * with 4 ranks: the model state predicted for every run and rank equals the measured one to the
-#   byte, and activations with buffers within 10% (the issue asks 5%; a pipeline's middle stages
-#   miss by more than that on this tiny model).
+#   byte, and activations with buffers within 5%.
 
 # %%
 assert best_slow.feasible and best_slow.config.tp <= slow.devices_per_node
@@ -306,6 +307,6 @@ for plans, cluster in ((plans_fast, fast), (plans_slow, slow)):
 for r in rows:
     state, transient = memory_check(r)
     assert all(p == m for p, m in state), (r["config"], state)
-    assert abs(transient) <= 0.10, (r["config"], transient)
+    assert abs(transient) <= 0.05, (r["config"], transient)
 print("check passed: TP inside nodes on the slow network, the choice explained"
       + (", memory predicted for every run" if rows else f" (runs skipped in a world of {WORLD})"))

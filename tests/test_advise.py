@@ -148,21 +148,25 @@ def test_model_state_matches_model_state_bytes_of_the_real_model_and_stages():
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_activations_without_parallelism_are_recompute_activation_bytes(precision, dtype, policy):
-    """recompute.activation_bytes's peak, plus (without full recomputation) backward's working set:
-    the gradient flowing in and the MLP's 4h-wide gradient, less the head's freed tensors."""
+    """recompute.activation_bytes's peak, plus backward's working set at its two busiest moments: the
+    last layer's first matrix product (the gradient flowing in, the MLP's 4h-wide gradient, the
+    weight's and bias's new gradients and the tied head's waiting one when they are temporaries;
+    the head's tensors freed) and the loss's backward (two logits-sized gradients)."""
     cfg = GPTConfig.preset("small")
     e = 4 if precision == "fp32" else 2
     b, s, h, V = 6, cfg.block_size, cfg.n_embd, cfg.vocab_size
 
     def want(batch, accumulating=False):
         formula = activation_bytes(cfg, batch, policy=policy, dtype=dtype)
-        if policy == "full":
-            return formula["peak"]
         sbh, sb = s * batch * h, s * batch
+        loss = formula["kept"] + 2 * e * sb * V      # nll_loss's and log_softmax's gradients
+        head = formula["kept"] + e * sbh + (e * V * h if accumulating else 0)
+        if policy == "full":
+            return max(formula["peak"], loss)
         work = e * (sbh + sb * 4 * h) - e * (2 * sbh + 2 * sb + sb * V)
-        if accumulating:     # the MLP weight's new gradient beside its .grad
-            work += e * h * 4 * h
-        return max(formula["peak"], formula["kept"] + max(0, work))
+        if accumulating:     # the MLP weight's and bias's new gradients beside their .grad, the tied head's
+            work += e * (h * 4 * h + h) + e * V * h
+        return max(formula["peak"], formula["kept"] + max(0, work), loss, head)
 
     got = memory_per_device(cfg, Config(precision=precision, recompute=policy), b)["activations"]
     assert got == want(b)
@@ -196,15 +200,31 @@ def test_tensor_parallel_layer_is_tensor_py_formula_and_sequence_parallel_shards
 
 
 def test_pipeline_ranks_keep_the_schedules_live_microbatches():
+    """GPipe and 1F1B replay the rank's action list: the live micro-batches kept whole, the one in
+    backward at its peak (its weight gradients accumulate into .grad after the rank's first
+    backward), the receive posted for the next compute action, the input gradient sent by the
+    previous backward, and on the last stage the logits of every micro-batch forwarded so far."""
     shape = ModelShape.preset("small").with_(layers=8)
     one = lambda config, stage: activation_bytes_per_microbatch(shape, config, 16, stage)  # noqa: E731
+    msg = 4 * shape.seq * 2 * shape.hidden          # one micro-batch of 2 sequences, float32
+    logits = 4 * shape.seq * 2 * shape.vocab
     for schedule, live in (("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1]), ("zb-h1", [4, 4, 4, 4])):
         config = Config(pp=4, schedule=schedule, microbatches=8)
         rows = memory_by_rank(shape, config, 16)
-        logits = 8 * 4 * shape.seq * 2 * shape.vocab   # the last stage keeps every micro-batch's logits
         for r in range(4):
-            kept, peak = one(config, r)["kept"], one(config, r)["peak"]
-            assert rows[r]["activations"] == live[r] * kept + peak - kept + (logits if r == 3 else 0), (schedule, r)
+            kept, acc = one(config, r)["kept"], one(config, r)["peak"]
+            first = activation_bytes_per_microbatch(shape, Config(pp=4, schedule="gpipe", microbatches=1), 2, r)
+            assert first["kept"] == kept and first["peak"] < acc      # accumulating: the weights' new gradients
+            got = rows[r]["activations"]
+            if schedule == "gpipe":     # the first backward, all 8 alive; the next output gradient posted
+                assert got == 7 * kept + first["peak"] + (msg if r < 3 else 0) + (8 * logits if r == 3 else 0)
+            elif schedule == "1f1b" and r < 3:   # all alive; a receive posted; (r > 0) the last gradient sent
+                assert got == (live[r] - 1) * kept + acc + (2 * msg if r > 0 else msg), (r, got)
+            elif schedule == "1f1b":    # one alive; the last-but-one backward, 7 micro-batches' logits
+                assert got == acc + 2 * msg + 7 * logits
+            else:                       # zb-h1: the schedule's live count (W frees), messages, logits
+                low = live[r] * kept + acc - kept
+                assert low <= got <= low + 2 * msg + 8 * logits, (r, got, low)
     # interleaved: two chunks per rank, each half a stage's layers
     inter = memory_by_rank(shape, Config(pp=2, schedule="interleaved", microbatches=4), 16)
     assert len(inter) == 2 and inter[0]["activations"] > inter[1]["activations"]

@@ -151,20 +151,24 @@ def test_datasheet_cluster_without_calibration():
 # ------------------------------------------------------------------------ memory against runs
 
 def _configs(world):
-    if world == 2:
+    if world == 2:      # DDP (its bucket copies), ZeRO-1 (plain .grad), sequence parallelism, 1F1B's sent gradient
         return [Config(dp=2), Config(dp=2, zero=1), Config(tp=2, sequence_parallel=True),
                 Config(pp=2, microbatches=2)]
+    # ZeRO-3 (gathered units), ZeRO-2 (open buckets) with tensor parallelism, pipelines with data and tensor parallelism
     return [Config(dp=4, zero=3), Config(dp=2, tp=2, zero=2), Config(dp=2, pp=2, zero=1, microbatches=2),
             Config(tp=2, pp=2, microbatches=2, schedule="gpipe")]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_memory_predictions_pinned_to_measured(world):
-    from workbench.advise.validate import _predict_memory, measure_memory, memory_errors
+def _pin(measured, configs, batch, world):
+    """Model state exactly; activations with buffers on every rank no more than 0.5% above the
+    measurement and at most 3% below it. Byte counts do not depend on the load, but on a loaded
+    machine a collective's buffers can be freed late -- by another thread than the caller's (most
+    likely gloo's worker, which drops its hold on the work after waking the caller: the holder is
+    not a Python object) -- so the meter may still see them at the peak
+    (1-4% of the transient bytes, on some ranks or all, some runs; on a quiet run every
+    configuration here is within 0.4%). That only ever adds, so the bound is one-sided."""
+    from workbench.advise.validate import _predict_memory, memory_errors
 
-    configs = _configs(world)
-    batch = 8
-    measured = measure_memory("tiny", configs, batch, world_size=world)
     shape = ModelShape.preset("tiny")
     for c in configs:
         mem = measured[c.label()]
@@ -177,14 +181,32 @@ def test_memory_predictions_pinned_to_measured(world):
             assert mem["step_counters"][r] > 0
         errors = memory_errors(predicted, mem)
         assert errors["model_state"] == pytest.approx(0, abs=1e-12)
-        # activations and buffers together (the meter files ZeRO-3's gathered units under
-        # activations): measured here within 0.4-11% of the prediction (ZeRO-3's +11%: its
-        # gathered units and one block's gradient counted at their largest)
-        margin = 0.12
-        for r in range(world):
-            pa = predicted[r]["activations"] + predicted[r]["buffers"]
-            ma = mem["activations"][r] + mem["buffers"][r]
-            assert abs(pa / ma - 1) <= margin, (c.label(), r, pa, ma)
+        # activations and buffers together (the meter files ZeRO-3's gathered units and the
+        # strategies' flat buffers under activations)
+        err = [(predicted[r]["activations"] + predicted[r]["buffers"])
+               / (mem["activations"][r] + mem["buffers"][r]) - 1 for r in range(world)]
+        assert all(-0.03 <= x <= 0.005 for x in err), (c.label(), err)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_predictions_pinned_to_measured(world):
+    from workbench.advise.validate import measure_memory
+
+    configs = _configs(world)
+    batch = 8
+    _pin(measure_memory("tiny", configs, batch, world_size=world), configs, batch, world)
+
+
+def test_memory_of_small_microbatches_pinned_to_measured():
+    """One sequence per rank: ZeRO-3's peak is then the assembly of a unit's flat gradient (three
+    unit-sized tensors beside the unit's weight gradients; with a pipeline the unit is the whole
+    stage, its received input still held), not the last layer's first product;
+    tensor parallelism's head moment (the loss's float32 gradient) against the layer's."""
+    from workbench.advise.validate import measure_memory
+
+    configs = [Config(dp=4, zero=3), Config(dp=2, tp=2, zero=3), Config(dp=2, pp=2, zero=3, microbatches=2),
+               Config(tp=4)]
+    _pin(measure_memory("tiny", configs, 4, world_size=4), configs, 4, 4)
 
 
 def _calibrate_tiny():

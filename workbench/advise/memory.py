@@ -33,39 +33,60 @@ Adam's 4-byte step counter per tensor it updates.
   statistic per row instead of LayerNorm's two;
 * ``selective`` drops the attention core's float32 log-sum-exp (``4 asb/t``); ``full`` keeps the
   layer's input only, ``e sbh`` (``/t`` with sequence parallelism);
-* the last stage adds the final norm's input and statistics, the head's input (``e (2 sbh + 2 sb)``,
-  ``/t`` with sequence parallelism) and the logits with the loss's log-softmax, ``2 e s b V_p / t``
-  (the vocabulary-parallel head keeps ``1/t`` of them);
-* the peak of one micro-batch's backward (``recompute.activation_bytes``'s ``peak``): with
-  ``full`` the first recomputed layer's whole working set plus the gradient flowing into it and
-  the caller's logits, the head's own tensors freed; with ``selective`` the last layer's attention
-  core recomputed beside the kept tensors and two gradients; without recomputation (and
-  selective) also backward's working set that ``activation_bytes`` leaves out ("a few percent;
-  measured, not modelled"): the gradient flowing in, the MLP's ``ffn``-wide gradient (GELU's
-  input gradient replaces its saved output) and, with sequence parallelism, the re-gathered
-  input, ``e (sbh/r + sb ffn/t [+ sbh])``, and when gradients accumulate over micro-batches
-  the new gradient of the largest weight (``h ffn / t`` elements) before it is added to
-  ``.grad``, less what the head has freed by then on the last stage (``r``: ``t`` with sequence
-  parallelism). On GPT tiny and small (one process) this puts the
-  prediction within 0.5% of ``MemoryMeter``'s peak (it was 2-4% under).
+* the last stage adds the final norm's input, output and statistics (``e (2 sbh + 2 sb)``, ``/t``
+  with sequence parallelism) and what the loss saves: log_softmax's output (``e s b V_p``), or
+  with the vocabulary-parallel loss its float32 softmax (``4 s b V_p / t``), the local target ids
+  (int64) and the mask of targets this rank holds (bool); without a pipeline the caller's logits
+  (``e s b V_p / t``) are alive through backward too. The vocabulary-parallel embedding keeps its
+  local ids and mask (``9 sb`` bytes) on the first stage.
 
-A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with sequence
-parallelism) beside its layers, and the last stage every micro-batch's logits (the step returns
-them: ``m e s b V_p / t``); a stage after the first has the receives it posts ahead in flight
-(the next input and the next output gradient, ``e sbh`` each). A pipeline rank keeps several micro-batches alive: the schedule's own action lists
-(:mod:`workbench.parallel.pipeline_schedules`) replayed by
-:func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` with each stage's kept bytes per
-micro-batch (1F1B: ``p - s`` on stage ``s``, GPipe ``m``, ZB-H1 ``p`` on every stage, interleaved
-and ZBV per chunk), plus the one micro-batch in backward's extra peak. With ``pp = 1`` and ``tp = 1``
-this is ``recompute.activation_bytes(...)["peak"]`` plus backward's working set (tests pin it).
+**Backward's peak** (one micro-batch, beside everything kept), the larger of its busiest moments,
+each a sum of tensors alive at once (measured op by op with :class:`~workbench.memory.MemoryMeter`):
 
-**Buffers** (``comm``): ZeRO-3 holds gathered units while they compute -- the root unit (this
-stage's embedding/head) and two blocks (the one running and the one prefetched) in the compute
-dtype, plus two blocks' unsharded gradients (one reduce-scattering while the next accumulates:
-:mod:`workbench.parallel.fsdp`); ZeRO-2 a bucket's flat gradient copy while it is reduce-scattered
-(the largest of :class:`~workbench.parallel.zero.ShardedOptimizer`'s buckets); DDP nothing (gradients are views of its buckets). And on NCCL
-each communicator's own buffers (``cluster.communicator_bytes``): the world group, each of this
-rank's groups of more than one rank, and a pair per pipeline neighbour for send/recv.
+* the last layer's first product (the MLP's output projection): the head's tensors are freed (all
+  but the caller's logits); alive are the gradient flowing in (``e sbh/r``, ``r = t`` with
+  sequence parallelism), its all-gathered copy (sequence parallel: ``e sbh``), the gradient of the
+  ``ffn``-wide input (``e sb ffn/t``) and, where the strategy copies a new weight gradient instead
+  of making it ``.grad`` (DDP into its bucket view, ZeRO-2 into the bucket's flat buffer, ZeRO-3
+  into the unit's flat gradient, and any accumulation into an existing ``.grad``), the projection's
+  weight and bias gradients (``g (h ffn/t + h)``, ``g``: bytes of a gradient) and a tied head's
+  gradient, which waits in autograd's input buffer for the embedding's (``g V_p h/t``). A new
+  gradient that becomes ``.grad`` is model state: the meter files it under gradients;
+* the loss's backward: nll_loss's and log_softmax's gradients (``2 e s b V_p``); vocabulary
+  parallel: the float32 gradient of the logits and the int64 row indices;
+* the head's backward: the logits' gradient, the input's gradient (``e sbh``, all of it) and with
+  sequence parallelism its contiguous sequence blocks for the reduce-scatter and that one's output
+  (``e sbh + e sbh/t``), plus the head's weight gradient if the strategy copies it.
+
+With ``selective`` the last layer's attention core is recomputed beside the kept tensors and two
+gradients; with ``full`` the first recomputed layer's whole working set, the gradient flowing into
+it and the caller's logits. On GPT tiny and small these put the prediction within 0.3% of
+``MemoryMeter``'s peak on one process and in every data-, tensor- and sequence-parallel layout
+that :func:`workbench.advise.validate.measure_memory` runs.
+
+**Pipelines.** A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with
+sequence parallelism). For GPipe and 1F1B each rank's action list (with its messages,
+:func:`~workbench.parallel.pipeline_schedules.with_comms`) is replayed: at each backward, the
+micro-batches still alive kept whole, the one in backward at its peak (its weight gradients are
+temporaries after the rank's first backward: they accumulate into ``.grad``), the receives the
+pipeline has posted for the next compute action (``e sbh/r`` each), on a stage after the first the
+input gradient the previous backward sent (held until the pipeline sees it delivered, which it
+checks between compute actions), and on the last stage the logits of every micro-batch forwarded
+so far (the step returns them). The interleaved, ZB-H1 and ZBV schedules use
+:func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` on their action lists with each
+stage's kept bytes per micro-batch, plus one micro-batch's backward peak and the two receives
+posted ahead.
+
+**Buffers** (``comm``): ZeRO-3 holds gathered units while backward runs -- the root unit (this
+stage's embedding and head, needed again by the embedding's backward at the end) and two blocks
+(the one running and the one prefetched) in the compute dtype; a unit's flat gradient is only
+built once backward has left the unit (its activations freed), so it is not alive at the peak.
+ZeRO-2 allocates a bucket's flat gradient buffer at the bucket's first gradient and frees them all
+at the end of backward (:class:`~workbench.parallel.zero.ShardedOptimizer`): at the last layer's
+peak only the buckets holding the final norm's (and an untied head's) gradients are open. DDP
+holds nothing more (gradients are views of its buckets). And on NCCL each communicator's own
+buffers (``cluster.communicator_bytes``): the world group, each of this rank's groups of more than
+one rank, and a pair per pipeline neighbour for send/recv.
 
 The worst device is reported: every pipeline rank is evaluated (the first stage holds the
 embedding and the most live micro-batches, the last the head and the logits, which win for a large
@@ -158,48 +179,168 @@ def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int) -> dict[
     return {"none": none, "selective": none - 4 * a * sb / t, "full": e * sb * h / rep}
 
 
-def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_batch: int,
-                                    stage: int) -> dict[str, float]:
-    """``{"kept", "peak"}``: bytes one micro-batch leaves on (virtual) ``stage`` for its backward,
-    and the most it needs at once during that backward (see the module docstring)."""
-    shape = ModelShape.coerce(shape, "shape")
+def _grads_are_transient(config: Config) -> bool:
+    """Whether a weight's gradient, when backward makes it, is a temporary beside the model state
+    rather than becoming ``.grad`` itself: DDP copies it into its bucket view, ZeRO-2 adds it into
+    the bucket's flat buffer and ZeRO-3 into the unit's flat gradient; plain ``.grad`` (one
+    replica, ZeRO-1) takes the new tensor over, unless it is accumulating into an existing one."""
+    return config.dp > 1 and config.zero in (0, 2, 3)
+
+
+def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int, *,
+                transient_grads: bool, hold_logits: bool, unit: tuple[float, int] | None = None) -> dict[str, float]:
+    """``{"kept", "peak"}`` of one micro-batch on (virtual) ``stage``; see the module docstring.
+    ``transient_grads``: the weight gradients backward makes are temporaries (not ``.grad``);
+    ``unit``: ZeRO-3's ``(elements of a unit, layers in it)``, whose flat gradient backward assembles;
+    ``hold_logits``: the caller holds this micro-batch's logits through backward (counted in kept)."""
     e, t, sp = ELEMENT_SIZE[config.precision], config.tp, config.sequence_parallel
+    g = 4 if config.precision == "fp32" else 2      # a gradient made by backward: the compute dtype
     rep = t if sp else 1
     b = microbatch_size(config, global_batch)
-    s, h = shape.seq, shape.hidden
-    sb, sbh = s * b, s * b * shape.hidden
+    h, ffn = shape.hidden, shape.ffn
+    sb = shape.seq * b
+    sbh = sb * h
     n_stages = config.pp * chunks(config)
     n_layers = shape.layers_per_stage(n_stages)[stage]
-    last = stage == n_stages - 1
+    first, last = stage == 0, stage == n_stages - 1
     layer = _layer_bytes(shape, b, t, sp, e)
     policy = config.recompute
-    stats = 2 if shape.norm == "layernorm" else 1
-    logits = e * sb * shape.padded_vocab(t) / t
-    edge = (e * (2 * sbh + stats * sb) / rep + 2 * logits) if last else 0.0
+    vt = shape.padded_vocab(t) / t                   # this rank's vocabulary columns
+    logits = e * sb * vt
+    stats = (2 if shape.norm == "layernorm" else 1) * e * sb / rep
+    # the loss's saved tensors: log_softmax's output; vocabulary-parallel: the float32 softmax,
+    # the local target ids (int64) and the mask of the targets this rank holds (bool)
+    loss_saved = logits if t == 1 else 4 * sb * vt + 9 * sb
+    head = (e * 2 * sbh / rep + stats + loss_saved) if last else 0.0   # final norm's input, output, statistics
+    edge = head
     if n_stages > 1 and not last:
         edge += e * sbh / rep          # the pipeline keeps the stage's output for its backward
-    kept = n_layers * layer[policy] + edge
-    held = logits if last else 0.0                     # the caller's logits, alive through backward
+    if first and t > 1:
+        edge += 9 * sb                 # the vocabulary-parallel embedding's local ids (int64) and mask (bool)
+    held = logits if (last and hold_logits) else 0.0   # the caller's logits, alive through backward
+    kept = n_layers * layer[policy] + edge + held
+    grad_in = e * sbh / rep            # the gradient flowing into the stage's last layer
     if policy == "full":     # every layer's input + the first recomputed layer + the gradient into it
-        peak = max(kept, n_layers * layer["full"] + layer["none"] + e * sbh / rep + held)
+        peak = max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held)
     elif policy == "selective":  # the last layer's attention core recomputed beside the kept tensors
-        core = layer["none"] - layer["selective"] + e * sbh / rep
-        peak = max(kept, n_layers * layer["selective"] + core + 2 * e * sbh / rep + held)
+        core = layer["none"] - layer["selective"] + grad_in
+        peak = max(kept, kept - head + core + 2 * grad_in)
     else:
         peak = kept
     if policy != "full":
-        # backward's working set: the gradient flowing in, the MLP's ffn-wide gradient and
-        # (sequence parallel) the re-gathered input, beside everything kept; on the last stage the
-        # head has freed its own tensors (all but the caller's logits) by then
-        work = e * (sbh / rep + sb * shape.ffn / t + (sbh if sp else 0.0))
-        if config.microbatches > 1:   # accumulating: a weight's new gradient exists beside its .grad
-            work += (4 if config.precision == "fp32" else 2) * shape.hidden * shape.ffn / t
-        if last:
-            work = max(0.0, work - (edge - logits))
-        peak = max(peak, kept + work)
-    if stage > 0:       # the receives a pipeline stage posts ahead: the next input, the next output gradient
-        peak += e * sbh / rep * (1 if last else 2)
+        # the last layer's backward begins (the MLP's output projection): beside everything kept
+        # but the head's tensors, the gradient flowing in, (sequence parallel) its all-gathered copy,
+        # the gradient of the ffn-wide input and -- when they are temporaries -- the weight's and
+        # bias's new gradients, and the tied head's gradient waiting for the embedding's
+        work = grad_in + (e * sbh if sp else 0.0) + e * sb * ffn / t
+        # (a Llama-shaped model has no biases)
+        waiting = g * vt * h if (transient_grads and shape.tied and first and last) else 0.0
+        if transient_grads:
+            work += g * (h * ffn / t + (h if shape.bias else 0)) + waiting
+        peak = max(peak, kept - head + work)
+        if unit is not None and config.dp > 1:
+            # ZeRO-3 assembles a unit's flat gradient once backward has left the unit (autograd runs
+            # the slices' backward after the unit's own nodes, whose sequence numbers are higher):
+            # its layers' activations are freed (a pipeline stage's received input is not: the
+            # schedule holds it until the backward ends); alive are the gradient flowing on, the
+            # unit's weight gradients not yet placed (all but its last two tensors', placed first),
+            # and three unit-sized flat tensors (the running sum, the next zero-padded slice, their
+            # sum). The unit before it in backward's order may still be in its asynchronous
+            # reduce-scatter, its flat gradient with it: so also the next unit's moments, one
+            # layer fewer kept, plus that gradient.
+            u, per_unit, placed = g * unit[0], unit[1], g * unit[2]
+            rest = kept - head - per_unit * layer[policy] + (grad_in if (n_stages > 1 and not first) else 0.0)
+            assembly = rest + grad_in + 3 * u + (u - placed) + waiting
+            peak = max(peak, assembly)
+            if n_layers > per_unit:
+                fewer = per_unit * layer[policy]
+                peak = max(peak, assembly - fewer + u, kept - head + work - fewer + u)
+    if last:
+        # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
+        # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized
+        loss_work = (4 * sb * vt + 8 * sb + (e * sb * vt if e != 4 else 0.0)) if t > 1 else 2 * logits
+        # then the head's: the logits' gradient, the input's gradient (all of it) and, with sequence
+        # parallelism, its sequence blocks made contiguous for the reduce-scatter and that one's
+        # output (the input re-gathered for the weight's gradient comes after them and is no larger);
+        # the head's weight gradient if transient
+        head_work = logits + e * sbh + (e * sbh + e * sbh / t if sp else 0.0) + (g * vt * h if transient_grads else 0.0)
+        peak = max(peak, kept + loss_work, kept - loss_saved + head_work)
     return {"kept": kept, "peak": peak}
+
+
+def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_batch: int,
+                                    stage: int) -> dict[str, float]:
+    """``{"kept", "peak"}``: bytes one micro-batch leaves on (virtual) ``stage`` for its backward,
+    and the most it needs at once during that backward (see the module docstring). Its weight
+    gradients are temporaries when the strategy copies them (:func:`_grads_are_transient`) or
+    when they accumulate over micro-batches; without a pipeline the caller's logits are kept."""
+    shape = ModelShape.coerce(shape, "shape")
+    accumulating = config.microbatches > 1
+    return _microbatch(shape, config, global_batch, stage,
+                       transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1,
+                       unit=_zero3_unit(shape, config, stage))
+
+
+def _zero3_unit(shape: ModelShape, config: Config, stage: int) -> tuple[float, int, float] | None:
+    """ZeRO-3's largest unit on ``stage``: ``(elements, layers in it, elements of its last two
+    tensors)`` (None without ZeRO-3): a block without a pipeline, the whole stage with one (see
+    :func:`_fsdp_units`)."""
+    if config.zero != 3 or config.dp == 1:
+        return None
+    n_stages = config.pp * chunks(config)
+    if config.pp > 1:
+        tensors = shape.stage_tensors(n_stages, stage, config.tp)
+        return float(sum(tensors)), shape.layers_per_stage(n_stages)[stage], float(sum(tensors[-2:]))
+    tensors = shape.layer_tensors(config.tp)
+    return float(sum(tensors)), 1, float(sum(tensors[-2:]))
+
+
+def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, rank: int) -> float:
+    """Most bytes of activations on pipeline rank ``rank`` of a one-stage-per-rank schedule: the
+    rank's action list (with its messages, :func:`~workbench.parallel.pipeline_schedules.with_comms`)
+    replayed. At each backward: the micro-batches still alive (forwarded, not yet backwarded) kept
+    whole, the one in backward at its peak (its weight gradients temporaries unless they become
+    ``.grad``: the rank's first backward with plain gradients), the receives the pipeline has
+    posted for the next compute action (``e sbh`` each, ``/t`` with sequence parallelism), on a
+    stage after the first the input gradient the previous backward sent (held until the pipeline
+    sees it delivered, which it checks between compute actions), and on the last stage the logits
+    of every micro-batch forwarded so far (the step returns them)."""
+    e = ELEMENT_SIZE[config.precision]
+    rep = config.tp if config.sequence_parallel else 1
+    b = microbatch_size(config, global_batch)
+    message = e * shape.seq * b * shape.hidden / rep
+    logits = e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
+    last = rank == config.pp - 1
+    actions = schedules.with_comms([list(a) for a in _actions(config.schedule, config.pp, config.microbatches)],
+                                   config.pp)[rank]
+    transient = _grads_are_transient(config)
+    mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
+                             hold_logits=False, unit=_zero3_unit(shape, config, rank)) for first in (True, False)}
+    compute = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
+    split = {a.microbatch for a in actions if a.kind == "W"}    # zero bubble: W frees what B left
+    live = forwarded = 0
+    first = True
+    peak = 0.0
+    for k, j in enumerate(compute):
+        a = actions[j]
+        nxt = compute[k + 1] if k + 1 < len(compute) else len(actions)
+        posted = sum(1 for x in actions[j + 1:nxt] if x.kind == "recv") * message
+        if a.kind == "F":
+            live += 1
+            forwarded += 1
+            peak = max(peak, live * mb[True]["kept"] + posted + (forwarded * logits if last else 0.0))
+        elif a.kind == "B":
+            one = mb[first]
+            # a stage after the first sent the previous backward's input gradient; the pipeline lets
+            # go of a sent tensor only once it sees it delivered, between compute actions
+            sent = message if (rank > 0 and not first) else 0.0
+            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + sent
+                       + (forwarded * logits if last else 0.0))
+            live -= a.microbatch not in split
+            first = False
+        else:
+            live -= 1
+    return peak
 
 
 # ----------------------------------------------------------------------------------- model state
@@ -208,6 +349,23 @@ def _zero_buckets(tensors: list[int]) -> list[int]:
     own :func:`~workbench.parallel.buckets.assign_buckets` on the tensors (meta tensors: no memory)."""
     params = [torch.empty(n, device="meta") for n in tensors]
     return [sum(tensors[i] for i in idx) for idx in assign_buckets(params, ZERO2_BUCKET_BYTES)]
+
+
+def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> int:
+    """Elements of ZeRO-2's flat gradient buffers alive when the last layer's backward begins:
+    :class:`~workbench.parallel.zero.ShardedOptimizer` allocates a bucket's buffer (padded to a
+    multiple of ``dp``) at its first gradient and frees them all at the end of backward; by then
+    only the final norm's (and an untied head's) gradients are complete, on the last stage."""
+    tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
+    if n_stages - 1 not in stages:
+        return 0
+    norms = 2 if (shape.norm == "layernorm" and shape.bias) else 1
+    tail = norms + (1 if (not shape.tied or n_stages > 1) else 0)    # stage_tensors ends with them
+    done = set(range(len(tensors) - tail, len(tensors)))
+    params = [torch.empty(n, device="meta") for n in tensors]
+    n = config.dp
+    return sum(math.ceil(sum(tensors[i] for i in idx) / n) * n
+               for idx in assign_buckets(params, ZERO2_BUCKET_BYTES) if done & set(idx))
 
 
 def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
@@ -279,25 +437,27 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
         state = model_state(shape, config, stages, optimizer)
         if not piped:
             activations = per_stage[0]["peak"]
-        else:
+        elif actions is None:    # one stage per rank: replay its action list
+            activations = _pipeline_activations(shape, config, global_batch, r)
+        else:                    # several: their peaks need not coincide, so replay the list
             kept = {s: per_stage[s]["kept"] for s in stages}
-            if actions is None:    # one stage: its most live micro-batches times one's bytes
-                live = _live(config.schedule, config.pp, m, r)[stages[0]] * kept[stages[0]]
-            else:                   # several: their peaks need not coincide, so replay the list
-                live = schedules.peak_live_bytes(list(actions[r]), kept)
-            activations = live + max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
+            activations = schedules.peak_live_bytes(list(actions[r]), kept)
+            activations += max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
+            b = microbatch_size(config, global_batch)
+            sbh = shape.seq * b * shape.hidden / (config.tp if config.sequence_parallel else 1)
             if n_stages - 1 in stages:   # the last stage keeps every micro-batch's output (the step returns them)
-                b = microbatch_size(config, global_batch)
                 activations += m * e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
+            if r > 0:                    # the receives posted ahead: the next input, the next output gradient
+                activations += e * sbh * (1 if n_stages - 1 in stages else 2)
         buffers = comms
         if config.dp > 1 and config.zero == 3:
             units = _fsdp_units(shape, config, stages, n_stages)
             root, block = units[0], max(units[1:], default=0)
-            # gathered: the root and two blocks (running, prefetched); two blocks' full gradients
-            # (one reduce-scattering while the next accumulates)
-            buffers += e * (root + 2 * block) + e * 2 * block
-        elif config.dp > 1 and config.zero == 2:     # a bucket's flat gradient copy in flight, at most the largest
-            buffers += e * max(_zero_buckets([n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]))
+            # gathered while backward runs: the root (its embedding needs it last) and two blocks
+            # (the one running and the one prefetched)
+            buffers += e * (root + 2 * block)
+        elif config.dp > 1 and config.zero == 2:
+            buffers += e * _zero2_open_buckets(shape, config, stages, n_stages)
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
                "activations": float(activations), "buffers": float(buffers)}
         row["total"] = sum(row[c] for c in MEMORY_CATEGORIES)

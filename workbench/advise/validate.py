@@ -43,7 +43,8 @@ import torch
 
 from workbench.advise.plan import MEMORY_CATEGORIES, Config
 
-__all__ = ["Setting", "SETTINGS", "measure", "measure_memory", "validate", "summary", "report", "figure",
+__all__ = ["Setting", "SETTINGS", "measure", "measure_memory", "validate", "validate_memory", "memory_summary",
+           "memory_report", "summary", "report", "figure",
            "memory_errors", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
 
 WORLD = 4
@@ -216,13 +217,16 @@ def measure(model: str, config: Config, global_batch: int, *, topology: str | No
     return {"memory": out["memory"][label], "time": out["time"][label], "load": out["load"]}
 
 
-def measure_memory(model: str, configs, global_batch: int, *, world_size: int = WORLD, warmup: int = 2) -> dict:
+def measure_memory(model: str, configs, global_batch: int, *, world_size: int = WORLD, warmup: int = 2,
+                   topology: str | None = None) -> dict:
     """Bytes by category per rank of each configuration (``{label: {category: [per rank]}}``), all
-    run in one launch of ``world_size`` ranks, no timing (what the tests pin)."""
+    run in one launch of ``world_size`` ranks (under ``topology``'s emulated links, if given: the
+    collectives that cross a slowed link run a hand-written algorithm, whose buffers count), no
+    timing (what the tests pin)."""
     configs = tuple(configs)
     for c in configs:
         _check_config(c, world_size=world_size)
-    setting = Setting(model, global_batch, None, configs)
+    setting = Setting(model, global_batch, topology, configs)
     return _launch(setting, 0, 1, warmup, calibrate=False, world_size=world_size)["memory"]
 
 
@@ -340,14 +344,75 @@ def summary(rows: list[dict]) -> dict:
     out = {"configurations": n, "time_within_15": within, "time_mape": mape,
            "settings": len(settings), "best_ok": sum(settings.values()),
            "load": sum(r["load"] for r in rows) / n if n else math.nan}
-    mem = [r for r in rows if "memory_error" in r]
-    if mem:
-        out["memory_rows"] = len(mem)
-        out["model_state_exact"] = sum(abs(r["memory_error"]["model_state"]) < 1e-9 for r in mem)
-        out["activations_within_5"] = sum(abs(r["memory_error"]["activations+buffers"]) <= ACTIVATION_TOLERANCE
-                                          for r in mem)
-        out["total_within_3"] = sum(abs(r["memory_error"]["total"]) <= MEMORY_TOLERANCE for r in mem)
+    out.update(memory_summary(rows))
     return out
+
+
+def memory_summary(rows: list[dict]) -> dict:
+    """The issue's memory figures over the ``rows`` that have a prediction: ``memory_rows``,
+    ``model_state_exact``, ``activations_within_5`` (activations with buffers), ``total_within_3``."""
+    mem = [r for r in rows if "memory_error" in r]
+    if not mem:
+        return {}
+    return {"memory_rows": len(mem),
+            "model_state_exact": sum(abs(r["memory_error"]["model_state"]) < 1e-9 for r in mem),
+            "activations_within_5": sum(abs(r["memory_error"]["activations+buffers"]) <= ACTIVATION_TOLERANCE
+                                        for r in mem),
+            "total_within_3": sum(abs(r["memory_error"]["total"]) <= MEMORY_TOLERANCE for r in mem)}
+
+
+def validate_memory(settings=None, *, warmup: int = 2, progress=print) -> list[dict]:
+    """Memory only, no timing: every setting's configurations measured in one launch each
+    (:func:`measure_memory` under the setting's topology; byte counts, so the machine's load
+    does not change them) and one row per configuration with the prediction and its errors, as
+    :func:`validate` gives them."""
+    from workbench.advise.calibrate import _shape
+    from workbench.models import GPTConfig
+
+    settings = SETTINGS if settings is None else tuple(settings)
+    for s in settings:
+        for c in s.configs:
+            _check_config(c)
+    rows = []
+    for k, setting in enumerate(settings):
+        start = time.time()
+        measured = measure_memory(setting.model, setting.configs, setting.batch, warmup=warmup,
+                                  topology=setting.topology)
+        shape = _shape(GPTConfig.preset(setting.model))
+        these = []
+        for c in setting.configs:
+            mem = measured[c.label()]
+            pm = _predict_memory(shape, c, setting.batch)
+            these.append({"setting": k, "setting_label": setting.label(), "model": setting.model,
+                          "batch": setting.batch, "topology": setting.topology, "config": c.label(),
+                          "config_fields": asdict(c), "memory_measured": mem, "memory_predicted": pm,
+                          "memory_error": memory_errors(pm, mem)})
+        rows += these
+        if progress is not None:
+            progress(memory_report(these, title=f"setting {k + 1}/{len(settings)}: {setting.label()}, "
+                                                f"{time.time() - start:.0f} s"))
+    return rows
+
+
+def memory_report(rows: list[dict], title: str = "") -> str:
+    """Predicted beside measured memory per configuration: the worst rank's total (MiB) and the
+    errors by category (``predicted / measured - 1``, the worst rank's)."""
+    from workbench.bench import _common
+
+    table = []
+    for r in rows:
+        mem, err = r["memory_measured"], r["memory_error"]
+        ranks = range(len(mem["parameters"]))
+        table.append({"config": r["config"],
+                      "pred": max(sum(p[c] for c in MEMORY_CATEGORIES) for p in r["memory_predicted"]) / 2**20,
+                      "meas": max(sum(mem[c][k] for c in MEMORY_CATEGORIES) for k in ranks) / 2**20,
+                      "act": max(mem["activations"][k] + mem["buffers"][k] for k in ranks) / 2**20,
+                      "state_err": 100 * err["model_state"], "act_err": 100 * err["activations+buffers"],
+                      "total_err": 100 * err["total"]})
+    return _common.format_table(table, [
+        ("config", "configuration", "s"), ("pred", "pred MiB", "{:.2f}"), ("meas", "meas MiB", "{:.2f}"),
+        ("act", "meas act+buf MiB", "{:.2f}"), ("state_err", "state err %", "{:+.2f}"),
+        ("act_err", "act+buf err %", "{:+.2f}"), ("total_err", "total err %", "{:+.2f}")], title=title)
 
 
 def report(rows: list[dict], title: str = "") -> str:
@@ -387,6 +452,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interleaved timing trials per configuration (default 5)")
     parser.add_argument("--validate-steps", type=int, default=2, metavar="S",
                         help="training steps per trial (default 2)")
+    parser.add_argument("--validate-memory", action="store_true",
+                        help="memory only: measure every configuration's bytes by category, no timing (~4 min)")
     parser.add_argument("--validate-json", default=None, metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--validate-plot", default=None, metavar="FILE",
                         help="draw predicted against measured step time (png)")
@@ -403,6 +470,19 @@ def main(args: argparse.Namespace) -> int:
     if n is not None and not 1 <= n <= len(SETTINGS):
         raise ValueError(f"--validate-settings={n} must be between 1 and {len(SETTINGS)}")
     start = time.time()
+    if getattr(args, "validate_memory", False):
+        rows = validate_memory(SETTINGS[:n] if n else SETTINGS)
+        s = memory_summary(rows)
+        k = s["memory_rows"]
+        print(f"# {k} configurations in {len({r['setting'] for r in rows})} settings, {time.time() - start:.0f} s")
+        print(f"# memory: model state exact {s['model_state_exact']}/{k}, activations (+ buffers) within 5% "
+              f"{s['activations_within_5']}/{k}, total within 3% {s['total_within_3']}/{k}")
+        path = getattr(args, "validate_json", None)
+        if path:
+            with open(path, "w") as f:
+                json.dump({"rows": rows, "summary": s}, f, indent=1, default=str)
+            print(f"wrote {path}")
+        return 0 if s["model_state_exact"] == s["total_within_3"] == s["activations_within_5"] == k else 1
     rows = validate(SETTINGS[:n] if n else SETTINGS, trials=trials, steps=steps)
     s = summary(rows)
     print(f"# {s['configurations']} configurations in {s['settings']} settings, {time.time() - start:.0f} s, "

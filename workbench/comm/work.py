@@ -104,6 +104,9 @@ class _Worker:
             except BaseException as e:  # noqa: BLE001 -- handed to the caller through wait()
                 error = e
             work.ended = time.perf_counter()
+            # let go of the finished task before the caller wakes: its closure holds the
+            # collective's tensors, which would otherwise stay alive until the next task arrives
+            task = None
             with self.lock:  # idle again before the caller wakes: its next sync call runs inline
                 self.pending -= 1
             work._finish(error)
