@@ -36,6 +36,14 @@ per-tensor cost), and ``sync_by_size``: what a collective costs beyond its bytes
 compute and the ranks outnumber the cores (they drift apart within the OS's time slices), per
 group size and interpolated at the compute that precedes it (a quarter of a layer for a
 tensor-parallel collective; a stage's whole pass for a pipeline message or a gradient bucket).
+Where a calibrated cluster timed the model's own layers at a configuration's micro-batch shape
+(``layer_costs``, keyed by rows per micro-batch, ``t`` and sequence parallelism; vTrain's way:
+profile the layers, not a FLOP rate), those timings replace the formulas above
+(:func:`measured_layer`): with ``t = 1`` a block's forward + backward and the edges (embedding,
+head, loss) as measured; with ``t > 1`` the tensor-parallel model's layer and edges, their
+collectives included, of which the formulas' compute is the compute and the rest the ``tp``
+part (split forward/backward, and layers/edges, as the formulas split it). Per-operator costs
+and the collectives' waits on an oversubscribed machine are then inside the measured cost.
 The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it updates
 (the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient and two
 moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989 TFLOP/s
@@ -74,9 +82,10 @@ by it (``cost._ring_on_links``).
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
   (the units are freed after each). The gradient reduction runs during the last micro-batch's
   backward and the ZeRO-3 gathers during the compute they feed, so ``overlap x`` that compute
-  is hidden (``cluster.overlap``: 1 by default, as NCCL on its own streams; measured on a
-  calibrated cluster, where gloo's thread competes for the rank's core); the ZeRO-1/2
-  parameter all-gather after the step is exposed.
+  is hidden (:func:`hidden_share`: ``cluster.overlap``, 1 by default, as NCCL on its own
+  streams; measured on a calibrated cluster, where gloo's thread competes for the rank's core,
+  separately for groups crossing an emulated link); the ZeRO-1/2 parameter all-gather after the
+  step is exposed.
 
 Bubble
 ------
@@ -96,7 +105,8 @@ from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
 
-__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "measured_layer", "hidden_share",
+           "ELEMENT_BYTES", "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Config.schedule -> the name pipeline_schedules.bubble_formula uses
@@ -340,18 +350,39 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
     act = activation_bytes_per_layer(rows, s, h, shape.heads, t, config.sequence_parallel, e) if act_s else 0
     layer_s = tokens * fpt["layer"] / rate + act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))
-    mb_over = float(getattr(cluster, "microbatch_overhead_s", 0.0))
+    head_s = tokens * fpt["head"] / rate                          # the last stage's
+    edges_s = head_s + float(getattr(cluster, "microbatch_overhead_s", 0.0))   # embedding, head, loss
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
     # a tensor-parallel collective follows a quarter of a layer's forward + backward (crowded speed)
     sync = _sync(cluster, t, layer_s * crowd / 4) if t > 1 else 0.0
+    # the model's own layers timed at this shape (a calibrated cluster): their cost replaces the formulas',
+    # the part beyond the formulas' compute being the tensor-parallel collectives (and their waits)
+    timed = measured_layer(cluster, rows, config)
+    tp_layer = tp_edges = None
+    if timed is not None:
+        layer_c, edges_c = min(layer_s * crowd, timed["layer"]), min(edges_s * crowd, timed["edges"])
+        if t == 1:
+            layer_c, edges_c = timed["layer"], timed["edges"]
+        else:
+            tp_layer, tp_edges = timed["layer"] - layer_c, timed["edges"] - edges_c
+        layer_s, edges_s = layer_c / crowd, edges_c / crowd
+        head_s = min(head_s, edges_s)
 
     # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
     actions, num_stages, style = _schedule(config, p, m) if p > 1 else ([[]], 1, "loop")
     per_stage = []
+    edge_tp = sum(_tp_time(rows, shape, config, 0, True, True, e, topo["tp"], machine, sync))
     for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
         first, last = k == 0, k == num_stages - 1
-        compute = n_layers * layer_s + (tokens * fpt["head"] / rate if last else 0.0) + mb_over / (num_stages // p)
+        # the head's FLOPs on the last stage; the per-micro-batch overheads on every stage
+        compute = n_layers * layer_s + (head_s if last else 0.0) + (edges_s - head_s) / (num_stages // p)
         tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
+        if tp_layer is not None:   # the measured collectives, split forward/backward as the formulas split them
+            layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo["tp"], machine, sync)
+            ef, eb = tp_f - layers_f, tp_b - layers_b
+            scale_l = n_layers * tp_layer / (layers_f + layers_b) if layers_f + layers_b > 0 else 0.0
+            scale_e = tp_edges / edge_tp if edge_tp > 0 else 0.0
+            tp_f, tp_b = layers_f * scale_l + ef * scale_e, layers_b * scale_l + eb * scale_e
         per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b})
     per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
     from workbench.parallel.pipeline_schedules import stage_to_rank
@@ -412,7 +443,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
     dp_total = 0.0
     if d > 1:
-        overlap = float(getattr(cluster, "overlap", 1.0))
+        overlap = hidden_share(cluster, groups["dp"])
         sync = _sync(cluster, d)
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd
@@ -436,6 +467,35 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
     return out
+
+
+def hidden_share(cluster, ranks: list[int]) -> float:
+    """The share of the compute it runs beside that the data-parallel traffic of ``ranks`` hides
+    behind. A datasheet cluster: ``cluster.overlap`` (1 by default: NCCL on its own streams). A
+    calibrated one (:mod:`workbench.advise.calibrate`) measures it, a ZeRO-3 unit's all-gather
+    started before a block's compute: ``overlap`` on this machine's own links (gloo's thread
+    competes with the ranks' compute for the cores), ``overlap_emulated`` for a group that
+    crosses an emulated link (where the wait is a thread asleep)."""
+    overlap = float(getattr(cluster, "overlap", 1.0))
+    links, emulated = getattr(cluster, "links", None), getattr(cluster, "overlap_emulated", None)
+    if links is None or emulated is None:
+        return overlap
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[links.node_of(r)] = nodes.get(links.node_of(r), 0) + 1
+    crosses = (len(nodes) > 1 and links.inter is not None) or (max(nodes.values()) > 1 and links.intra is not None)
+    return float(emulated) if crosses else overlap
+
+
+def measured_layer(cluster, rows: int, config: Config) -> dict | None:
+    """A calibrated cluster's timing of the model's own layer at this configuration's micro-batch
+    shape (``rows`` sequences, ``config.tp``, sequence parallelism), every rank busy:
+    ``{"layer": s, "edges": s}`` (:func:`workbench.advise.calibrate.layer_costs`), or None where
+    that shape was not timed (or the configuration runs another precision or recomputes)."""
+    costs = getattr(cluster, "layer_costs", None)
+    if not costs or config.precision != "fp32" or config.recompute != "none":
+        return None
+    return costs.get((rows, config.tp, bool(config.sequence_parallel and config.tp > 1)))
 
 
 def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:

@@ -134,7 +134,7 @@ def _optimizer_states(optimizer):
 
 
 def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: int, steps: int, warmup: int,
-                 calibrate: bool, rows: tuple[int, int]) -> dict:
+                 calibrate: bool, rows: tuple[int, int], tp_shapes=()) -> dict:
     import warnings
 
     import torch.distributed as dist
@@ -157,7 +157,7 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
         for _ in range(warmup):
             built[label].step(x, y)
         memory[label] = _memory(built[label], x, y)
-    cal = Calibration(config, rows) if calibrate else None
+    cal = Calibration(config, rows, tp_shapes=tp_shapes) if calibrate else None
 
     def one(name: str) -> float:
         if name == "calibration":
@@ -191,7 +191,7 @@ def _launch(setting: Setting, trials: int, steps: int, warmup: int, calibrate: b
     topo = Topology.parse(setting.topology) if setting.topology else None
     out = workbench.launch(_run_setting, world_size=world_size, topology=topo, timeout=900,
                            args=(setting.model, setting.batch, setting.configs, trials, steps, warmup, calibrate,
-                                 rows))[0]
+                                 rows, _calibration_tp_shapes(setting)))[0]
     out["rows"] = rows
     return out
 
@@ -200,6 +200,12 @@ def _calibration_rows(setting: Setting) -> tuple[int, ...]:
     """The block's line is timed at one row and at every micro-batch size of the setting."""
     sizes = {setting.batch // c.dp // max(1, c.microbatches) for c in setting.configs}
     return tuple(sorted({1, max(2, max(sizes))} | sizes))
+
+
+def _calibration_tp_shapes(setting: Setting) -> tuple[tuple[int, int, bool], ...]:
+    """The tensor-parallel layers are timed at each (micro-batch rows, tp, sequence parallel) of the setting."""
+    return tuple(sorted({(setting.batch // c.dp // max(1, c.microbatches), c.tp, c.sequence_parallel)
+                         for c in setting.configs if c.tp > 1}))
 
 
 # ============================================================================= the parent
