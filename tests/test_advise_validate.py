@@ -129,6 +129,92 @@ def test_data_parallel_ring_crosses_nodes_and_overlap_hides_it():
     assert hidden["dp"] < t["dp"]
 
 
+def _timed_cluster(layer_costs, **kw) -> CalibratedCluster:
+    """A calibrated 1-node cluster of 4 with one core per rank and no optimizer or link costs,
+    whose layers were timed at the shapes ``layer_costs`` gives."""
+    base = dict(nodes=1, per_node=4, flops=1e9, update_s_per_param=0.0, intra=FAST, inter=FAST,
+                machine=cost.CostModel(0, 0, 0), layer_costs=layer_costs, overlap_emulated=None)
+    base.update(kw)
+    return _cluster(**base)
+
+
+def test_layer_costs_from_the_probes():
+    from workbench.advise.calibrate import _tp_key, layer_costs
+
+    result = {"layer_r1": 0.010, "layer_rows4": 0.020, "layer_r2": 0.040, _tp_key(1, 1, False, "none"): 0.003,
+              _tp_key(4, 1, False, "none"): 0.005, _tp_key(8, 1, False, "none"): 0.009,
+              _tp_key(4, 2, True, "all"): 0.130, _tp_key(4, 2, True, "none"): 0.010}
+    costs = layer_costs(result, (1, 4, 8), layers=4)
+    assert costs[(1, 1, False)] == {"layer": 0.010, "edges": 0.003}
+    assert costs[(4, 1, False)] == {"layer": 0.020, "edges": 0.005}
+    assert costs[(8, 1, False)] == {"layer": 0.040, "edges": 0.009}
+    assert costs[(4, 2, True)] == pytest.approx({"layer": 0.030, "edges": 0.010})   # (all - none) / layers
+    assert set(costs) == {(1, 1, False), (4, 1, False), (8, 1, False), (4, 2, True)}
+
+
+def test_timed_layers_are_the_compute_the_timing_uses():
+    shape = ModelShape.preset("tiny")
+    L = shape.layers
+    layer, edges = 0.011, 0.004
+    cl = _timed_cluster({(4, 1, False): {"layer": layer, "edges": edges}})
+    # dp=4, B=16: 4 rows per rank, one micro-batch: L layers and the edges, as timed
+    t = timing.step_time(shape, cl, Config(dp=4), 16)
+    assert t["compute"] == pytest.approx(L * layer + edges, rel=1e-12)
+    # dp=2 with 2 micro-batches of 4 rows: the same shape, twice
+    t2 = timing.step_time(shape, cl, Config(dp=2, pp=2, microbatches=2), 16)
+    assert timing.measured_layer(cl, 4, Config(dp=2, pp=2, microbatches=2)) == {"layer": layer, "edges": edges}
+    # a shape not timed (8 rows), or another precision, falls back to the formulas
+    assert timing.measured_layer(cl, 8, Config(dp=2)) is None
+    assert timing.measured_layer(cl, 4, Config(dp=4, precision="bf16")) is None
+    assert timing.step_time(shape, cl, Config(dp=2), 16)["compute"] != pytest.approx(2 * (L * layer + edges))
+    # every stage of the pipeline runs its half of the layers on each micro-batch, and the edges
+    assert t2["compute"] >= 2 * (L // 2 * layer)
+
+
+def test_timed_tensor_parallel_layers_put_their_collectives_in_tp():
+    shape = ModelShape.preset("tiny")
+    L = shape.layers
+    layer, edges = 0.030, 0.012
+    config = Config(dp=2, tp=2, sequence_parallel=True)
+    cl = _timed_cluster({(8, 2, True): {"layer": layer, "edges": edges}}, flops=100e9)
+    t = timing.step_time(shape, cl, config, 16)
+    # compute and tensor-parallel communication add up to the timed model; compute is the formulas'
+    assert t["compute"] + t["tp"] == pytest.approx(L * layer + edges, rel=1e-9)
+    untimed = timing.step_time(shape, _timed_cluster(None, flops=100e9), config, 16)
+    assert t["compute"] == pytest.approx(untimed["compute"], rel=1e-9)
+    assert t["tp"] > 0 and t["tp"] != pytest.approx(untimed["tp"])
+
+
+def test_overlap_on_emulated_links_applies_to_groups_that_cross_them():
+    from workbench.comm.topology import Topology
+
+    links = Topology(2, intra=None, inter=SLOW)
+    cl = _cluster(nodes=2, per_node=2, links=links, overlap=0.0, overlap_emulated=0.75,
+                  machine=cost.CostModel(1e-5, 1e-9, 1e-10))
+    assert timing.hidden_share(cl, [0, 2]) == 0.75      # across the emulated inter-node link
+    assert timing.hidden_share(cl, [0, 1]) == 0.0       # inside a node: this machine's own link
+    assert timing.hidden_share(_cluster(overlap=0.5), [0, 4]) == 0.5   # nothing emulated: the cluster's
+    z3 = Config(dp=2, tp=2, zero=3)
+    hidden = timing.step_time(SHAPE, cl, z3, 8)["dp"]
+    exposed = timing.step_time(SHAPE, _cluster(nodes=2, per_node=2, links=links, overlap=0.0, overlap_emulated=0.0,
+                                               machine=cost.CostModel(1e-5, 1e-9, 1e-10)), z3, 8)["dp"]
+    assert hidden < exposed
+
+
+def test_tensor_parallel_group_inside_a_node_is_priced_on_this_machines_link():
+    """dp=2 x tp=2 on 2 emulated nodes of 2: the tp pairs {0,1}, {2,3} stay inside a node, so their
+    collectives cost what they cost on one node (the machine's curves), not the slow link's."""
+    from workbench.comm.topology import Topology
+
+    machine = cost.CostModel(2e-5, 1e-9, 1e-10)
+    one = _cluster(nodes=1, per_node=4, intra=FAST, inter=FAST, links=Topology(4), machine=machine)
+    slow = Link(1e-3, 50e6)
+    two = _cluster(nodes=2, per_node=2, intra=FAST, inter=slow, links=Topology(2, inter=slow), machine=machine)
+    c = Config(dp=2, tp=2, sequence_parallel=True)
+    assert timing.step_time(SHAPE, two, c, 8)["tp"] == pytest.approx(timing.step_time(SHAPE, one, c, 8)["tp"])
+    assert timing.step_time(SHAPE, two, c, 8)["dp"] > timing.step_time(SHAPE, one, c, 8)["dp"]
+
+
 def test_pipeline_messages_on_the_slow_link_when_stages_span_nodes():
     # pp=2 with dp=tp=1: ranks 0 and 1; nodes of 1 put the two stages on two nodes
     inside = timing.step_time(SHAPE, _cluster(nodes=1, per_node=2), Config(pp=2, microbatches=4), 16)
@@ -190,7 +276,7 @@ def test_memory_predictions_pinned_to_measured(world):
 def _calibrate_tiny():
     from workbench.advise.calibrate import Calibration
 
-    cal = Calibration("tiny", (1, 2), sizes=(64, 4096), budget_s=0.005)
+    cal = Calibration("tiny", (1, 2), tp_shapes=((2, 2, False),), sizes=(64, 4096), budget_s=0.005)
     cal.once()
     return cal.result()
 
@@ -208,8 +294,16 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
     assert set(cl.sync_by_size) == {2}
-    t = timing.step_time(ModelShape.preset("tiny"), cl, Config(dp=2), 8)
-    assert t["compute"] > 0 and t["dp"] > 0
+    # the model's own layers at each row count, and its tensor-parallel model at (2 rows, t=2)
+    assert set(cl.layer_costs) == {(1, 1, False), (2, 1, False), (2, 2, False)}
+    assert all(v["layer"] > 0 and v["edges"] > 0 for v in cl.layer_costs.values())
+    assert 0.0 <= cl.overlap <= 1.0 and cl.overlap_emulated is None
+    shape = ModelShape.preset("tiny")
+    tp = timing.step_time(shape, cl, Config(tp=2), 2)
+    timed = cl.layer_costs[(2, 2, False)]
+    optimizer = (timing._parameters_on_rank(shape, 2, 1) * cl.update_s_per_param + cl.step_overhead_s) \
+        * max(1.0, 2 / cl.cores)
+    assert tp["compute"] + tp["tp"] == pytest.approx(shape.layers * timed["layer"] + timed["edges"] + optimizer)
     with pytest.raises(ValueError, match="rows"):
         from workbench.advise.calibrate import Calibration
         Calibration("tiny", (2, 2))
