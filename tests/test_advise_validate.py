@@ -307,3 +307,13 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     with pytest.raises(ValueError, match="rows"):
         from workbench.advise.calibrate import Calibration
         Calibration("tiny", (2, 2))
+
+
+def test_validate_select_refuses_bad_setting_numbers():
+    import argparse
+
+    from workbench.advise import validate
+
+    for bad in ("0", "x", f"1,{len(validate.SETTINGS) + 1}"):
+        with pytest.raises(ValueError, match="--validate-select"):
+            validate.main(argparse.Namespace(validate_select=bad, validate_trials=1, validate_steps=1))

@@ -389,6 +389,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``workbench advise --validate`` (prefixed, beside the advisor's own)."""
     parser.add_argument("--validate-settings", type=int, default=None, metavar="N",
                         help=f"run the first N of the {len(SETTINGS)} settings (default all)")
+    parser.add_argument("--validate-select", default=None, metavar="K,K,...",
+                        help=f"run only these settings, numbered 1-{len(SETTINGS)} as printed (e.g. 3,4)")
     parser.add_argument("--validate-trials", type=int, default=5, metavar="T",
                         help="interleaved timing trials per configuration (default 5)")
     parser.add_argument("--validate-steps", type=int, default=2, metavar="S",
@@ -408,8 +410,19 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{name}={value!r} must be a whole number >= 1")
     if n is not None and not 1 <= n <= len(SETTINGS):
         raise ValueError(f"--validate-settings={n} must be between 1 and {len(SETTINGS)}")
+    settings = SETTINGS[:n] if n else SETTINGS
+    select = getattr(args, "validate_select", None)
+    if select:
+        try:
+            picked = [int(k) for k in str(select).split(",")]
+        except ValueError:
+            picked = []
+        if not picked or not all(1 <= k <= len(SETTINGS) for k in picked):
+            raise ValueError(f"--validate-select={select!r}: give setting numbers between 1 and {len(SETTINGS)} "
+                             "separated by commas, e.g. 3,4")
+        settings = tuple(SETTINGS[k - 1] for k in picked)
     start = time.time()
-    rows = validate(SETTINGS[:n] if n else SETTINGS, trials=trials, steps=steps)
+    rows = validate(settings, trials=trials, steps=steps)
     s = summary(rows)
     print(f"# {s['configurations']} configurations in {s['settings']} settings, {time.time() - start:.0f} s, "
           f"mean load average {s['load']:.2f}")
