@@ -133,7 +133,7 @@ def _timed_cluster(layer_costs, **kw) -> CalibratedCluster:
     """A calibrated 1-node cluster of 4 with one core per rank and no optimizer or link costs,
     whose layers were timed at the shapes ``layer_costs`` gives."""
     base = dict(nodes=1, per_node=4, flops=1e9, update_s_per_param=0.0, intra=FAST, inter=FAST,
-                machine=cost.CostModel(0, 0, 0), layer_costs=layer_costs, overlap_emulated=None)
+                machine=cost.CostModel(0, 0, 0), layer_costs=layer_costs)
     base.update(kw)
     return _cluster(**base)
 
@@ -183,22 +183,6 @@ def test_timed_tensor_parallel_layers_put_their_collectives_in_tp():
     untimed = timing.step_time(shape, _timed_cluster(None, flops=100e9), config, 16)
     assert t["compute"] == pytest.approx(untimed["compute"], rel=1e-9)
     assert t["tp"] > 0 and t["tp"] != pytest.approx(untimed["tp"])
-
-
-def test_overlap_on_emulated_links_applies_to_groups_that_cross_them():
-    from workbench.comm.topology import Topology
-
-    links = Topology(2, intra=None, inter=SLOW)
-    cl = _cluster(nodes=2, per_node=2, links=links, overlap=0.0, overlap_emulated=0.75,
-                  machine=cost.CostModel(1e-5, 1e-9, 1e-10))
-    assert timing.hidden_share(cl, [0, 2]) == 0.75      # across the emulated inter-node link
-    assert timing.hidden_share(cl, [0, 1]) == 0.0       # inside a node: this machine's own link
-    assert timing.hidden_share(_cluster(overlap=0.5), [0, 4]) == 0.5   # nothing emulated: the cluster's
-    z3 = Config(dp=2, tp=2, zero=3)
-    hidden = timing.step_time(SHAPE, cl, z3, 8)["dp"]
-    exposed = timing.step_time(SHAPE, _cluster(nodes=2, per_node=2, links=links, overlap=0.0, overlap_emulated=0.0,
-                                               machine=cost.CostModel(1e-5, 1e-9, 1e-10)), z3, 8)["dp"]
-    assert hidden < exposed
 
 
 def test_tensor_parallel_group_inside_a_node_is_priced_on_this_machines_link():
@@ -297,7 +281,6 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     # the model's own layers at each row count, and its tensor-parallel model at (2 rows, t=2)
     assert set(cl.layer_costs) == {(1, 1, False), (2, 1, False), (2, 2, False)}
     assert all(v["layer"] > 0 and v["edges"] > 0 for v in cl.layer_costs.values())
-    assert 0.0 <= cl.overlap <= 1.0 and cl.overlap_emulated is None
     shape = ModelShape.preset("tiny")
     tp = timing.step_time(shape, cl, Config(tp=2), 2)
     timed = cl.layer_costs[(2, 2, False)]

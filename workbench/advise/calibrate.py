@@ -40,12 +40,6 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           grows with the compute in between, up to a time slice or so.
                           :mod:`workbench.advise.timing` charges it per collective and message,
                           interpolated at the compute that precedes each.
-``overlap``               how much of an asynchronous collective hides behind compute: one ZeRO-3
-                          unit's all-gather (the model's parameters / (layers + 1)) started before a
-                          block's forward + backward on ``r2`` rows and waited for after it, against
-                          the two timed apart: ``(compute + gather - both) / min(compute, gather)``.
-                          Over pairs (a link inside a node: ``overlap``) and over all ranks (across
-                          the emulated inter-node link where one is emulated: ``overlap_emulated``).
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -114,7 +108,6 @@ class CalibratedCluster(Cluster):
     activation_s_per_byte: float = 0.0
     layer_costs: dict | None = None            # (rows, t, sp) -> {"layer": s, "edges": s}, all ranks busy
     overlap: float = 0.0                       # share of compute that hides data-parallel traffic
-    overlap_emulated: float | None = None      # the same on the emulated links (None: none emulated)
     machine: object = None                     # comm.cost.CostModel of the links not emulated
     links: Topology | None = None              # the emulated links (None: this machine's own)
     load: float = float("nan")                 # load average while measuring
@@ -184,9 +177,6 @@ class Calibration:
             p.grad = torch.zeros_like(p)
         self.psi = psi
         self.one = torch.zeros(1)
-        unit = -(-psi // (c.n_layer + 1) // self.world) * self.world    # a ZeRO-3 unit, whole shards
-        self.unit_out = torch.zeros(unit)
-        self.unit_in = torch.zeros(unit // self.world)
         self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
         self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
         for k in range(self.world // 2):
@@ -232,16 +222,6 @@ class Calibration:
         from workbench import comm
 
         comm.all_reduce(self.one, group=group)   # the door the strategies' collectives go through
-
-    def _gather(self, group=None, compute=None) -> None:
-        from workbench import comm
-
-        n = self.world if group is None else 2
-        out = self.unit_out[: self.unit_in.numel() * n]
-        work = comm.all_gather(list(out.chunk(n)), self.unit_in, group=group, async_op=True)
-        if compute is not None:
-            compute()
-        work.wait()
 
     def _short(self) -> None:
         torch.mm(self.s1, self.s2)
@@ -304,8 +284,6 @@ class Calibration:
             probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
             probes[f"layer_r1_sync_{g}"] = ((lambda group=group: (self._layer(r1), self._sync(group))), False)
             probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
-            probes[f"gather_{g}"] = ((lambda group=group: self._gather(group)), False)
-            probes[f"layer_r2_gather_{g}"] = ((lambda group=group: self._gather(group, layer2)), False)
         for key, (fn, alone) in probes.items():
             self._add(key, self._time(fn, alone=alone, key=key))
         for (kind, n), probe in self.probes.items():
@@ -420,7 +398,6 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     sync = {n: [(result["short"], max(0.0, result[f"short_sync_{g}"] - result["short"] - result[f"sync_{g}"])),
                 (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result["layer_r1"] - result[f"sync_{g}"]))]
             for n, g in ((2, "pair"), (world_size, "world"))}
-    overlap = {g: _overlap(result, g) for g in ("pair", "world")}
     update = result["adam_flat"] / crowd / max(1, _psi(c))
     step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
@@ -441,19 +418,8 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
         cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
-        update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer), overlap=overlap["pair"],
-        overlap_emulated=overlap["world"] if links is not None and links.inter is not None else None, machine=machine, links=links,
+        update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer), overlap=0.0, machine=machine, links=links,
         load=load, measured=dict(result))
-
-
-def _overlap(result: dict, group: str) -> float:
-    """The share of the shorter of a block's compute and a unit's all-gather that running them at
-    once hides (0 where the probes were not run)."""
-    compute, gather = result.get("layer_r2"), result.get(f"gather_{group}")
-    both = result.get(f"layer_r2_gather_{group}")
-    if compute is None or gather is None or both is None or min(compute, gather) <= 0:
-        return 0.0
-    return min(1.0, max(0.0, (compute + gather - both) / min(compute, gather)))
 
 
 def _sizes(result: dict, kind: str) -> list[int]:

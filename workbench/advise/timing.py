@@ -82,10 +82,9 @@ by it (``cost._ring_on_links``).
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
   (the units are freed after each). The gradient reduction runs during the last micro-batch's
   backward and the ZeRO-3 gathers during the compute they feed, so ``overlap x`` that compute
-  is hidden (:func:`hidden_share`: ``cluster.overlap``, 1 by default, as NCCL on its own
-  streams; measured on a calibrated cluster, where gloo's thread competes for the rank's core,
-  separately for groups crossing an emulated link); the ZeRO-1/2 parameter all-gather after the
-  step is exposed.
+  is hidden (``cluster.overlap``: 1 by default, as NCCL on its own streams; 0 on a calibrated
+  cluster, where gloo's thread competes for the rank's core); the ZeRO-1/2 parameter all-gather
+  after the step is exposed.
 
 Bubble
 ------
@@ -105,8 +104,8 @@ from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
 
-__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "measured_layer", "hidden_share",
-           "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "measured_layer", "ELEMENT_BYTES",
+           "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Config.schedule -> the name pipeline_schedules.bubble_formula uses
@@ -443,7 +442,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
     dp_total = 0.0
     if d > 1:
-        overlap = hidden_share(cluster, groups["dp"])
+        overlap = float(getattr(cluster, "overlap", 1.0))
         sync = _sync(cluster, d)
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd
@@ -467,24 +466,6 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
     return out
-
-
-def hidden_share(cluster, ranks: list[int]) -> float:
-    """The share of the compute it runs beside that the data-parallel traffic of ``ranks`` hides
-    behind. A datasheet cluster: ``cluster.overlap`` (1 by default: NCCL on its own streams). A
-    calibrated one (:mod:`workbench.advise.calibrate`) measures it, a ZeRO-3 unit's all-gather
-    started before a block's compute: ``overlap`` on this machine's own links (gloo's thread
-    competes with the ranks' compute for the cores), ``overlap_emulated`` for a group that
-    crosses an emulated link (where the wait is a thread asleep)."""
-    overlap = float(getattr(cluster, "overlap", 1.0))
-    links, emulated = getattr(cluster, "links", None), getattr(cluster, "overlap_emulated", None)
-    if links is None or emulated is None:
-        return overlap
-    nodes: dict[int, int] = {}
-    for r in ranks:
-        nodes[links.node_of(r)] = nodes.get(links.node_of(r), 0) + 1
-    crosses = (len(nodes) > 1 and links.inter is not None) or (max(nodes.values()) > 1 and links.intra is not None)
-    return float(emulated) if crosses else overlap
 
 
 def measured_layer(cluster, rows: int, config: Config) -> dict | None:
