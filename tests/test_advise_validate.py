@@ -272,7 +272,8 @@ def test_calibration_gives_a_cluster_the_timing_uses():
 
     result = workbench.launch(_calibrate_tiny, world_size=2)[0]
     for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_flat", "sync_world",
-                "layer_r1_sync_pair", "exchange:64", "one_way:4096"):
+                "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
+                "one_way:4096"):
         assert result[key] > 0, key
     cl = cluster_from(result, "tiny", (1, 2), 2)
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0

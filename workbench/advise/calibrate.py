@@ -32,7 +32,8 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           at each moment, so a pipeline stage working alone in a bubble runs
                           at full speed, as it does here.
 ``sync_by_size``          every rank computes then all-reduces one float (over all ranks, and over
-                          pairs), less the two timed apart: what a collective costs beyond its
+                          pairs), less the two timed apart (the long compute in turns with the
+                          compute and the collective, in one loop, so that both see the same load): what a collective costs beyond its
                           bytes when it follows compute and the ranks outnumber the cores (they
                           drift apart within the OS's time slices, and the collective waits for
                           the last one to be scheduled again). Timed after a short compute (a
@@ -55,7 +56,10 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           collectives' waits are inside; :mod:`workbench.advise.timing` uses these
                           where a configuration's shape was timed, and the formulas elsewhere.
 ``update_s_per_param``    AdamW's step on one flat tensor of the model's size, per element;
-``step_overhead_s``       the step on the model's own tensors, less that: a cost per tensor.
+``step_overhead_s``       a whole training step on ``r1`` rows (``zero_grad(set_to_none=True)``,
+                          forward, backward, AdamW's step) less its forward and backward (timed in
+                          turns in one loop) and the update per parameter: the step's cost per
+                          tensor, the gradients' allocation and whatever else a step does once.
 ``machine``               a :class:`~workbench.comm.cost.CostModel` whose curves are this
                           machine's messages, timed with every pair of ranks exchanging at once
                           (:class:`workbench.comm.cost.Probe` with ``all_pairs``): the cost of a
@@ -237,6 +241,11 @@ class Calibration:
         for p in self.gpt.parameters():   # as zero_grad(set_to_none=True) then backward would
             p.grad = torch.zeros_like(p)
 
+    def _train(self) -> None:
+        self.gpt_opt.zero_grad(set_to_none=True)
+        self._model()
+        self.gpt_opt.step()
+
     def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None) -> float:
         """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier), or on every
         rank at once (the slowest rank's). The same number on every rank. ``key``: the probe's
@@ -260,6 +269,28 @@ class Calibration:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0])
 
+    def _time_paired(self, fa, fb, *, key: str) -> tuple[float, float]:
+        """Seconds per call of ``fa`` and of ``fb``, timed in turns in one loop on every rank (the
+        slowest rank's each), so that both see the same load: their difference is not the load's
+        drift between two probes."""
+        import torch.distributed as dist
+
+        if key not in self.counts:
+            one = self._time(fb, alone=False, iterations=1)
+            self.counts[key] = max(self.iterations, min(200, math.ceil(self.budget_s / 2 / max(one, 1e-6))))
+        n = self.counts[key]
+        dist.barrier()
+        t = torch.zeros(2, dtype=torch.float64)
+        for _ in range(n):
+            start = time.perf_counter()
+            fa()
+            middle = time.perf_counter()
+            fb()
+            t[0] += middle - start
+            t[1] += time.perf_counter() - middle
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0]) / n, float(t[1]) / n
+
     def _add(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
 
@@ -282,10 +313,17 @@ class Calibration:
                 probes[_tp_key(r, t, sp, name)] = ((lambda m=m, r=r: self._run_model(m, r)), False)
         for g, group in (("world", None), ("pair", self.pair)):
             probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
-            probes[f"layer_r1_sync_{g}"] = ((lambda group=group: (self._layer(r1), self._sync(group))), False)
             probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
         for key, (fn, alone) in probes.items():
             self._add(key, self._time(fn, alone=alone, key=key))
+        a, b = self._time_paired(self._model, self._train, key="train_r1")
+        self._add("model_before_train_r1", a)
+        self._add("train_r1", b)
+        for g, group in (("world", None), ("pair", self.pair)):   # a block, then a block and a collective
+            a, b = self._time_paired(layer1, lambda group=group: (self._layer(r1), self._sync(group)),
+                                     key=f"layer_r1_sync_{g}")
+            self._add(f"layer_r1_before_sync_{g}", a)
+            self._add(f"layer_r1_sync_{g}", b)
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
             self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters))
@@ -396,10 +434,15 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     mb_overhead = max(0.0, (result["model_r1"] - c.n_layer * result["layer_r1"]) / crowd - head_flops / flops)
     # the price of a synchronisation, after a short compute (a 128 x 128 matmul) and a long one (a block)
     sync = {n: [(result["short"], max(0.0, result[f"short_sync_{g}"] - result["short"] - result[f"sync_{g}"])),
-                (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result["layer_r1"] - result[f"sync_{g}"]))]
+                (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result.get(f"layer_r1_before_sync_{g}",
+                                                                                         result["layer_r1"])
+                                         - result[f"sync_{g}"]))]
             for n, g in ((2, "pair"), (world_size, "world"))}
     update = result["adam_flat"] / crowd / max(1, _psi(c))
-    step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
+    if "train_r1" in result:   # the whole step less its forward and backward, timed in turns
+        step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / crowd - update * _psi(c))
+    else:
+        step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])

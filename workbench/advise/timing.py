@@ -76,7 +76,9 @@ by it (``cost._ring_on_links``).
   message's time on the link boundary ``k`` crosses; plus the tied
   embedding's gradient exchanged between the first and the last stage, the loss broadcast, and
   the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
-  ranks up before the step and gathers the measured timeline after it).
+  ranks up before the step and gathers the measured timeline after it). A message costs its
+  link's time only, not the price of a collective after compute (``sync_by_size`` below): its
+  receiver waits idle, its core given to the ranks that compute.
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
@@ -396,7 +398,9 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     if p > 1:
         msg = rows * s * h * e / (t if config.sequence_parallel else 1)
         owner = stage_to_rank(num_stages, p, style)
-        hops = [0.0 if owner[k] == owner[k + 1] else _sync(cluster, 2) + _link_time(
+        # a message's link time only: its receiver is idle, its core given to the ranks computing (the
+        # replay shares the cores among those), not drifting apart from a peer as after a collective
+        hops = [0.0 if owner[k] == owner[k + 1] else _link_time(
             groups["pp"][owner[k]], groups["pp"][owner[k + 1]], dpn, intra, inter, machine, msg)
             for k in range(num_stages - 1)]
         if shape.tied:
