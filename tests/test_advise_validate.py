@@ -185,6 +185,25 @@ def test_timed_tensor_parallel_layers_put_their_collectives_in_tp():
     assert t["tp"] > 0 and t["tp"] != pytest.approx(untimed["tp"])
 
 
+def test_timed_tensor_parallel_layers_share_the_cores_in_a_pipeline():
+    """On an oversubscribed machine the timed collectives' waits shrink when fewer ranks compute:
+    in a pipeline they are replayed as shared work, so the step is shorter than with them as fixed
+    communication, and never shorter than the compute alone; with every rank busy (no pipeline)
+    nothing changes."""
+    shape = ModelShape.preset("tiny")
+    config = Config(tp=2, pp=2, microbatches=2, schedule="gpipe")
+    timed = {(8, 2, False): {"layer": 0.030, "edges": 0.012}}
+    shared = timing.step_time(shape, _timed_cluster(timed, flops=100e9, cores=2.0), config, 16)
+    plain = timing.step_time(shape, _timed_cluster(None, flops=100e9, cores=2.0), config, 16)
+    assert shared["tp"] > 0 and shared["compute"] == pytest.approx(plain["compute"], rel=0.05)
+    # the same timed layers at the crowded rate throughout (as every rank busy would run them)
+    L = shape.layers
+    busy = 2 * (L * 0.030 + 0.012)
+    assert shared["compute"] + shared["tp"] < busy + plain["compute"]
+    flat = timing.step_time(shape, _timed_cluster(timed, flops=100e9, cores=2.0), Config(dp=2, tp=2), 16)
+    assert flat["compute"] + flat["tp"] == pytest.approx(L * 0.030 + 0.012, rel=1e-9)
+
+
 def test_tensor_parallel_group_inside_a_node_is_priced_on_this_machines_link():
     """dp=2 x tp=2 on 2 emulated nodes of 2: the tp pairs {0,1}, {2,3} stay inside a node, so their
     collectives cost what they cost on one node (the machine's curves), not the slow link's."""

@@ -415,15 +415,28 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
 
     if p > 1 and cores:
         # the schedule replayed with the machine's cores shared among the ranks computing
-        work, comm = {}, {}
+        # Timed tensor-parallel layers: their collectives' cost beyond the formulas is mostly waiting
+        # for a peer to get a core, which shrinks as the cores do when fewer ranks compute (ramp-up,
+        # drain), so it is shared like compute: replayed as work at the crowded rate, and reported
+        # as tp in proportion.
+        shared = tp_layer is not None
+        work, comm, tp_work = {}, {}, [0.0] * p
+        owner = stage_to_rank(num_stages, p, style)
         for k, st in enumerate(per_stage):
             f = st["compute"] / 3
-            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f, 2 * f, f, f
-            comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = st["tp_f"], st["tp_b"], st["tp_b"], 0.0
+            tf, tb = (st["tp_f"] / crowd, st["tp_b"] / crowd) if shared else (0.0, 0.0)
+            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f + tf, 2 * f + tb, f + tb, f
+            cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
+            comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
+            tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
         sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=cores,
                        replicas=d * t)
         r = max(range(p), key=lambda i: sim["busy"][i])
         compute, tp_total = sim["compute"][r], sim["comm"][r]
+        if shared:   # the share of the replayed work that was tensor-parallel communication
+            stages_r = sum(1 for o in owner if o == r)
+            tp_total = compute * tp_work[r] / max(1, stages_r)
+            compute -= tp_total
         idle = max(0.0, sim["span"] - sim["busy"][r])
         pp_total = min(idle, critical_messages)
         bubble = idle - pp_total
