@@ -269,15 +269,17 @@ class Calibration:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0])
 
-    def _time_paired(self, fa, fb, *, key: str) -> tuple[float, float]:
+    def _time_paired(self, fa, fb, *, key: str, budget: float = 3.0) -> tuple[float, float]:
         """Seconds per call of ``fa`` and of ``fb``, timed in turns in one loop on every rank (the
         slowest rank's each), so that both see the same load: their difference is not the load's
-        drift between two probes."""
+        drift between two probes. ``budget``: times ``budget_s`` (a difference needs more calls:
+        what a collective waits for a peer's core varies from call to call by whole time slices,
+        and a step pays the mean of many)."""
         import torch.distributed as dist
 
         if key not in self.counts:
             one = self._time(fb, alone=False, iterations=1)
-            self.counts[key] = max(self.iterations, min(200, math.ceil(self.budget_s / 2 / max(one, 1e-6))))
+            self.counts[key] = max(self.iterations, min(200, math.ceil(budget * self.budget_s / 2 / max(one, 1e-6))))
         n = self.counts[key]
         dist.barrier()
         t = torch.zeros(2, dtype=torch.float64)
