@@ -204,6 +204,17 @@ def test_timed_tensor_parallel_layers_share_the_cores_in_a_pipeline():
     assert flat["compute"] + flat["tp"] == pytest.approx(L * 0.030 + 0.012, rel=1e-9)
 
 
+def test_pipeline_pays_the_drift_price_twice_per_step_and_not_per_message():
+    """A calibrated cluster's price of a collective after compute (``sync``) is paid by the
+    pipeline's line-up before the step and its timeline gather after the schedule, not by each
+    activation message (whose receiver waits idle) nor by the collectives back to back after those."""
+    shape = ModelShape.preset("tiny")
+    for config in (Config(pp=2, microbatches=4), Config(pp=4, microbatches=4)):
+        base = timing.step_time(shape, _cluster(nodes=1, per_node=4), config, 16)
+        synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, sync_s=0.01), config, 16)
+        assert synced["pp"] - base["pp"] == pytest.approx(2 * 0.01, rel=1e-9)
+
+
 def test_tensor_parallel_group_inside_a_node_is_priced_on_this_machines_link():
     """dp=2 x tp=2 on 2 emulated nodes of 2: the tp pairs {0,1}, {2,3} stay inside a node, so their
     collectives cost what they cost on one node (the machine's curves), not the slow link's."""

@@ -406,11 +406,15 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
-        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"]) + _sync(cluster, p)
+        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"])
         # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
         # it (an all-reduce of one float, two small all-gathers): part of what it costs here
-        pp_extra += PIPELINE_STEP_COLLECTIVES * (cost.predict("all_reduce", "native", 8, p, machine,
-                                                              topology=topo["pp"]) + _sync(cluster, p))
+        pp_extra += PIPELINE_STEP_COLLECTIVES * cost.predict("all_reduce", "native", 8, p, machine,
+                                                             topology=topo["pp"])
+        # the price of ranks drifted apart is paid by a collective that follows compute: the line-up
+        # (after the previous step's optimizer) and the timeline's gather (after the schedule); the
+        # loss broadcast and the other gather follow those back to back and find the ranks lined up
+        pp_extra += 2 * _sync(cluster, p)
     critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
 
     if p > 1 and cores:
