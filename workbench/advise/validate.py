@@ -292,7 +292,10 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
                    "topology": setting.topology, "config": label, "config_fields": asdict(c),
                    "predicted_s": predicted["total"], "predicted_parts": predicted, "measured_s": measured,
                    "time_error": predicted["total"] / measured - 1, "samples_s": out["samples"][label],
-                   "memory_measured": mem, "load": load}
+                   "memory_measured": mem, "load": load,
+                   # the probes' medians and row counts: the prediction can be made again from the JSON
+                   # (calibrate.cluster_from), e.g. after a change to the timing model
+                   "probes": out["calibration"], "probe_rows": list(out["rows"])}
             pm = _predict_memory(shape, c, setting.batch)
             if pm is not None:
                 row["memory_predicted"] = pm
