@@ -331,3 +331,15 @@ def test_validate_select_refuses_bad_setting_numbers():
     for bad in ("0", "x", f"1,{len(validate.SETTINGS) + 1}"):
         with pytest.raises(ValueError, match="--validate-select"):
             validate.main(argparse.Namespace(validate_select=bad, validate_trials=1, validate_steps=1))
+
+
+def test_data_parallel_pays_the_drift_price_once_per_wait_after_compute():
+    """DDP's buckets go back to back (one price for all of them, one for the loss's all-reduce);
+    ZeRO-3 waits for each unit's gather after compute, forward and backward, and for its
+    reduce-scatters together: 2 units + 1 per micro-batch."""
+    shape = ModelShape.preset("small")
+    sync = 0.01
+    for config, expect in ((Config(dp=4), 2), (Config(dp=4, zero=3), 2 * (shape.layers + 1) + 1 + 1)):
+        base = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0), config, 8)
+        synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, sync_s=sync), config, 8)
+        assert synced["dp"] - base["dp"] == pytest.approx(expect * sync, rel=1e-9), config.label()

@@ -33,7 +33,8 @@ activations a layer keeps (:func:`workbench.parallel.tensor.activation_bytes_per
 shrinks with tensor and sequence parallelism as that work does), ``microbatch_overhead_s`` per
 micro-batch and stage (embedding, head, loss), ``step_overhead_s`` per step (the optimizer's
 per-tensor cost), and ``sync_by_size``: what a collective costs beyond its bytes when it follows
-compute and the ranks outnumber the cores (they drift apart within the OS's time slices), per
+compute and the ranks outnumber the cores (they drift apart within the OS's time slices; paid
+by the first collective after compute, not by those that follow it back to back), per
 group size and interpolated at the compute that precedes it (a quarter of a layer for a
 tensor-parallel collective; a stage's whole pass for a pipeline message or a gradient bucket).
 Where a calibrated cluster timed the model's own layers at a configuration's micro-batch shape
@@ -469,15 +470,18 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         mb_compute = slowest["compute"] * crowd
         if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
             units = max(stage_layers(shape.layers, p)) + 1
+            # the drift price (a wait after compute): each unit's gather, forward and backward, is waited
+            # for after the previous unit's compute; the reduce-scatters are waited for together
             per_mb = sum(units * cost.predict(c, "native", grad_bytes / units, d, machine, topology=topo["dp"])
-                         for c in ("all_gather", "all_gather", "reduce_scatter")) + 3 * units * sync
+                         for c in ("all_gather", "all_gather", "reduce_scatter")) + (2 * units + 1) * sync
             dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / units)
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
             first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
             buckets = 1 + max(0, math.ceil((grad_bytes - first) / cap))
-            bucket = lambda c: buckets * (cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
-                                                       topology=topo["dp"]) + sync)
+            # the buckets go back to back: only the first wait, after compute, pays the drift price
+            bucket = lambda c: buckets * cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
+                                                      topology=topo["dp"]) + sync
             reduce = bucket("all_reduce") if config.zero == 0 else bucket("reduce_scatter")
             dp_total = max(0.0, reduce - overlap * mb_compute * 2 / 3)   # behind the last backward
             if config.zero in (1, 2):
