@@ -129,6 +129,106 @@ def test_data_parallel_ring_crosses_nodes_and_overlap_hides_it():
     assert hidden["dp"] < t["dp"]
 
 
+def _timed_cluster(layer_costs, **kw) -> CalibratedCluster:
+    """A calibrated 1-node cluster of 4 with one core per rank and no optimizer or link costs,
+    whose layers were timed at the shapes ``layer_costs`` gives."""
+    base = dict(nodes=1, per_node=4, flops=1e9, update_s_per_param=0.0, intra=FAST, inter=FAST,
+                machine=cost.CostModel(0, 0, 0), layer_costs=layer_costs)
+    base.update(kw)
+    return _cluster(**base)
+
+
+def test_layer_costs_from_the_probes():
+    from workbench.advise.calibrate import _tp_key, layer_costs
+
+    result = {"layer_r1": 0.010, "layer_rows4": 0.020, "layer_r2": 0.040, _tp_key(1, 1, False, "none"): 0.003,
+              _tp_key(4, 1, False, "none"): 0.005, _tp_key(8, 1, False, "none"): 0.009,
+              _tp_key(4, 2, True, "all"): 0.130, _tp_key(4, 2, True, "none"): 0.010}
+    costs = layer_costs(result, (1, 4, 8), layers=4)
+    assert costs[(1, 1, False)] == {"layer": 0.010, "edges": 0.003}
+    assert costs[(4, 1, False)] == {"layer": 0.020, "edges": 0.005}
+    assert costs[(8, 1, False)] == {"layer": 0.040, "edges": 0.009}
+    assert costs[(4, 2, True)] == pytest.approx({"layer": 0.030, "edges": 0.010})   # (all - none) / layers
+    assert set(costs) == {(1, 1, False), (4, 1, False), (8, 1, False), (4, 2, True)}
+
+
+def test_timed_layers_are_the_compute_the_timing_uses():
+    shape = ModelShape.preset("tiny")
+    L = shape.layers
+    layer, edges = 0.011, 0.004
+    cl = _timed_cluster({(4, 1, False): {"layer": layer, "edges": edges}})
+    # dp=4, B=16: 4 rows per rank, one micro-batch: L layers and the edges, as timed
+    t = timing.step_time(shape, cl, Config(dp=4), 16)
+    assert t["compute"] == pytest.approx(L * layer + edges, rel=1e-12)
+    # dp=2 with 2 micro-batches of 4 rows: the same shape, twice
+    t2 = timing.step_time(shape, cl, Config(dp=2, pp=2, microbatches=2), 16)
+    assert timing.measured_layer(cl, 4, Config(dp=2, pp=2, microbatches=2)) == {"layer": layer, "edges": edges}
+    # a shape not timed (8 rows), or another precision, falls back to the formulas
+    assert timing.measured_layer(cl, 8, Config(dp=2)) is None
+    assert timing.measured_layer(cl, 4, Config(dp=4, precision="bf16")) is None
+    assert timing.step_time(shape, cl, Config(dp=2), 16)["compute"] != pytest.approx(2 * (L * layer + edges))
+    # every stage of the pipeline runs its half of the layers on each micro-batch, and the edges
+    assert t2["compute"] >= 2 * (L // 2 * layer)
+
+
+def test_timed_tensor_parallel_layers_put_their_collectives_in_tp():
+    shape = ModelShape.preset("tiny")
+    L = shape.layers
+    layer, edges = 0.030, 0.012
+    config = Config(dp=2, tp=2, sequence_parallel=True)
+    cl = _timed_cluster({(8, 2, True): {"layer": layer, "edges": edges}}, flops=100e9)
+    t = timing.step_time(shape, cl, config, 16)
+    # compute and tensor-parallel communication add up to the timed model; compute is the formulas'
+    assert t["compute"] + t["tp"] == pytest.approx(L * layer + edges, rel=1e-9)
+    untimed = timing.step_time(shape, _timed_cluster(None, flops=100e9), config, 16)
+    assert t["compute"] == pytest.approx(untimed["compute"], rel=1e-9)
+    assert t["tp"] > 0 and t["tp"] != pytest.approx(untimed["tp"])
+
+
+def test_timed_tensor_parallel_layers_share_the_cores_in_a_pipeline():
+    """On an oversubscribed machine the timed collectives' waits shrink when fewer ranks compute:
+    in a pipeline they are replayed as shared work, so the step is shorter than with them as fixed
+    communication, and never shorter than the compute alone; with every rank busy (no pipeline)
+    nothing changes."""
+    shape = ModelShape.preset("tiny")
+    config = Config(tp=2, pp=2, microbatches=2, schedule="gpipe")
+    timed = {(8, 2, False): {"layer": 0.030, "edges": 0.012}}
+    shared = timing.step_time(shape, _timed_cluster(timed, flops=100e9, cores=2.0), config, 16)
+    plain = timing.step_time(shape, _timed_cluster(None, flops=100e9, cores=2.0), config, 16)
+    assert shared["tp"] > 0 and shared["compute"] == pytest.approx(plain["compute"], rel=0.05)
+    # the same timed layers at the crowded rate throughout (as every rank busy would run them)
+    L = shape.layers
+    busy = 2 * (L * 0.030 + 0.012)
+    assert shared["compute"] + shared["tp"] < busy + plain["compute"]
+    flat = timing.step_time(shape, _timed_cluster(timed, flops=100e9, cores=2.0), Config(dp=2, tp=2), 16)
+    assert flat["compute"] + flat["tp"] == pytest.approx(L * 0.030 + 0.012, rel=1e-9)
+
+
+def test_pipeline_pays_the_drift_price_twice_per_step_and_not_per_message():
+    """A calibrated cluster's price of a collective after compute (``sync``) is paid by the
+    pipeline's line-up before the step and its timeline gather after the schedule, not by each
+    activation message (whose receiver waits idle) nor by the collectives back to back after those."""
+    shape = ModelShape.preset("tiny")
+    for config in (Config(pp=2, microbatches=4), Config(pp=4, microbatches=4)):
+        base = timing.step_time(shape, _cluster(nodes=1, per_node=4), config, 16)
+        synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, sync_s=0.01), config, 16)
+        assert synced["pp"] - base["pp"] == pytest.approx(2 * 0.01, rel=1e-9)
+
+
+def test_tensor_parallel_group_inside_a_node_is_priced_on_this_machines_link():
+    """dp=2 x tp=2 on 2 emulated nodes of 2: the tp pairs {0,1}, {2,3} stay inside a node, so their
+    collectives cost what they cost on one node (the machine's curves), not the slow link's."""
+    from workbench.comm.topology import Topology
+
+    machine = cost.CostModel(2e-5, 1e-9, 1e-10)
+    one = _cluster(nodes=1, per_node=4, intra=FAST, inter=FAST, links=Topology(4), machine=machine)
+    slow = Link(1e-3, 50e6)
+    two = _cluster(nodes=2, per_node=2, intra=FAST, inter=slow, links=Topology(2, inter=slow), machine=machine)
+    c = Config(dp=2, tp=2, sequence_parallel=True)
+    assert timing.step_time(SHAPE, two, c, 8)["tp"] == pytest.approx(timing.step_time(SHAPE, one, c, 8)["tp"])
+    assert timing.step_time(SHAPE, two, c, 8)["dp"] > timing.step_time(SHAPE, one, c, 8)["dp"]
+
+
 def test_pipeline_messages_on_the_slow_link_when_stages_span_nodes():
     # pp=2 with dp=tp=1: ranks 0 and 1; nodes of 1 put the two stages on two nodes
     inside = timing.step_time(SHAPE, _cluster(nodes=1, per_node=2), Config(pp=2, microbatches=4), 16)
@@ -212,7 +312,7 @@ def test_memory_of_small_microbatches_pinned_to_measured():
 def _calibrate_tiny():
     from workbench.advise.calibrate import Calibration
 
-    cal = Calibration("tiny", (1, 2), sizes=(64, 4096), budget_s=0.005)
+    cal = Calibration("tiny", (1, 2), tp_shapes=((2, 2, False),), sizes=(64, 4096), budget_s=0.005)
     cal.once()
     return cal.result()
 
@@ -224,14 +324,44 @@ def test_calibration_gives_a_cluster_the_timing_uses():
 
     result = workbench.launch(_calibrate_tiny, world_size=2)[0]
     for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_flat", "sync_world",
-                "layer_r1_sync_pair", "exchange:64", "one_way:4096"):
+                "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
+                "one_way:4096"):
         assert result[key] > 0, key
     cl = cluster_from(result, "tiny", (1, 2), 2)
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
     assert set(cl.sync_by_size) == {2}
-    t = timing.step_time(ModelShape.preset("tiny"), cl, Config(dp=2), 8)
-    assert t["compute"] > 0 and t["dp"] > 0
+    # the model's own layers at each row count, and its tensor-parallel model at (2 rows, t=2)
+    assert set(cl.layer_costs) == {(1, 1, False), (2, 1, False), (2, 2, False)}
+    assert all(v["layer"] > 0 and v["edges"] > 0 for v in cl.layer_costs.values())
+    shape = ModelShape.preset("tiny")
+    tp = timing.step_time(shape, cl, Config(tp=2), 2)
+    timed = cl.layer_costs[(2, 2, False)]
+    optimizer = (timing._parameters_on_rank(shape, 2, 1) * cl.update_s_per_param + cl.step_overhead_s) \
+        * max(1.0, 2 / cl.cores)
+    assert tp["compute"] + tp["tp"] == pytest.approx(shape.layers * timed["layer"] + timed["edges"] + optimizer)
     with pytest.raises(ValueError, match="rows"):
         from workbench.advise.calibrate import Calibration
         Calibration("tiny", (2, 2))
+
+
+def test_validate_select_refuses_bad_setting_numbers():
+    import argparse
+
+    from workbench.advise import validate
+
+    for bad in ("0", "x", f"1,{len(validate.SETTINGS) + 1}"):
+        with pytest.raises(ValueError, match="--validate-select"):
+            validate.main(argparse.Namespace(validate_select=bad, validate_trials=1, validate_steps=1))
+
+
+def test_data_parallel_pays_the_drift_price_once_per_wait_after_compute():
+    """DDP's buckets go back to back (one price for all of them, one for the loss's all-reduce);
+    ZeRO-3 waits for each unit's gather after compute, forward and backward, and for its
+    reduce-scatters together: 2 units + 1 per micro-batch."""
+    shape = ModelShape.preset("small")
+    sync = 0.01
+    for config, expect in ((Config(dp=4), 2), (Config(dp=4, zero=3), 2 * (shape.layers + 1) + 1 + 1)):
+        base = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0), config, 8)
+        synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, sync_s=sync), config, 8)
+        assert synced["dp"] - base["dp"] == pytest.approx(expect * sync, rel=1e-9), config.label()

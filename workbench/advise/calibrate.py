@@ -32,7 +32,8 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           at each moment, so a pipeline stage working alone in a bubble runs
                           at full speed, as it does here.
 ``sync_by_size``          every rank computes then all-reduces one float (over all ranks, and over
-                          pairs), less the two timed apart: what a collective costs beyond its
+                          pairs), less the two timed apart (the long compute in turns with the
+                          compute and the collective, in one loop, so that both see the same load): what a collective costs beyond its
                           bytes when it follows compute and the ranks outnumber the cores (they
                           drift apart within the OS's time slices, and the collective waits for
                           the last one to be scheduled again). Timed after a short compute (a
@@ -42,8 +43,23 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           interpolated at the compute that precedes each.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
+``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
+                          profile the layers, not a FLOP rate): for every row count ``r`` of ``rows``
+                          the block and the whole model (embedding, head, loss: the model less its
+                          blocks: the model with its blocks taken out), and for every ``(r, t,
+                          sequence_parallel)`` of ``tp_shapes`` the model split by
+                          :func:`workbench.parallel.tensor.tensor_parallel` over groups of ``t``
+                          adjacent ranks (as the mesh lays them out), timed with all its layers and
+                          with none (the edges; the difference over the layers: one layer, its
+                          collectives included). Per-operator
+                          costs (Python, dispatch, small kernels below the matmul rate) and the
+                          collectives' waits are inside; :mod:`workbench.advise.timing` uses these
+                          where a configuration's shape was timed, and the formulas elsewhere.
 ``update_s_per_param``    AdamW's step on one flat tensor of the model's size, per element;
-``step_overhead_s``       the step on the model's own tensors, less that: a cost per tensor.
+``step_overhead_s``       a whole training step on ``r1`` rows (``zero_grad(set_to_none=True)``,
+                          forward, backward, AdamW's step) less its forward and backward (timed in
+                          turns in one loop) and the update per parameter: the step's cost per
+                          tensor, the gradients' allocation and whatever else a step does once.
 ``machine``               a :class:`~workbench.comm.cost.CostModel` whose curves are this
                           machine's messages, timed with every pair of ranks exchanging at once
                           (:class:`workbench.comm.cost.Probe` with ``all_pairs``): the cost of a
@@ -94,6 +110,7 @@ class CalibratedCluster(Cluster):
     step_overhead_s: float = 0.0
     update_s_per_param: float | None = None
     activation_s_per_byte: float = 0.0
+    layer_costs: dict | None = None            # (rows, t, sp) -> {"layer": s, "edges": s}, all ranks busy
     overlap: float = 0.0                       # share of compute that hides data-parallel traffic
     machine: object = None                     # comm.cost.CostModel of the links not emulated
     links: Topology | None = None              # the emulated links (None: this machine's own)
@@ -118,12 +135,14 @@ class Calibration:
     ``model``: the GPT whose blocks are timed (a :class:`GPTConfig` or preset); ``rows``: two or
     more row counts of the block's line (use the micro-batch sizes the runs use; the smallest is
     ``r1``, the largest ``r2``);
+    ``tp_shapes``: ``(rows, t, sequence_parallel)`` of the tensor-parallel runs to time the model's
+    layers at (``t`` must divide the world size; the row count need not be in ``rows``);
     ``sizes``: message sizes for the comm probes; ``iterations``: the fewest calls per timing, more
     where they take less than ``budget_s`` (up to 200).
     """
 
-    def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, sizes=PROBE_SIZES, iterations: int = 2,
-                 budget_s: float = 0.1, seed: int = 0):
+    def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, tp_shapes=(), sizes=PROBE_SIZES,
+                 iterations: int = 2, budget_s: float = 0.1, seed: int = 0):
         import torch.distributed as dist
 
         from workbench.comm.cost import Probe
@@ -139,13 +158,17 @@ class Calibration:
         self.config = _gpt_config(model)
         self.rows, self.iterations = rows, iterations
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tp_shapes = _check_tp_shapes(tp_shapes, self.world)
         c = self.config
         g = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
         self.block = Block(c)
         self.gpt = GPT(c)
         self.inputs = {r: torch.randn(r, c.block_size, c.n_embd, generator=g, requires_grad=True) for r in rows}
-        self.tokens = torch.randint(c.vocab_size, (r1, c.block_size), generator=g)
+        every = sorted(set(rows) | {r for r, _, _ in self.tp_shapes})
+        self.token_rows = {r: torch.randint(c.vocab_size, (r, c.block_size), generator=g) for r in every}
+        self.tokens = self.token_rows[r1]
+        self.edges = _gpt(c, 0, None, False, seed)   # the model without its blocks
         self.a = torch.randn(r2 * c.block_size, c.n_embd, generator=g)
         self.b = torch.randn(c.n_embd, 4 * c.n_embd, generator=g)
         self.a16, self.b16 = self.a.to(torch.bfloat16), self.b.to(torch.bfloat16)
@@ -164,6 +187,17 @@ class Calibration:
             pair = dist.new_group([2 * k, 2 * k + 1])
             if self.rank // 2 == k:
                 self.pair = pair
+        # the model split by tensor parallelism over groups of t adjacent ranks (the mesh's tp groups),
+        # with all its layers and with none: per (t, sp), built once and timed at each row count
+        self.tp_models: dict[tuple[int, bool], tuple] = {}
+        for t in sorted({t for _, t, _ in self.tp_shapes}):
+            mine = None
+            for k in range(self.world // t):
+                grp = dist.new_group(list(range(k * t, (k + 1) * t))) if t < self.world else None
+                if self.rank // t == k:
+                    mine = grp
+            for sp in sorted({sp for _, t2, sp in self.tp_shapes if t2 == t}):
+                self.tp_models[(t, sp)] = tuple(_gpt(c, layers, mine, sp, seed, t) for layers in (c.n_layer, 0))
         self.sizes = tuple(sizes)
         self.probes = {(kind, n): Probe(kind, n, all_pairs=True) for kind in Probe.KINDS for n in self.sizes}
         self.samples: dict[str, list[float]] = {}
@@ -181,6 +215,11 @@ class Calibration:
 
     def _model(self) -> None:
         _, loss = self.gpt(self.tokens, self.tokens)
+        loss.backward()
+
+    def _run_model(self, model, rows: int) -> None:
+        tokens = self.token_rows[rows]
+        _, loss = model(tokens, tokens)
         loss.backward()
 
     def _sync(self, group=None) -> None:
@@ -201,6 +240,11 @@ class Calibration:
         self.gpt_opt.step()
         for p in self.gpt.parameters():   # as zero_grad(set_to_none=True) then backward would
             p.grad = torch.zeros_like(p)
+
+    def _train(self) -> None:
+        self.gpt_opt.zero_grad(set_to_none=True)
+        self._model()
+        self.gpt_opt.step()
 
     def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None) -> float:
         """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier), or on every
@@ -225,6 +269,30 @@ class Calibration:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0])
 
+    def _time_paired(self, fa, fb, *, key: str, budget: float = 3.0) -> tuple[float, float]:
+        """Seconds per call of ``fa`` and of ``fb``, timed in turns in one loop on every rank (the
+        slowest rank's each), so that both see the same load: their difference is not the load's
+        drift between two probes. ``budget``: times ``budget_s`` (a difference needs more calls:
+        what a collective waits for a peer's core varies from call to call by whole time slices,
+        and a step pays the mean of many)."""
+        import torch.distributed as dist
+
+        if key not in self.counts:
+            one = self._time(fb, alone=False, iterations=1)
+            self.counts[key] = max(self.iterations, min(200, math.ceil(budget * self.budget_s / 2 / max(one, 1e-6))))
+        n = self.counts[key]
+        dist.barrier()
+        t = torch.zeros(2, dtype=torch.float64)
+        for _ in range(n):
+            start = time.perf_counter()
+            fa()
+            middle = time.perf_counter()
+            fb()
+            t[0] += middle - start
+            t[1] += time.perf_counter() - middle
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0]) / n, float(t[1]) / n
+
     def _add(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
 
@@ -239,13 +307,25 @@ class Calibration:
                   "matmul": (self._matmul, False), "matmul_bf16": (self._matmul_bf16, False),
                   "model_r1": (self._model, False),
                   "adam_flat": (self.flat_opt.step, False), "adam_model": (self._gpt_step, False),
-                  "short": (self._short, False)}
+                  "short": (self._short, False),
+                  **{_tp_key(r, 1, False, "none"): ((lambda r=r: self._run_model(self.edges, r)), False)
+                     for r in self.rows}}
+        for r, t, sp in self.tp_shapes:
+            for name, m in zip(("all", "none"), self.tp_models[(t, sp)]):
+                probes[_tp_key(r, t, sp, name)] = ((lambda m=m, r=r: self._run_model(m, r)), False)
         for g, group in (("world", None), ("pair", self.pair)):
             probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
-            probes[f"layer_r1_sync_{g}"] = ((lambda group=group: (self._layer(r1), self._sync(group))), False)
             probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
         for key, (fn, alone) in probes.items():
             self._add(key, self._time(fn, alone=alone, key=key))
+        a, b = self._time_paired(self._model, self._train, key="train_r1")
+        self._add("model_before_train_r1", a)
+        self._add("train_r1", b)
+        for g, group in (("world", None), ("pair", self.pair)):   # a block, then a block and a collective
+            a, b = self._time_paired(layer1, lambda group=group: (self._layer(r1), self._sync(group)),
+                                     key=f"layer_r1_sync_{g}")
+            self._add(f"layer_r1_before_sync_{g}", a)
+            self._add(f"layer_r1_sync_{g}", b)
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
             self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters))
@@ -257,12 +337,70 @@ class Calibration:
         return {k: statistics.median(v) for k, v in self.samples.items()}
 
 
+def _check_tp_shapes(tp_shapes, world: int) -> tuple[tuple[int, int, bool], ...]:
+    out = []
+    for shape in tp_shapes or ():
+        if not (isinstance(shape, (tuple, list)) and len(shape) == 3):
+            raise ValueError(f"Calibration(tp_shapes=...): {shape!r} is not (rows, t, sequence_parallel), e.g. (8, 2, False)")
+        r, t, sp = shape
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1 or isinstance(t, bool) or not isinstance(t, int) \
+                or t < 2 or world % t:
+            raise ValueError(f"Calibration(tp_shapes=...): {shape!r} needs rows >= 1 and a tensor-parallel size t >= 2 "
+                             f"dividing the world size {world}")
+        out.append((r, t, bool(sp)))
+    return tuple(sorted(set(out)))
+
+
+def _tp_key(rows: int, t: int, sp: bool, which: str) -> str:
+    """A layer probe's name: ``which`` is "all" (the model with all its layers) or "none" (with none)."""
+    return f"tp{t}{'sp' if sp else ''}_rows{rows}_{which}"
+
+
+def _gpt(config, layers: int, group, sequence_parallel: bool, seed: int, t: int = 1):
+    """``GPT(config)`` with ``layers`` blocks (0: embedding, final norm, head and loss only), split
+    by tensor parallelism over ``group`` where ``t > 1``."""
+    from dataclasses import replace
+
+    from workbench.models import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(replace(config, n_layer=max(1, layers)))
+    if t > 1:
+        from workbench.parallel.tensor import tensor_parallel
+
+        model = tensor_parallel(model, group=group, sequence_parallel=sequence_parallel)
+    if layers == 0:
+        model.blocks = torch.nn.ModuleList()
+    return model
+
+
 def max_over(value: float) -> float:
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
+
+
+def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) -> dict:
+    """The model's layers at each shape the probes timed, in seconds with every rank busy:
+    ``{(rows, t, sequence_parallel): {"layer": one layer's forward + backward (its tensor-parallel
+    collectives included), "edges": the rest of a micro-batch (embedding, head, loss)}}``."""
+    rows = tuple(sorted(set(rows)))
+    out = {}
+    for r in rows:
+        layer = result.get("layer_r1" if r == rows[0] else "layer_r2" if r == rows[-1] else f"layer_rows{r}")
+        edges = result.get(_tp_key(r, 1, False, "none"))
+        if layer is not None and edges is not None:
+            out[(r, 1, False)] = {"layer": layer, "edges": edges}
+    for key in result:
+        if key.startswith("tp") and key.endswith("_all") and not key.startswith("tp1_"):
+            head, r = key[:-len("_all")].split("_rows")
+            t, sp = int(head[2:].replace("sp", "")), head.endswith("sp")
+            none = result.get(_tp_key(int(r), t, sp, "none"))
+            if none is not None:
+                out[(int(r), t, sp)] = {"layer": max(0.0, result[key] - none) / layers, "edges": none}
+    return out
 
 
 def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_size: int,
@@ -298,10 +436,15 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     mb_overhead = max(0.0, (result["model_r1"] - c.n_layer * result["layer_r1"]) / crowd - head_flops / flops)
     # the price of a synchronisation, after a short compute (a 128 x 128 matmul) and a long one (a block)
     sync = {n: [(result["short"], max(0.0, result[f"short_sync_{g}"] - result["short"] - result[f"sync_{g}"])),
-                (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result["layer_r1"] - result[f"sync_{g}"]))]
+                (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result.get(f"layer_r1_before_sync_{g}",
+                                                                                         result["layer_r1"])
+                                         - result[f"sync_{g}"]))]
             for n, g in ((2, "pair"), (world_size, "world"))}
     update = result["adam_flat"] / crowd / max(1, _psi(c))
-    step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
+    if "train_r1" in result:   # the whole step less its forward and backward, timed in turns
+        step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / crowd - update * _psi(c))
+    else:
+        step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])
@@ -320,7 +463,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
         cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
-        update_s_per_param=update, activation_s_per_byte=act_s, overlap=0.0, machine=machine, links=links,
+        update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer), overlap=0.0, machine=machine, links=links,
         load=load, measured=dict(result))
 
 
@@ -354,21 +497,23 @@ def _memory_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _run(model, rows, trials: int, topology) -> dict:
+def _run(model, rows, trials: int, topology, tp_shapes=()) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*cannot be held back.*")
-    cal = Calibration(model, rows)
+    cal = Calibration(model, rows, tp_shapes=tp_shapes)
     for _ in range(trials):
         cal.once()
     return {"result": cal.result(), "load": load_average()}
 
 
 def calibrate(world_size: int = 4, topology: Topology | str | None = None, *, model="small",
-              rows: tuple[int, ...] = (1, 2, 4), trials: int = 5, launch_kwargs: dict | None = None) -> CalibratedCluster:
+              rows: tuple[int, ...] = (1, 2, 4), tp_shapes=(), trials: int = 5,
+              launch_kwargs: dict | None = None) -> CalibratedCluster:
     """Measure this machine with ``world_size`` ranks (on ``topology``'s emulated links, if given)
     and return it as a :class:`CalibratedCluster`; ``model``: the GPT whose blocks are timed;
-    ``trials``: calls of every probe (the median is kept)."""
+    ``rows``: micro-batch sizes to time its layers at; ``tp_shapes``: ``(rows, t, sequence_parallel)``
+    to time its tensor-parallel layers at; ``trials``: calls of every probe (the median is kept)."""
     import workbench
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
@@ -376,6 +521,6 @@ def calibrate(world_size: int = 4, topology: Topology | str | None = None, *, mo
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"calibrate(trials={trials!r}): must be a whole number >= 1")
     topo = Topology.parse(topology) if isinstance(topology, str) else topology
-    out = workbench.launch(_run, world_size=world_size, args=(model, tuple(rows), trials, topo), topology=topo,
+    out = workbench.launch(_run, world_size=world_size, args=(model, tuple(rows), trials, topo, tuple(tp_shapes)), topology=topo,
                            timeout=600, **(launch_kwargs or {}))[0]
     return cluster_from(out["result"], model, tuple(rows), world_size, topo, load=out["load"])

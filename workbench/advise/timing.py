@@ -33,9 +33,18 @@ activations a layer keeps (:func:`workbench.parallel.tensor.activation_bytes_per
 shrinks with tensor and sequence parallelism as that work does), ``microbatch_overhead_s`` per
 micro-batch and stage (embedding, head, loss), ``step_overhead_s`` per step (the optimizer's
 per-tensor cost), and ``sync_by_size``: what a collective costs beyond its bytes when it follows
-compute and the ranks outnumber the cores (they drift apart within the OS's time slices), per
+compute and the ranks outnumber the cores (they drift apart within the OS's time slices; paid
+by the first collective after compute, not by those that follow it back to back), per
 group size and interpolated at the compute that precedes it (a quarter of a layer for a
 tensor-parallel collective; a stage's whole pass for a pipeline message or a gradient bucket).
+Where a calibrated cluster timed the model's own layers at a configuration's micro-batch shape
+(``layer_costs``, keyed by rows per micro-batch, ``t`` and sequence parallelism; vTrain's way:
+profile the layers, not a FLOP rate), those timings replace the formulas above
+(:func:`measured_layer`): with ``t = 1`` a block's forward + backward and the edges (embedding,
+head, loss) as measured; with ``t > 1`` the tensor-parallel model's layer and edges, their
+collectives included, of which the formulas' compute is the compute and the rest the ``tp``
+part (split forward/backward, and layers/edges, as the formulas split it). Per-operator costs
+and the collectives' waits on an oversubscribed machine are then inside the measured cost.
 The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it updates
 (the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient and two
 moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989 TFLOP/s
@@ -68,15 +77,17 @@ by it (``cost._ring_on_links``).
   message's time on the link boundary ``k`` crosses; plus the tied
   embedding's gradient exchanged between the first and the last stage, the loss broadcast, and
   the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
-  ranks up before the step and gathers the measured timeline after it).
+  ranks up before the step and gathers the measured timeline after it). A message costs its
+  link's time only, not the price of a collective after compute (``sync_by_size`` below): its
+  receiver waits idle, its core given to the ranks that compute.
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
   (the units are freed after each). The gradient reduction runs during the last micro-batch's
   backward and the ZeRO-3 gathers during the compute they feed, so ``overlap x`` that compute
-  is hidden (``cluster.overlap``: 1 by default, as NCCL on its own streams; measured on a
-  calibrated cluster, where gloo's thread competes for the rank's core); the ZeRO-1/2
-  parameter all-gather after the step is exposed.
+  is hidden (``cluster.overlap``: 1 by default, as NCCL on its own streams; 0 on a calibrated
+  cluster, where gloo's thread competes for the rank's core); the ZeRO-1/2 parameter all-gather
+  after the step is exposed.
 
 Bubble
 ------
@@ -96,7 +107,8 @@ from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
 
-__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "measured_layer", "ELEMENT_BYTES",
+           "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Config.schedule -> the name pipeline_schedules.bubble_formula uses
@@ -340,18 +352,39 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
     act = activation_bytes_per_layer(rows, s, h, shape.heads, t, config.sequence_parallel, e) if act_s else 0
     layer_s = tokens * fpt["layer"] / rate + act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))
-    mb_over = float(getattr(cluster, "microbatch_overhead_s", 0.0))
+    head_s = tokens * fpt["head"] / rate                          # the last stage's
+    edges_s = head_s + float(getattr(cluster, "microbatch_overhead_s", 0.0))   # embedding, head, loss
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
     # a tensor-parallel collective follows a quarter of a layer's forward + backward (crowded speed)
     sync = _sync(cluster, t, layer_s * crowd / 4) if t > 1 else 0.0
+    # the model's own layers timed at this shape (a calibrated cluster): their cost replaces the formulas',
+    # the part beyond the formulas' compute being the tensor-parallel collectives (and their waits)
+    timed = measured_layer(cluster, rows, config)
+    tp_layer = tp_edges = None
+    if timed is not None:
+        layer_c, edges_c = min(layer_s * crowd, timed["layer"]), min(edges_s * crowd, timed["edges"])
+        if t == 1:
+            layer_c, edges_c = timed["layer"], timed["edges"]
+        else:
+            tp_layer, tp_edges = timed["layer"] - layer_c, timed["edges"] - edges_c
+        layer_s, edges_s = layer_c / crowd, edges_c / crowd
+        head_s = min(head_s, edges_s)
 
     # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
     actions, num_stages, style = _schedule(config, p, m) if p > 1 else ([[]], 1, "loop")
     per_stage = []
+    edge_tp = sum(_tp_time(rows, shape, config, 0, True, True, e, topo["tp"], machine, sync))
     for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
         first, last = k == 0, k == num_stages - 1
-        compute = n_layers * layer_s + (tokens * fpt["head"] / rate if last else 0.0) + mb_over / (num_stages // p)
+        # the head's FLOPs on the last stage; the per-micro-batch overheads on every stage
+        compute = n_layers * layer_s + (head_s if last else 0.0) + (edges_s - head_s) / (num_stages // p)
         tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
+        if tp_layer is not None:   # the measured collectives, split forward/backward as the formulas split them
+            layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo["tp"], machine, sync)
+            ef, eb = tp_f - layers_f, tp_b - layers_b
+            scale_l = n_layers * tp_layer / (layers_f + layers_b) if layers_f + layers_b > 0 else 0.0
+            scale_e = tp_edges / edge_tp if edge_tp > 0 else 0.0
+            tp_f, tp_b = layers_f * scale_l + ef * scale_e, layers_b * scale_l + eb * scale_e
         per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b})
     per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
     from workbench.parallel.pipeline_schedules import stage_to_rank
@@ -366,30 +399,49 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     if p > 1:
         msg = rows * s * h * e / (t if config.sequence_parallel else 1)
         owner = stage_to_rank(num_stages, p, style)
-        hops = [0.0 if owner[k] == owner[k + 1] else _sync(cluster, 2) + _link_time(
+        # a message's link time only: its receiver is idle, its core given to the ranks computing (the
+        # replay shares the cores among those), not drifting apart from a peer as after a collective
+        hops = [0.0 if owner[k] == owner[k + 1] else _link_time(
             groups["pp"][owner[k]], groups["pp"][owner[k + 1]], dpn, intra, inter, machine, msg)
             for k in range(num_stages - 1)]
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
-        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"]) + _sync(cluster, p)
+        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"])
         # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
         # it (an all-reduce of one float, two small all-gathers): part of what it costs here
-        pp_extra += PIPELINE_STEP_COLLECTIVES * (cost.predict("all_reduce", "native", 8, p, machine,
-                                                              topology=topo["pp"]) + _sync(cluster, p))
+        pp_extra += PIPELINE_STEP_COLLECTIVES * cost.predict("all_reduce", "native", 8, p, machine,
+                                                             topology=topo["pp"])
+        # the price of ranks drifted apart is paid by a collective that follows compute: the line-up
+        # (after the previous step's optimizer) and the timeline's gather (after the schedule); the
+        # loss broadcast and the other gather follow those back to back and find the ranks lined up
+        pp_extra += 2 * _sync(cluster, p)
     critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
 
     if p > 1 and cores:
         # the schedule replayed with the machine's cores shared among the ranks computing
-        work, comm = {}, {}
+        # Timed tensor-parallel layers: their collectives' cost beyond the formulas is mostly waiting
+        # for a peer to get a core, which shrinks as the cores do when fewer ranks compute (ramp-up,
+        # drain), so it is shared like compute: replayed as work at the crowded rate, and reported
+        # as tp in proportion.
+        shared = tp_layer is not None
+        work, comm, tp_work = {}, {}, [0.0] * p
+        owner = stage_to_rank(num_stages, p, style)
         for k, st in enumerate(per_stage):
             f = st["compute"] / 3
-            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f, 2 * f, f, f
-            comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = st["tp_f"], st["tp_b"], st["tp_b"], 0.0
+            tf, tb = (st["tp_f"] / crowd, st["tp_b"] / crowd) if shared else (0.0, 0.0)
+            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f + tf, 2 * f + tb, f + tb, f
+            cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
+            comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
+            tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
         sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=cores,
                        replicas=d * t)
         r = max(range(p), key=lambda i: sim["busy"][i])
         compute, tp_total = sim["compute"][r], sim["comm"][r]
+        if shared:   # the share of the replayed work that was tensor-parallel communication
+            stages_r = sum(1 for o in owner if o == r)
+            tp_total = compute * tp_work[r] / max(1, stages_r)
+            compute -= tp_total
         idle = max(0.0, sim["span"] - sim["busy"][r])
         pp_total = min(idle, critical_messages)
         bubble = idle - pp_total
@@ -418,15 +470,18 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         mb_compute = slowest["compute"] * crowd
         if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
             units = max(stage_layers(shape.layers, p)) + 1
+            # the drift price (a wait after compute): each unit's gather, forward and backward, is waited
+            # for after the previous unit's compute; the reduce-scatters are waited for together
             per_mb = sum(units * cost.predict(c, "native", grad_bytes / units, d, machine, topology=topo["dp"])
-                         for c in ("all_gather", "all_gather", "reduce_scatter")) + 3 * units * sync
+                         for c in ("all_gather", "all_gather", "reduce_scatter")) + (2 * units + 1) * sync
             dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / units)
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
             first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
             buckets = 1 + max(0, math.ceil((grad_bytes - first) / cap))
-            bucket = lambda c: buckets * (cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
-                                                       topology=topo["dp"]) + sync)
+            # the buckets go back to back: only the first wait, after compute, pays the drift price
+            bucket = lambda c: buckets * cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
+                                                      topology=topo["dp"]) + sync
             reduce = bucket("all_reduce") if config.zero == 0 else bucket("reduce_scatter")
             dp_total = max(0.0, reduce - overlap * mb_compute * 2 / 3)   # behind the last backward
             if config.zero in (1, 2):
@@ -436,6 +491,17 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
     return out
+
+
+def measured_layer(cluster, rows: int, config: Config) -> dict | None:
+    """A calibrated cluster's timing of the model's own layer at this configuration's micro-batch
+    shape (``rows`` sequences, ``config.tp``, sequence parallelism), every rank busy:
+    ``{"layer": s, "edges": s}`` (:func:`workbench.advise.calibrate.layer_costs`), or None where
+    that shape was not timed (or the configuration runs another precision or recomputes)."""
+    costs = getattr(cluster, "layer_costs", None)
+    if not costs or config.precision != "fp32" or config.recompute != "none":
+        return None
+    return costs.get((rows, config.tp, bool(config.sequence_parallel and config.tp > 1)))
 
 
 def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:

@@ -135,7 +135,7 @@ def _optimizer_states(optimizer):
 
 
 def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: int, steps: int, warmup: int,
-                 calibrate: bool, rows: tuple[int, int]) -> dict:
+                 calibrate: bool, rows: tuple[int, int], tp_shapes=()) -> dict:
     import warnings
 
     import torch.distributed as dist
@@ -158,7 +158,7 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
         for _ in range(warmup):
             built[label].step(x, y)
         memory[label] = _memory(built[label], x, y)
-    cal = Calibration(config, rows) if calibrate else None
+    cal = Calibration(config, rows, tp_shapes=tp_shapes) if calibrate else None
 
     def one(name: str) -> float:
         if name == "calibration":
@@ -192,7 +192,7 @@ def _launch(setting: Setting, trials: int, steps: int, warmup: int, calibrate: b
     topo = Topology.parse(setting.topology) if setting.topology else None
     out = workbench.launch(_run_setting, world_size=world_size, topology=topo, timeout=900,
                            args=(setting.model, setting.batch, setting.configs, trials, steps, warmup, calibrate,
-                                 rows))[0]
+                                 rows, _calibration_tp_shapes(setting)))[0]
     out["rows"] = rows
     return out
 
@@ -201,6 +201,12 @@ def _calibration_rows(setting: Setting) -> tuple[int, ...]:
     """The block's line is timed at one row and at every micro-batch size of the setting."""
     sizes = {setting.batch // c.dp // max(1, c.microbatches) for c in setting.configs}
     return tuple(sorted({1, max(2, max(sizes))} | sizes))
+
+
+def _calibration_tp_shapes(setting: Setting) -> tuple[tuple[int, int, bool], ...]:
+    """The tensor-parallel layers are timed at each (micro-batch rows, tp, sequence parallel) of the setting."""
+    return tuple(sorted({(setting.batch // c.dp // max(1, c.microbatches), c.tp, c.sequence_parallel)
+                         for c in setting.configs if c.tp > 1}))
 
 
 # ============================================================================= the parent
@@ -290,7 +296,10 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
                    "topology": setting.topology, "config": label, "config_fields": asdict(c),
                    "predicted_s": predicted["total"], "predicted_parts": predicted, "measured_s": measured,
                    "time_error": predicted["total"] / measured - 1, "samples_s": out["samples"][label],
-                   "memory_measured": mem, "load": load}
+                   "memory_measured": mem, "load": load,
+                   # the probes' medians and row counts: the prediction can be made again from the JSON
+                   # (calibrate.cluster_from), e.g. after a change to the timing model
+                   "probes": out["calibration"], "probe_rows": list(out["rows"])}
             pm = _predict_memory(shape, c, setting.batch)
             if pm is not None:
                 row["memory_predicted"] = pm
@@ -448,6 +457,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``workbench advise --validate`` (prefixed, beside the advisor's own)."""
     parser.add_argument("--validate-settings", type=int, default=None, metavar="N",
                         help=f"run the first N of the {len(SETTINGS)} settings (default all)")
+    parser.add_argument("--validate-select", default=None, metavar="K,K,...",
+                        help=f"run only these settings, numbered 1-{len(SETTINGS)} as printed (e.g. 3,4)")
     parser.add_argument("--validate-trials", type=int, default=5, metavar="T",
                         help="interleaved timing trials per configuration (default 5)")
     parser.add_argument("--validate-steps", type=int, default=2, metavar="S",
@@ -469,9 +480,20 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{name}={value!r} must be a whole number >= 1")
     if n is not None and not 1 <= n <= len(SETTINGS):
         raise ValueError(f"--validate-settings={n} must be between 1 and {len(SETTINGS)}")
+    settings = SETTINGS[:n] if n else SETTINGS
+    select = getattr(args, "validate_select", None)
+    if select:
+        try:
+            picked = [int(k) for k in str(select).split(",")]
+        except ValueError:
+            picked = []
+        if not picked or not all(1 <= k <= len(SETTINGS) for k in picked):
+            raise ValueError(f"--validate-select={select!r}: give setting numbers between 1 and {len(SETTINGS)} "
+                             "separated by commas, e.g. 3,4")
+        settings = tuple(SETTINGS[k - 1] for k in picked)
     start = time.time()
     if getattr(args, "validate_memory", False):
-        rows = validate_memory(SETTINGS[:n] if n else SETTINGS)
+        rows = validate_memory(settings)
         s = memory_summary(rows)
         k = s["memory_rows"]
         print(f"# {k} configurations in {len({r['setting'] for r in rows})} settings, {time.time() - start:.0f} s")
@@ -483,7 +505,7 @@ def main(args: argparse.Namespace) -> int:
                 json.dump({"rows": rows, "summary": s}, f, indent=1, default=str)
             print(f"wrote {path}")
         return 0 if s["model_state_exact"] == s["total_within_3"] == s["activations_within_5"] == k else 1
-    rows = validate(SETTINGS[:n] if n else SETTINGS, trials=trials, steps=steps)
+    rows = validate(settings, trials=trials, steps=steps)
     s = summary(rows)
     print(f"# {s['configurations']} configurations in {s['settings']} settings, {time.time() - start:.0f} s, "
           f"mean load average {s['load']:.2f}")
