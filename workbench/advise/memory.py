@@ -311,36 +311,52 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     message = e * shape.seq * b * shape.hidden / rep
     logits = e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
     last = rank == config.pp - 1
-    actions = schedules.with_comms([list(a) for a in _actions(config.schedule, config.pp, config.microbatches)],
-                                   config.pp)[rank]
     transient = _grads_are_transient(config)
     mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
                              hold_logits=False, unit=_zero3_unit(shape, config, rank)) for first in (True, False)}
-    compute = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
-    split = {a.microbatch for a in actions if a.kind == "W"}    # zero bubble: W frees what B left
     live = forwarded = 0
     first = True
     peak = 0.0
-    for k, j in enumerate(compute):
-        a = actions[j]
-        nxt = compute[k + 1] if k + 1 < len(compute) else len(actions)
-        posted = sum(1 for x in actions[j + 1:nxt] if x.kind == "recv") * message
-        if a.kind == "F":
+    for kind, posted, deferred in _replay_events(config.schedule, config.pp, config.microbatches, rank):
+        posted *= message
+        if kind == "F":
             live += 1
             forwarded += 1
             peak = max(peak, live * mb[True]["kept"] + posted + (forwarded * logits if last else 0.0))
-        elif a.kind == "B":
+        elif kind == "B":
             one = mb[first]
             # a stage after the first sent the previous backward's input gradient; the pipeline lets
             # go of a sent tensor only once it sees it delivered, between compute actions
             sent = message if (rank > 0 and not first) else 0.0
             peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + sent
                        + (forwarded * logits if last else 0.0))
-            live -= a.microbatch not in split
+            live -= not deferred
             first = False
         else:
             live -= 1
     return peak
+
+
+@lru_cache(maxsize=4096)
+def _replay_events(schedule: str, p: int, m: int, rank: int) -> tuple[tuple[str, int, bool], ...]:
+    """Rank ``rank``'s compute actions as the memory replay reads them: ``(kind, receives posted
+    before the next compute action, whether its W comes later)``. The same for every model and
+    batch, so computed once per schedule, pipeline size and micro-batch count (a search prices
+    thousands of configurations that share a few of these)."""
+    actions = _actions_with_comms(schedule, p, m)[rank]
+    compute = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
+    split = {a.microbatch for a in actions if a.kind == "W"}    # zero bubble: W frees what B left
+    events = []
+    for k, j in enumerate(compute):
+        nxt = compute[k + 1] if k + 1 < len(compute) else len(actions)
+        posted = sum(1 for x in actions[j + 1:nxt] if x.kind == "recv")
+        events.append((actions[j].kind, posted, actions[j].microbatch in split))
+    return tuple(events)
+
+
+@lru_cache(maxsize=512)
+def _actions_with_comms(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
+    return tuple(tuple(a) for a in schedules.with_comms([list(a) for a in _actions(schedule, p, m)], p))
 
 
 # ----------------------------------------------------------------------------------- model state
