@@ -265,6 +265,16 @@ def _worst(values: list[float]) -> float:
     return max(values) if values else float("nan")
 
 
+def _checked(settings) -> tuple:
+    """The settings to run (None: all of :data:`SETTINGS`), every configuration checked before any
+    rank starts."""
+    settings = SETTINGS if settings is None else tuple(settings)
+    for s in settings:
+        for c in s.configs:
+            _check_config(c)
+    return settings
+
+
 def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2, progress=print) -> list[dict]:
     """Run every setting (default :data:`SETTINGS`) and return one row per configuration: the
     prediction, the measurement, their errors, and per setting whether the predicted best is the
@@ -274,10 +284,7 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
     from workbench.comm.topology import Topology
     from workbench.models import GPTConfig
 
-    settings = SETTINGS if settings is None else tuple(settings)
-    for s in settings:
-        for c in s.configs:
-            _check_config(c)
+    settings = _checked(settings)
     rows = []
     for k, setting in enumerate(settings):
         start = time.time()
@@ -378,10 +385,7 @@ def validate_memory(settings=None, *, warmup: int = 2, progress=print) -> list[d
     from workbench.advise.calibrate import _shape
     from workbench.models import GPTConfig
 
-    settings = SETTINGS if settings is None else tuple(settings)
-    for s in settings:
-        for c in s.configs:
-            _check_config(c)
+    settings = _checked(settings)
     rows = []
     for k, setting in enumerate(settings):
         start = time.time()
