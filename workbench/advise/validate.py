@@ -474,6 +474,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw predicted against measured step time (png)")
 
 
+def _print_memory(s: dict) -> None:
+    n = s["memory_rows"]
+    print(f"# memory: model state exact {s['model_state_exact']}/{n}, activations (+ buffers) within 5% "
+          f"{s['activations_within_5']}/{n}, total within 3% {s['total_within_3']}/{n}")
+
+
+def _save_json(path: str | None, rows: list[dict], s: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"rows": rows, "summary": s}, f, indent=1, default=str)
+        print(f"wrote {path}")
+
+
 def main(args: argparse.Namespace) -> int:
     """``workbench advise --validate``: run, print, and return 0 if the issue's figures are met."""
     n = getattr(args, "validate_settings", None)
@@ -501,13 +514,8 @@ def main(args: argparse.Namespace) -> int:
         s = memory_summary(rows)
         k = s["memory_rows"]
         print(f"# {k} configurations in {len({r['setting'] for r in rows})} settings, {time.time() - start:.0f} s")
-        print(f"# memory: model state exact {s['model_state_exact']}/{k}, activations (+ buffers) within 5% "
-              f"{s['activations_within_5']}/{k}, total within 3% {s['total_within_3']}/{k}")
-        path = getattr(args, "validate_json", None)
-        if path:
-            with open(path, "w") as f:
-                json.dump({"rows": rows, "summary": s}, f, indent=1, default=str)
-            print(f"wrote {path}")
+        _print_memory(s)
+        _save_json(getattr(args, "validate_json", None), rows, s)
         return 0 if s["model_state_exact"] == s["total_within_3"] == s["activations_within_5"] == k else 1
     rows = validate(settings, trials=trials, steps=steps)
     s = summary(rows)
@@ -517,14 +525,8 @@ def main(args: argparse.Namespace) -> int:
           f"(mean absolute error {s['time_mape']:.1%})")
     print(f"# predicted best = measured best (within {BEST_TOLERANCE:.0%}): {s['best_ok']}/{s['settings']} settings")
     if "memory_rows" in s:
-        n = s["memory_rows"]
-        print(f"# memory: model state exact {s['model_state_exact']}/{n}, activations (+ buffers) within 5% "
-              f"{s['activations_within_5']}/{n}, total within 3% {s['total_within_3']}/{n}")
-    path = getattr(args, "validate_json", None)
-    if path:
-        with open(path, "w") as f:
-            json.dump({"rows": rows, "summary": s}, f, indent=1, default=str)
-        print(f"wrote {path}")
+        _print_memory(s)
+    _save_json(getattr(args, "validate_json", None), rows, s)
     plot_path = getattr(args, "validate_plot", None)
     if plot_path:
         figure(rows).savefig(plot_path, dpi=120)
