@@ -129,6 +129,36 @@ def test_data_parallel_ring_crosses_nodes_and_overlap_hides_it():
     assert hidden["dp"] < t["dp"]
 
 
+def test_buckets_but_the_last_hide_behind_backward_and_zero1_reduces_after_it():
+    """Backward fills DDP's buckets in turn: all but the last (the first layers', ready when
+    backward ends) hide behind it; ZeRO-1 reduces in its step, so nothing hides; ZeRO-3 hides each
+    prefetched unit's gather but the first of each pass."""
+    free = cost.CostModel(0, 0, 0)
+    topo = timing.Topology(1, intra=FAST, inter=SLOW)
+    psi = SHAPE.stage_parameters(1, 0, 2)
+    sizes = [2**20]
+    while sum(sizes) < psi * 4:
+        sizes.append(min(25 * 2**20, psi * 4 - sum(sizes)))
+    last = cost.predict("all_reduce", "native", sizes[-1], 2, free, topology=topo)
+    loss = cost.predict("all_reduce", "native", 4, 2, free, topology=topo)
+    on, off = (_cluster(nodes=2, per_node=2, overlap=o) for o in (1.0, 0.0))
+    ddp = timing.step_time(SHAPE, on, Config(dp=2, tp=2), 8)
+    assert last + loss <= ddp["dp"] < timing.step_time(SHAPE, off, Config(dp=2, tp=2), 8)["dp"]
+    # the compute is long beside the other buckets: exactly the last one and the loss remain
+    slow = _cluster(nodes=2, per_node=2, overlap=1.0, flops=1e9)
+    assert timing.step_time(SHAPE, slow, Config(dp=2, tp=2), 8)["dp"] == pytest.approx(last + loss, rel=1e-9)
+    z1 = [timing.step_time(SHAPE, c, Config(dp=2, tp=2, zero=1), 8)["dp"] for c in (on, off)]
+    assert z1[0] == pytest.approx(z1[1], rel=1e-12)
+    z2 = [timing.step_time(SHAPE, c, Config(dp=2, tp=2, zero=2), 8)["dp"] for c in (on, off)]
+    assert z2[0] < z2[1]
+    z3 = [timing.step_time(SHAPE, c, Config(dp=2, tp=2, zero=3), 8)["dp"] for c in (slow, off)]
+    units = SHAPE.layers + 1
+    gather = cost.predict("all_gather", "native", psi * 4 / units, 2, free, topology=topo)
+    scatter = cost.predict("reduce_scatter", "native", psi * 4 / units, 2, free, topology=topo)
+    assert z3[1] == pytest.approx(units * (2 * gather + scatter) + loss, rel=1e-9)
+    assert z3[0] == pytest.approx(2 * gather + scatter + loss, rel=1e-9)   # the first of each pass, the last scatter
+
+
 def _timed_cluster(layer_costs, **kw) -> CalibratedCluster:
     """A calibrated 1-node cluster of 4 with one core per rank and no optimizer or link costs,
     whose layers were timed at the shapes ``layer_costs`` gives."""
@@ -323,7 +353,7 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     from workbench.advise.calibrate import cluster_from
 
     result = workbench.launch(_calibrate_tiny, world_size=2)[0]
-    for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_flat", "sync_world",
+    for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_model", "sync_world",
                 "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
                 "one_way:4096"):
         assert result[key] > 0, key
@@ -365,3 +395,54 @@ def test_data_parallel_pays_the_drift_price_once_per_wait_after_compute():
         base = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0), config, 8)
         synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, sync_s=sync), config, 8)
         assert synced["dp"] - base["dp"] == pytest.approx(expect * sync, rel=1e-9), config.label()
+
+
+def _late_rank(delay: float):
+    """``Calibration._time`` on two ranks where rank 1 leaves the barrier ``delay`` s late: rank 0
+    runs its loop alone first. Returns (every rank at once, slowest rank's own time) per call."""
+    import time
+    import types
+
+    import torch.distributed as dist
+
+    from workbench.advise.calibrate import Calibration
+
+    barrier = dist.barrier
+
+    def late_barrier(*a, **k):
+        barrier(*a, **k)
+        if dist.get_rank() == 1:
+            time.sleep(delay)
+
+    dist.barrier = late_barrier
+    try:
+        me = types.SimpleNamespace(rank=dist.get_rank(), iterations=1, counts={}, budget_s=0.1)
+        work = lambda: time.sleep(0.02)  # noqa: E731
+        return (Calibration._time(me, work, alone=False, iterations=2),
+                Calibration._time(me, work, alone=False, iterations=2, span=False))
+    finally:
+        dist.barrier = barrier
+
+
+def test_every_rank_at_once_is_timed_from_the_first_start_to_the_last_end():
+    """A rank that leaves the barrier late must not make the others' loops look uncrowded: the
+    probe's time per call is the span over all ranks (first start to last end) over the calls."""
+    import workbench
+
+    together, own = workbench.launch(_late_rank, world_size=2, args=(0.1,))[0]
+    assert own == pytest.approx(0.02, abs=0.015)            # each rank's own loop: 2 x 20 ms
+    assert together >= (0.1 + 2 * 0.02) / 2 - 0.005          # 100 ms late + the late rank's 40 ms, over 2 calls
+
+
+def test_a_pipeline_reduces_its_gradients_with_the_other_stages_idle():
+    """After the schedule the stage that finishes last computes alone: its gradient reduction and
+    the loss's all-reduce pay the drift price only as far as its d x t ranks still outnumber the
+    cores (all of it with every rank busy, none with a core each)."""
+    shape = ModelShape.preset("small")
+    sync = 0.01
+    config = Config(dp=2, pp=2, microbatches=2)
+    for cores, share in ((2.0, 0.0), (1.0, (2 / 1 - 1) / (4 / 1 - 1)), (None, 1.0)):
+        base = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, cores=cores), config, 8)
+        synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, cores=cores, sync_s=sync),
+                                  config, 8)
+        assert synced["dp"] - base["dp"] == pytest.approx(2 * sync * share, abs=1e-12), cores

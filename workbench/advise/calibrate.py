@@ -55,11 +55,15 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           costs (Python, dispatch, small kernels below the matmul rate) and the
                           collectives' waits are inside; :mod:`workbench.advise.timing` uses these
                           where a configuration's shape was timed, and the formulas elsewhere.
-``update_s_per_param``    AdamW's step on one flat tensor of the model's size, per element;
+``update_s_per_param``    AdamW's step on the model's own tensors, per parameter, its per-tensor
+                          costs included (gradients of training's size: gradients of zeros
+                          decay the moments into denormal numbers, several times slower; and
+                          one flat tensor of the model's size allocates temporaries as large,
+                          whose page faults cost more than the step, 3-9x with 4 ranks on 2 cores);
 ``step_overhead_s``       a whole training step on ``r1`` rows (``zero_grad(set_to_none=True)``,
                           forward, backward, AdamW's step) less its forward and backward (timed in
-                          turns in one loop) and the update per parameter: the step's cost per
-                          tensor, the gradients' allocation and whatever else a step does once.
+                          turns in one loop) and the update: the gradients' allocation and
+                          whatever else a step does once.
 ``machine``               a :class:`~workbench.comm.cost.CostModel` whose curves are this
                           machine's messages, timed with every pair of ranks exchanging at once
                           (:class:`workbench.comm.cost.Probe` with ``all_pairs``): the cost of a
@@ -173,12 +177,12 @@ class Calibration:
         self.b = torch.randn(c.n_embd, 4 * c.n_embd, generator=g)
         self.a16, self.b16 = self.a.to(torch.bfloat16), self.b.to(torch.bfloat16)
         psi = sum(p.numel() for p in self.gpt.parameters())
-        self.flat = torch.nn.Parameter(torch.zeros(psi))
-        self.flat.grad = torch.zeros(psi)
-        self.flat_opt = torch.optim.AdamW([self.flat], lr=1e-3)
+        # AdamW's step on the model's own tensors, with gradients of training's magnitude: gradients of
+        # zeros decay its moments into denormal numbers, several times slower; one flat tensor of the
+        # model's size allocates temporaries of its size, whose page faults cost more than the step
         self.gpt_opt = torch.optim.AdamW(self.gpt.parameters(), lr=1e-3)
         for p in self.gpt.parameters():
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
         self.psi = psi
         self.one = torch.zeros(1)
         self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
@@ -203,9 +207,8 @@ class Calibration:
         self.samples: dict[str, list[float]] = {}
         for _ in range(2):  # warm up: pages, allocator, Adam's state
             self._layer(r2)
-            self._model()
-            self.flat_opt.step()
             self.gpt_opt.step()
+            self._model()
         self.budget_s = budget_s
         self.counts: dict[str, int] = {}   # calls per timing of each probe, the same on every rank
 
@@ -238,17 +241,18 @@ class Calibration:
 
     def _gpt_step(self) -> None:
         self.gpt_opt.step()
-        for p in self.gpt.parameters():   # as zero_grad(set_to_none=True) then backward would
-            p.grad = torch.zeros_like(p)
 
     def _train(self) -> None:
         self.gpt_opt.zero_grad(set_to_none=True)
         self._model()
         self.gpt_opt.step()
 
-    def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None) -> float:
+    def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None,
+              span: bool = True) -> float:
         """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier), or on every
-        rank at once (the slowest rank's). The same number on every rank. ``key``: the probe's
+        rank at once (the span from the first start to the last end, over the calls; ``span=False``:
+        the slowest rank's own time, for probes whose messages line the ranks up). The same number
+        on every rank. ``key``: the probe's
         name; its first timing sets how many calls fill ``budget_s`` (short timings favour ranks
         that just woke up over the machine's other work, long runs do not)."""
         import torch.distributed as dist
@@ -260,14 +264,25 @@ class Calibration:
                 self.counts[key] = max(self.iterations, min(200, math.ceil(self.budget_s / max(one, 1e-6))))
             n = self.counts[key]
         dist.barrier()
-        t = torch.zeros(1, dtype=torch.float64)
-        if not alone or self.rank == 0:
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            t[0] = (time.perf_counter() - start) / n
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0])
+        if alone or not span:
+            t = torch.zeros(1, dtype=torch.float64)
+            if not alone or self.rank == 0:
+                start = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                t[0] = (time.perf_counter() - start) / n
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t[0])
+        # every rank at once: from the first rank's start to the last rank's end (one clock for all the
+        # ranks of a machine), so that ranks leaving the barrier late -- a rank that runs its loop
+        # before the others wake up has the cores to itself -- do not make the crowd look smaller
+        ends = torch.zeros(2, dtype=torch.float64)
+        ends[0] = -time.monotonic()
+        for _ in range(n):
+            fn()
+        ends[1] = time.monotonic()
+        dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+        return float(ends[1] + ends[0]) / n
 
     def _time_paired(self, fa, fb, *, key: str, budget: float = 3.0) -> tuple[float, float]:
         """Seconds per call of ``fa`` and of ``fb``, timed in turns in one loop on every rank (the
@@ -306,7 +321,7 @@ class Calibration:
                   **{f"layer_rows{r}": ((lambda r=r: self._layer(r)), False) for r in self.rows[1:-1]},
                   "matmul": (self._matmul, False), "matmul_bf16": (self._matmul_bf16, False),
                   "model_r1": (self._model, False),
-                  "adam_flat": (self.flat_opt.step, False), "adam_model": (self._gpt_step, False),
+                  "adam_model": (self._gpt_step, False),
                   "short": (self._short, False),
                   **{_tp_key(r, 1, False, "none"): ((lambda r=r: self._run_model(self.edges, r)), False)
                      for r in self.rows}}
@@ -316,8 +331,8 @@ class Calibration:
         for g, group in (("world", None), ("pair", self.pair)):
             probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
             probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
-        for key, (fn, alone) in probes.items():
-            self._add(key, self._time(fn, alone=alone, key=key))
+        for key, (fn, alone) in probes.items():   # the collectives' loops line the ranks up themselves
+            self._add(key, self._time(fn, alone=alone, key=key, span="sync" not in key))
         a, b = self._time_paired(self._model, self._train, key="train_r1")
         self._add("model_before_train_r1", a)
         self._add("train_r1", b)
@@ -328,7 +343,7 @@ class Calibration:
             self._add(f"layer_r1_sync_{g}", b)
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
-            self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters))
+            self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters, span=False))
         for n, t in cost.reduction_time([n for n in self.sizes if n >= 1024], iterations=5, repeats=1):
             self._add(f"reduction:{n}", max_over(t))
 
@@ -440,11 +455,9 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
                                                                                          result["layer_r1"])
                                          - result[f"sync_{g}"]))]
             for n, g in ((2, "pair"), (world_size, "world"))}
-    update = result["adam_flat"] / crowd / max(1, _psi(c))
-    if "train_r1" in result:   # the whole step less its forward and backward, timed in turns
-        step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / crowd - update * _psi(c))
-    else:
-        step_overhead = max(0.0, result["adam_model"] / crowd - update * _psi(c))
+    update = result["adam_model"] / crowd / max(1, _psi(c))
+    # the whole step less its forward and backward (timed in turns) and its update
+    step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / crowd - update * _psi(c))
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])

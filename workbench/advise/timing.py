@@ -37,6 +37,9 @@ compute and the ranks outnumber the cores (they drift apart within the OS's time
 by the first collective after compute, not by those that follow it back to back), per
 group size and interpolated at the compute that precedes it (a quarter of a layer for a
 tensor-parallel collective; a stage's whole pass for a pipeline message or a gradient bucket).
+After a pipeline's schedule the stage that finishes last computes alone while the others wait,
+so its gradient reduction pays that price only as far as its ``d x t`` ranks still outnumber the
+cores (:func:`_crowding`).
 Where a calibrated cluster timed the model's own layers at a configuration's micro-batch shape
 (``layer_costs``, keyed by rows per micro-batch, ``t`` and sequence parallelism; vTrain's way:
 profile the layers, not a FLOP rate), those timings replace the formulas above
@@ -83,11 +86,15 @@ by it (``cost._ring_on_links``).
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
-  (the units are freed after each). The gradient reduction runs during the last micro-batch's
-  backward and the ZeRO-3 gathers during the compute they feed, so ``overlap x`` that compute
-  is hidden (``cluster.overlap``: 1 by default, as NCCL on its own streams; 0 on a calibrated
-  cluster, where gloo's thread competes for the rank's core); the ZeRO-1/2 parameter all-gather
-  after the step is exposed.
+  (the units are freed after each). The gradients are reduced in buckets (DDP's 25 MB after a
+  1 MB first one, ZeRO's 5 MB) as the last micro-batch's backward fills them (ZeRO-1: all of
+  them in its step, after backward): every bucket but
+  the last (the first layers', filled when backward ends) hides behind that backward, ``overlap
+  x`` of it (``cluster.overlap``: 1 by default, as NCCL on its own streams; 0 on a calibrated
+  cluster, where gloo's thread competes for the rank's core). ZeRO-3 gathers each unit one unit
+  ahead (prefetch): a unit's gather hides behind the previous unit's forward, and in backward its
+  gather and the next unit's reduce-scatter behind that unit's backward; the first of each pass
+  is waited for. The ZeRO-1/2 parameter all-gather after the step is exposed.
 
 Bubble
 ------
@@ -347,6 +354,9 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     cores = getattr(cluster, "cores", None)
     world = d * t * p
     crowd = max(1.0, world / cores) if cores else 1.0   # slow-down when every rank computes at once
+    # a pipeline's step ends with one stage computing (its d x t ranks) while the others wait: what a
+    # collective then pays for ranks drifting apart, as a share of its price with every rank busy
+    tail = _crowding(cluster, d * t, world) if p > 1 else 1.0
 
     fpt = flops_per_token(shape, tp=t, recompute=config.recompute)
     act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
@@ -464,28 +474,45 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
     dp_total = 0.0
     if d > 1:
+        # the share of compute that hides the traffic: 1 on devices with their own copy engines; 0 on a
+        # calibrated CPU cluster, where the collectives' threads need the cores (and the GIL) compute has
         overlap = float(getattr(cluster, "overlap", 1.0))
-        sync = _sync(cluster, d)
+        # after a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
+        # gradient reduction and the loss's all-reduce find the cores free (measured, GPT small on dp=2 x
+        # pp=2 over 4 ranks on 2 cores: 7-10 ms, against 30 ms at the price with every rank busy)
+        sync = _sync(cluster, d) * tail
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd
+        price = lambda c, n: cost.predict(c, "native", n, d, machine, topology=topo["dp"])  # noqa: E731
         if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
             units = max(stage_layers(shape.layers, p)) + 1
-            # the drift price (a wait after compute): each unit's gather, forward and backward, is waited
-            # for after the previous unit's compute; the reduce-scatters are waited for together
-            per_mb = sum(units * cost.predict(c, "native", grad_bytes / units, d, machine, topology=topo["dp"])
-                         for c in ("all_gather", "all_gather", "reduce_scatter")) + (2 * units + 1) * sync
-            dp_total = max(m * per_mb - overlap * m * mb_compute, per_mb / units)
+            gather, scatter = price("all_gather", grad_bytes / units), price("reduce_scatter", grad_bytes / units)
+            # each unit's gather is started one unit ahead (prefetch) and hides behind that unit's compute,
+            # forward (a third of it) and backward (two thirds, with the previous unit's reduce-scatter);
+            # the first of each pass is waited for. The drift price (a wait after compute): each unit's
+            # gather, forward and backward, and the reduce-scatters together
+            unit = mb_compute / units
+            per_mb = 2 * gather + (units - 1) * (max(0.0, gather - overlap * unit / 3)
+                                                 + max(0.0, gather + scatter - overlap * unit * 2 / 3)) \
+                + scatter + (2 * units + 1) * sync
+            dp_total = m * per_mb
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
             first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
-            buckets = 1 + max(0, math.ceil((grad_bytes - first) / cap))
-            # the buckets go back to back: only the first wait, after compute, pays the drift price
-            bucket = lambda c: buckets * cost.predict(c, "native", grad_bytes / buckets, d, machine,  # noqa: E731
-                                                      topology=topo["dp"]) + sync
-            reduce = bucket("all_reduce") if config.zero == 0 else bucket("reduce_scatter")
-            dp_total = max(0.0, reduce - overlap * mb_compute * 2 / 3)   # behind the last backward
-            if config.zero in (1, 2):
-                dp_total += bucket("all_gather")
+            # the first bucket, the full ones, and the rest in the last (each kind of bucket priced once)
+            head = min(first, grad_bytes)
+            full, rest = divmod(max(0.0, grad_bytes - head), cap)
+            sizes = [(head, 1)] + ([(cap, int(full))] if full else []) + ([(rest, 1)] if rest > 0.5 else [])
+            kind = "all_reduce" if config.zero == 0 else "reduce_scatter"
+            # the buckets are reduced as backward fills them: all but the last (the first layers') behind
+            # the last micro-batch's backward; they go back to back, so only the first wait, after
+            # compute, pays the drift price (ZeRO-1 reduces them all in its step, after backward)
+            every = sum(k * price(kind, n) for n, k in sizes)
+            last = price(kind, sizes[-1][0])
+            hidden = overlap * mb_compute * 2 / 3 if config.zero != 1 else 0.0
+            dp_total = last + max(0.0, every - last - hidden) + sync
+            if config.zero in (1, 2):   # the updated parameters, all-gathered after the step
+                dp_total += sum(k * price("all_gather", n) for n, k in sizes) + sync
         dp_total += cost.predict("all_reduce", "native", 4, d, machine, topology=topo["dp"]) + sync  # the loss
 
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
@@ -528,6 +555,18 @@ def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:
         if group_size <= hi:
             return float(at(by[lo]) + (at(by[hi]) - at(by[lo])) * (group_size - lo) / (hi - lo))
     return float(at(by[sizes[-1]]))
+
+
+def _crowding(cluster, active: int, world: int) -> float:
+    """How crowded the cores are with ``active`` ranks computing, as a share of how crowded they are
+    with all ``world`` ranks computing (0: every active rank has a core; 1: as crowded as the
+    calibration's every rank busy), linear in the ranks per core. The drift price of a collective
+    (:func:`_sync`) was measured with every rank busy; with no more ranks than cores computing,
+    nobody is descheduled."""
+    cores = getattr(cluster, "cores", None)
+    if not cores or world <= cores:
+        return 1.0
+    return min(1.0, max(0.0, (active / cores - 1) / (world / cores - 1)))
 
 
 def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -> float:
