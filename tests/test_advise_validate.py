@@ -132,7 +132,8 @@ def test_data_parallel_ring_crosses_nodes_and_overlap_hides_it():
 def test_buckets_but_the_last_hide_behind_backward_and_zero1_reduces_after_it():
     """Backward fills DDP's buckets in turn: all but the last (the first layers', ready when
     backward ends) hide behind it; ZeRO-1 reduces in its step, so nothing hides; ZeRO-3 hides each
-    prefetched unit's gather but the first of each pass."""
+    prefetched layer's gather (not the root's, nor the first layer's of each pass) and every
+    reduce-scatter but the last two."""
     free = cost.CostModel(0, 0, 0)
     topo = timing.Topology(1, intra=FAST, inter=SLOW)
     psi = SHAPE.stage_parameters(1, 0, 2)
@@ -152,11 +153,15 @@ def test_buckets_but_the_last_hide_behind_backward_and_zero1_reduces_after_it():
     z2 = [timing.step_time(SHAPE, c, Config(dp=2, tp=2, zero=2), 8)["dp"] for c in (on, off)]
     assert z2[0] < z2[1]
     z3 = [timing.step_time(SHAPE, c, Config(dp=2, tp=2, zero=3), 8)["dp"] for c in (slow, off)]
-    units = SHAPE.layers + 1
-    gather = cost.predict("all_gather", "native", psi * 4 / units, 2, free, topology=topo)
-    scatter = cost.predict("reduce_scatter", "native", psi * 4 / units, 2, free, topology=topo)
-    assert z3[1] == pytest.approx(units * (2 * gather + scatter) + loss, rel=1e-9)
-    assert z3[0] == pytest.approx(2 * gather + scatter + loss, rel=1e-9)   # the first of each pass, the last scatter
+    # FSDP's units: each layer, and the root (embedding, head) gathered before anything runs
+    L, layer_b = SHAPE.layers, SHAPE.layer_parameters(2) * 4
+    root_b = psi * 4 - L * layer_b
+    gl, gr, sl, sr = (cost.predict(k, "native", n, 2, free, topology=topo)
+                      for k, n in (("all_gather", layer_b), ("all_gather", root_b), ("reduce_scatter", layer_b),
+                                   ("reduce_scatter", root_b)))
+    assert z3[1] == pytest.approx(2 * gr + 2 * L * gl + L * sl + sr + loss, rel=1e-9)
+    # hidden: every layer's gather but the first of each pass, every reduce-scatter but the last two
+    assert z3[0] == pytest.approx(2 * gr + gl + sl + sr + loss, rel=1e-9)
 
 
 def _timed_cluster(layer_costs, **kw) -> CalibratedCluster:
@@ -387,14 +392,20 @@ def test_validate_select_refuses_bad_setting_numbers():
 
 def test_data_parallel_pays_the_drift_price_once_per_wait_after_compute():
     """DDP's buckets go back to back (one price for all of them, one for the loss's all-reduce);
-    ZeRO-3 waits for each unit's gather after compute, forward and backward, and for its
-    reduce-scatters together: 2 units + 1 per micro-batch."""
+    ZeRO-3 waits for each layer's gather after compute, forward and backward, for the root's in
+    backward, and for its reduce-scatters together: 2 layers + 1 per micro-batch, each in the
+    share of the wait the compute before it is (a rank held up by a slow link is lined up by it)."""
     shape = ModelShape.preset("small")
     sync = 0.01
-    for config, expect in ((Config(dp=4), 2), (Config(dp=4, zero=3), 2 * (shape.layers + 1) + 1 + 1)):
-        base = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0), config, 8)
-        synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, sync_s=sync), config, 8)
-        assert synced["dp"] - base["dp"] == pytest.approx(expect * sync, rel=1e-9), config.label()
+    for flops, link in ((1e9, FAST), (100e12, Link(1e-3, 1e6))):   # compute-bound, then link-bound
+        for config, expect in ((Config(dp=4), 2), (Config(dp=4, zero=3), 2 * shape.layers + 1 + 1)):
+            kw = dict(nodes=1, per_node=4, overlap=0.0, flops=flops, intra=link)
+            base = timing.step_time(shape, _cluster(**kw), config, 8)
+            synced = timing.step_time(shape, _cluster(**kw, sync_s=sync), config, 8)
+            if link is FAST or config.zero == 0:
+                assert synced["dp"] - base["dp"] == pytest.approx(expect * sync, rel=1e-9), config.label()
+            else:
+                assert 2 * sync < synced["dp"] - base["dp"] < 0.5 * expect * sync, config.label()
 
 
 def _late_rank(delay: float):
@@ -446,3 +457,26 @@ def test_a_pipeline_reduces_its_gradients_with_the_other_stages_idle():
         synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, cores=cores, sync_s=sync),
                                   config, 8)
         assert synced["dp"] - base["dp"] == pytest.approx(2 * sync * share, abs=1e-12), cores
+
+
+def test_prefetch_probe_gives_the_share_of_a_gather_that_hides_behind_compute():
+    """The ``prefetch`` probe (a block's gather beside a block's compute) is read back through
+    ``timing.prefetch_wait``: whatever share hid in the probe comes back, clamped to 0..1."""
+    from workbench.advise.calibrate import _block_parameters, _prefetch_overlap
+    from workbench.models import GPTConfig
+
+    config = GPTConfig.preset("tiny")
+    machine = cost.CostModel(alpha=1e-5, beta=1e-9, gamma=0.0)
+    topo = timing.Topology(2, intra=None, inter=Link(1e-3, 50e6))
+    sync = {4: [(1e-4, 0.0), (2e-3, 0.003)]}
+    unit = -(-sum(p.numel() for p in _block_parameters(config)) // 4) * 4 * 4
+    g = cost.predict("all_gather", "native", unit, 4, machine,
+                     topology=timing.group_topology([0, 1, 2, 3], 2, None, topo.inter))
+    for c in (0.5 * g, 2 * g):   # the block shorter, then longer, than the gather
+        for share in (0.0, 0.4, 1.0):
+            result = {"prefetch_layer": c, "prefetch_both": c + timing.prefetch_wait(g, c, share, 0.003)}
+            assert _prefetch_overlap(result, config, 4, machine, topo, sync) == pytest.approx(share, abs=1e-9)
+    # a pair slower than the model's worst (the gather waited for in full): 0; faster than its best: 1
+    assert _prefetch_overlap({"prefetch_layer": g, "prefetch_both": 3 * g + 0.01}, config, 4, machine, topo, sync) == 0
+    assert _prefetch_overlap({"prefetch_layer": g, "prefetch_both": g}, config, 4, machine, topo, sync) == 1
+    assert _prefetch_overlap({}, config, 4, machine, topo, sync) == 0   # a calibration from before the probe

@@ -55,6 +55,13 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           costs (Python, dispatch, small kernels below the matmul rate) and the
                           collectives' waits are inside; :mod:`workbench.advise.timing` uses these
                           where a configuration's shape was timed, and the formulas elsewhere.
+``prefetch_overlap``      ZeRO-3's prefetch: a block's parameters all-gathered (asynchronously) while
+                          a block's forward + backward runs on ``r2`` rows, timed in turns with the
+                          block alone and the gather alone. The pair's excess over the block is the
+                          wait; :func:`workbench.advise.timing.prefetch_wait` solved for the share of
+                          the gather that hid (0: the gather's messages wait while the ranks compute,
+                          as on this machine's own links, where its thread needs a core they hold;
+                          about a half on an emulated link, whose held-back time the sender sleeps).
 ``update_s_per_param``    AdamW's step on the model's own tensors, per parameter, its per-tensor
                           costs included (gradients of training's size: gradients of zeros
                           decay the moments into denormal numbers, several times slower; and
@@ -82,6 +89,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -116,6 +124,8 @@ class CalibratedCluster(Cluster):
     activation_s_per_byte: float = 0.0
     layer_costs: dict | None = None            # (rows, t, sp) -> {"layer": s, "edges": s}, all ranks busy
     overlap: float = 0.0                       # share of compute that hides data-parallel traffic
+    prefetch_overlap: float | None = None      # share of a gather beside compute that hides (ZeRO-3;
+                                               # None: ``overlap``)
     machine: object = None                     # comm.cost.CostModel of the links not emulated
     links: Topology | None = None              # the emulated links (None: this machine's own)
     load: float = float("nan")                 # load average while measuring
@@ -185,6 +195,9 @@ class Calibration:
             p.grad = torch.randn(p.shape, generator=g) * 1e-2
         self.psi = psi
         self.one = torch.zeros(1)
+        # one block's parameters, sharded over every rank as ZeRO-3 shards a unit: what it gathers
+        unit = -(-sum(p.numel() for p in self.block.parameters()) // self.world)
+        self.unit_shard, self.unit_full = torch.randn(unit, generator=g), torch.empty(unit * self.world)
         self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
         self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
         for k in range(self.world // 2):
@@ -229,6 +242,19 @@ class Calibration:
         from workbench import comm
 
         comm.all_reduce(self.one, group=group)   # the door the strategies' collectives go through
+
+    def _gather(self):
+        from workbench import comm
+
+        return comm.all_gather(list(self.unit_full.chunk(self.world)), self.unit_shard, async_op=True)
+
+    def _gather_alone(self) -> None:
+        self._gather().wait()
+
+    def _gather_beside(self, rows: int) -> None:
+        work = self._gather()   # ZeRO-3's prefetch: the next unit's gather while this unit computes
+        self._layer(rows)
+        work.wait()
 
     def _short(self) -> None:
         torch.mm(self.s1, self.s2)
@@ -284,29 +310,28 @@ class Calibration:
         dist.all_reduce(ends, op=dist.ReduceOp.MAX)
         return float(ends[1] + ends[0]) / n
 
-    def _time_paired(self, fa, fb, *, key: str, budget: float = 3.0) -> tuple[float, float]:
-        """Seconds per call of ``fa`` and of ``fb``, timed in turns in one loop on every rank (the
-        slowest rank's each), so that both see the same load: their difference is not the load's
-        drift between two probes. ``budget``: times ``budget_s`` (a difference needs more calls:
+    def _time_paired(self, *fns, key: str, budget: float = 3.0, least: int = 0) -> tuple[float, ...]:
+        """Seconds per call of each of ``fns``, timed in turns in one loop on every rank (the
+        slowest rank's each), so that all see the same load: their differences are not the load's
+        drift between probes. ``budget``: times ``budget_s`` (a difference needs more calls:
         what a collective waits for a peer's core varies from call to call by whole time slices,
-        and a step pays the mean of many)."""
+        and a step pays the mean of many); ``least``: the fewest calls, however long they take."""
         import torch.distributed as dist
 
         if key not in self.counts:
-            one = self._time(fb, alone=False, iterations=1)
-            self.counts[key] = max(self.iterations, min(200, math.ceil(budget * self.budget_s / 2 / max(one, 1e-6))))
+            one = self._time(fns[-1], alone=False, iterations=1)
+            self.counts[key] = max(self.iterations, least,
+                                   min(200, math.ceil(budget * self.budget_s / len(fns) / max(one, 1e-6))))
         n = self.counts[key]
         dist.barrier()
-        t = torch.zeros(2, dtype=torch.float64)
+        t = torch.zeros(len(fns), dtype=torch.float64)
         for _ in range(n):
-            start = time.perf_counter()
-            fa()
-            middle = time.perf_counter()
-            fb()
-            t[0] += middle - start
-            t[1] += time.perf_counter() - middle
+            for i, fn in enumerate(fns):
+                start = time.perf_counter()
+                fn()
+                t[i] += time.perf_counter() - start
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0]) / n, float(t[1]) / n
+        return tuple(float(v) / n for v in t)
 
     def _add(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
@@ -341,6 +366,11 @@ class Calibration:
                                      key=f"layer_r1_sync_{g}")
             self._add(f"layer_r1_before_sync_{g}", a)
             self._add(f"layer_r1_sync_{g}", b)
+        a, b, c = self._time_paired(layer2, self._gather_alone, lambda: self._gather_beside(r2), key="prefetch",
+                                    least=4)   # a share of a difference: noisier than a time
+        self._add("prefetch_layer", a)
+        self._add("prefetch_gather", b)
+        self._add("prefetch_both", c)
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
             self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters, span=False))
@@ -470,14 +500,50 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     intra = (links.intra if links is not None and links.intra is not None else own)
     inter = (links.inter if links is not None and links.inter is not None else own)
     memory = _memory_bytes() / world_size
+    prefetch = _prefetch_overlap(result, c, world_size, machine, topology if links is not None else None, sync)
     return CalibratedCluster(
         nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops16, fp32_flops=flops,
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
         cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
-        update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer), overlap=0.0, machine=machine, links=links,
+        update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer), overlap=0.0, prefetch_overlap=prefetch,
+        machine=machine, links=links,
         load=load, measured=dict(result))
+
+
+def _prefetch_overlap(result: dict, config, world_size: int, machine, topology, sync) -> float:
+    """The share of a gather's time that hides behind the compute it runs beside (ZeRO-3's
+    prefetch), from the ``prefetch`` probe: a block's gather issued before a block's forward and
+    backward and waited for after it makes the pair take ``X = both - layer`` longer than the
+    block alone. :func:`workbench.advise.timing.prefetch_wait` says ``X = g - hides x min(g, c)
+    + drift x min(1, c / g)``, ``g`` the gather's price on these links, ``c`` the block's compute,
+    ``drift`` the price of a wait after compute (``sync_by_size``); solved for ``hides``, kept
+    between 0 (the gather's messages wait while the ranks compute: its thread needs a core they
+    hold) and 1 (they move beside the compute, as a GPU's copy engines move them)."""
+    from workbench.advise.timing import _sync, group_topology, prefetch_wait
+    from workbench.comm import cost
+
+    if "prefetch_both" not in result:
+        return 0.0
+    c, x = result["prefetch_layer"], result["prefetch_both"] - result["prefetch_layer"]
+    unit = -(-sum(p.numel() for p in _block_parameters(config)) // world_size) * world_size * 4
+    topo = None
+    if topology is not None:
+        topo = group_topology(list(range(world_size)), topology.ranks_per_node, topology.intra, topology.inter)
+    g = cost.predict("all_gather", "native", unit, world_size, machine, topology=topo)
+    drift = _sync(SimpleNamespace(sync_by_size=sync), world_size)
+    if min(g, c) <= 0:
+        return 0.0
+    none = prefetch_wait(g, c, 0.0, drift)          # linear in hides: what hides = 1 takes off
+    return min(1.0, max(0.0, (none - x) / (none - prefetch_wait(g, c, 1.0, drift))))
+
+
+def _block_parameters(config):
+    from workbench.models.gpt import Block
+
+    with torch.device("meta"):
+        return list(Block(config).parameters())
 
 
 def _sizes(result: dict, kind: str) -> list[int]:

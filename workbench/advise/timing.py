@@ -91,10 +91,16 @@ by it (``cost._ring_on_links``).
   them in its step, after backward): every bucket but
   the last (the first layers', filled when backward ends) hides behind that backward, ``overlap
   x`` of it (``cluster.overlap``: 1 by default, as NCCL on its own streams; 0 on a calibrated
-  cluster, where gloo's thread competes for the rank's core). ZeRO-3 gathers each unit one unit
-  ahead (prefetch): a unit's gather hides behind the previous unit's forward, and in backward its
-  gather and the next unit's reduce-scatter behind that unit's backward; the first of each pass
-  is waited for. The ZeRO-1/2 parameter all-gather after the step is exposed.
+  cluster, where gloo's thread competes for the rank's core). ZeRO-3's units are FSDP's: each
+  layer, and the root (embedding, head), each gathered whole. It gathers each layer one layer
+  ahead (prefetch): a layer's gather runs beside the previous layer's forward, and in backward
+  its gather and the next layer's reduce-scatter beside that layer's backward; the root's
+  gathers and the first layer's of each pass are waited for, and the last two reduce-scatters.
+  Beside ``c`` seconds of compute, ``g`` seconds of traffic wait ``g - hides x min(g, c)``
+  (:func:`prefetch_wait`; ``hides`` is ``overlap``, or what a calibrated cluster's ``prefetch``
+  probe measured: 0 on this machine's own links, about a half to three quarters of an emulated
+  link's held-back time, which the sender sleeps through). The ZeRO-1/2 parameter all-gather
+  after the step is exposed.
 
 Bubble
 ------
@@ -114,8 +120,8 @@ from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
 
-__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "measured_layer", "ELEMENT_BYTES",
-           "SCHEDULE_NAMES"]
+__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "measured_layer", "prefetch_wait",
+           "ELEMENT_BYTES", "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Config.schedule -> the name pipeline_schedules.bubble_formula uses
@@ -484,18 +490,11 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd
         price = lambda c, n: cost.predict(c, "native", n, d, machine, topology=topo["dp"])  # noqa: E731
-        if config.zero == 3:   # one unit per layer and one for the rest (embedding, head), each micro-batch
-            units = max(stage_layers(shape.layers, p)) + 1
-            gather, scatter = price("all_gather", grad_bytes / units), price("reduce_scatter", grad_bytes / units)
-            # each unit's gather is started one unit ahead (prefetch) and hides behind that unit's compute,
-            # forward (a third of it) and backward (two thirds, with the previous unit's reduce-scatter);
-            # the first of each pass is waited for. The drift price (a wait after compute): each unit's
-            # gather, forward and backward, and the reduce-scatters together
-            unit = mb_compute / units
-            per_mb = 2 * gather + (units - 1) * (max(0.0, gather - overlap * unit / 3)
-                                                 + max(0.0, gather + scatter - overlap * unit * 2 / 3)) \
-                + scatter + (2 * units + 1) * sync
-            dp_total = m * per_mb
+        if config.zero == 3:
+            hides = getattr(cluster, "prefetch_overlap", None)
+            hides = overlap if hides is None else float(hides)
+            dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides, sync,
+                                          price)
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
             first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
@@ -518,6 +517,45 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
     return out
+
+
+def prefetch_wait(g: float, compute: float, hides: float, drift: float) -> float:
+    """Seconds a rank waits for a collective of ``g`` seconds issued before ``compute`` seconds of
+    compute and waited for after it: ``g - hides x min(g, compute)``, plus the drift price (the
+    ranks' wait for each other after compute) in the share of the wait the compute is."""
+    return max(0.0, g - hides * min(g, compute)) + drift * (min(1.0, compute / g) if g > 0 else 1.0)
+
+
+def _zero3_exposed(shape, config: Config, psi_rank: float, e: int, layer_c: float, edges_c: float,
+                   hides: float, sync: float, price) -> float:
+    """Seconds of ZeRO-3 traffic one micro-batch waits for (:mod:`workbench.parallel.fsdp`).
+
+    Units as FSDP wraps them: each layer of the stage (``layer_parameters`` x ``e`` bytes) and the
+    root (the rest: embedding, final norm, head). Forward: the root and the first layer are
+    gathered before anything runs; each later layer's gather was started one layer ahead and runs
+    beside that layer's forward (a third of ``layer_c``). Backward: the root again, and the last
+    layer beside the head's backward; then each layer's gather and the previous layer's
+    reduce-scatter, which queue on the one communication thread, beside a layer's backward (two
+    thirds); the last reduce-scatters (the first layer's and the root's) are waited for at the
+    end. A collective of ``g`` seconds beside ``c`` seconds of compute waits ``g - hides x min(g,
+    c)``: ``hides`` is 1 on devices whose copy engines move bytes while the cores compute, and on a
+    calibrated CPU cluster what its ``prefetch`` probe measured (a gather beside a layer). The
+    drift price (``sync``) is paid by each wait that follows compute, in the share of the wait
+    the compute is: ranks held up by a slow link are lined up by it, not by each other's cores."""
+    layers = max(stage_layers(shape.layers, config.pp))
+    layer_b = shape.layer_parameters(config.tp) * e
+    root_b = max(0.0, psi_rank * e - layers * layer_b)
+
+    def wait(kinds, compute: float) -> float:
+        return prefetch_wait(sum(price(k, layer_b) for k in kinds), compute, hides, sync)
+
+    gather, both = ("all_gather",), ("all_gather", "reduce_scatter")
+    forward = price("all_gather", root_b) + price("all_gather", layer_b) + sync \
+        + (layers - 1) * wait(gather, layer_c / 3)
+    backward = price("all_gather", root_b) + wait(gather, edges_c * 2 / 3) \
+        + (layers - 1) * wait(both, layer_c * 2 / 3) \
+        + price("reduce_scatter", layer_b) + price("reduce_scatter", root_b) + sync
+    return forward + backward
 
 
 def measured_layer(cluster, rows: int, config: Config) -> dict | None:
