@@ -61,7 +61,7 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           wait; :func:`workbench.advise.timing.prefetch_wait` solved for the share of
                           the gather that hid (0: the gather's messages wait while the ranks compute,
                           as on this machine's own links, where its thread needs a core they hold;
-                          about a half on an emulated link, whose held-back time the sender sleeps).
+                          up to about a half on an emulated link, whose held-back time the sender sleeps).
 ``update_s_per_param``    AdamW's step on the model's own tensors, per parameter, its per-tensor
                           costs included (gradients of training's size: gradients of zeros
                           decay the moments into denormal numbers, several times slower; and

@@ -98,8 +98,8 @@ by it (``cost._ring_on_links``).
   gathers and the first layer's of each pass are waited for, and the last two reduce-scatters.
   Beside ``c`` seconds of compute, ``g`` seconds of traffic wait ``g - hides x min(g, c)``
   (:func:`prefetch_wait`; ``hides`` is ``overlap``, or what a calibrated cluster's ``prefetch``
-  probe measured: 0 on this machine's own links, about a half to three quarters of an emulated
-  link's held-back time, which the sender sleeps through). The ZeRO-1/2 parameter all-gather
+  probe measured: 0 on this machine's own links, up to about a half on an emulated link, whose
+  held-back time the sender sleeps through). The ZeRO-1/2 parameter all-gather
   after the step is exposed.
 
 Bubble
