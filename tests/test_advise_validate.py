@@ -462,14 +462,14 @@ def test_a_pipeline_reduces_its_gradients_with_the_other_stages_idle():
 def test_prefetch_probe_gives_the_share_of_a_gather_that_hides_behind_compute():
     """The ``prefetch`` probe (a block's gather beside a block's compute) is read back through
     ``timing.prefetch_wait``: whatever share hid in the probe comes back, clamped to 0..1."""
-    from workbench.advise.calibrate import _block_parameters, _prefetch_overlap
+    from workbench.advise.calibrate import _prefetch_overlap
     from workbench.models import GPTConfig
 
     config = GPTConfig.preset("tiny")
     machine = cost.CostModel(alpha=1e-5, beta=1e-9, gamma=0.0)
     topo = timing.Topology(2, intra=None, inter=Link(1e-3, 50e6))
     sync = {4: [(1e-4, 0.0), (2e-3, 0.003)]}
-    unit = -(-sum(p.numel() for p in _block_parameters(config)) // 4) * 4 * 4
+    unit = -(-ModelShape.from_gpt(config).layer_parameters() // 4) * 4 * 4
     g = cost.predict("all_gather", "native", unit, 4, machine,
                      topology=timing.group_topology([0, 1, 2, 3], 2, None, topo.inter))
     for c in (0.5 * g, 2 * g):   # the block shorter, then longer, than the gather

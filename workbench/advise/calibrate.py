@@ -527,7 +527,7 @@ def _prefetch_overlap(result: dict, config, world_size: int, machine, topology, 
     if "prefetch_both" not in result:
         return 0.0
     c, x = result["prefetch_layer"], result["prefetch_both"] - result["prefetch_layer"]
-    unit = -(-sum(p.numel() for p in _block_parameters(config)) // world_size) * world_size * 4
+    unit = -(-_shape(config).layer_parameters() // world_size) * world_size * 4   # a block, padded as FSDP pads
     topo = None
     if topology is not None:
         topo = group_topology(list(range(world_size)), topology.ranks_per_node, topology.intra, topology.inter)
@@ -537,13 +537,6 @@ def _prefetch_overlap(result: dict, config, world_size: int, machine, topology, 
         return 0.0
     none = prefetch_wait(g, c, 0.0, drift)          # linear in hides: what hides = 1 takes off
     return min(1.0, max(0.0, (none - x) / (none - prefetch_wait(g, c, 1.0, drift))))
-
-
-def _block_parameters(config):
-    from workbench.models.gpt import Block
-
-    with torch.device("meta"):
-        return list(Block(config).parameters())
 
 
 def _sizes(result: dict, kind: str) -> list[int]:
