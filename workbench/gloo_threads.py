@@ -46,10 +46,9 @@ socket. Measured on this 2-vCPU machine, 4 ranks: rank 0 sends 4 KiB to rank 1 (
 receive) and then computes for 10 ms while rank 2 computes too; rank 1 got the message a median
 11.1 ms after the send (30 ms of compute after it: 29.6 ms), against 0.8 ms with the network
 thread left normal, and 0.1-1.0 ms demoted where a core was free. A pipeline stage whose ranks
-fill the cores therefore delivers its gradient to the stage before it only when it next waits
-(:mod:`workbench.advise`'s validation notes what that costs). Set the environment
-variable ``WORKBENCH_GLOO_LOOP=normal`` to leave gloo's threads as they are (to see the stall, or
-on a machine with cores to spare). Linux only; elsewhere, or without ``/proc``, it does nothing.
+fill the cores therefore delivers its gradient to the stage before it only when it next waits.
+Set the environment variable ``WORKBENCH_GLOO_LOOP=normal`` to leave gloo's threads as they are
+(to see the stall, or on a machine with cores to spare). Linux only; elsewhere, or without ``/proc``, it does nothing.
 
 While a rank waits for an emulated message
 ------------------------------------------
