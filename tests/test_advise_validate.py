@@ -360,12 +360,13 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     result = workbench.launch(_calibrate_tiny, world_size=2)[0]
     for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_model", "sync_world",
                 "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
-                "one_way:4096"):
+                "one_way:4096", "message_cpu:65536", "message_cpu:1048576"):
         assert result[key] > 0, key
     cl = cluster_from(result, "tiny", (1, 2), 2)
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
     assert set(cl.sync_by_size) == {2}
+    assert [n for n, _ in cl.message_cpu] == [65536, 1048576] and all(c > 0 for _, c in cl.message_cpu)
     # the model's own layers at each row count, and its tensor-parallel model at (2 rows, t=2)
     assert set(cl.layer_costs) == {(1, 1, False), (2, 1, False), (2, 2, False)}
     assert all(v["layer"] > 0 and v["edges"] > 0 for v in cl.layer_costs.values())
@@ -457,6 +458,38 @@ def test_a_pipeline_reduces_its_gradients_with_the_other_stages_idle():
         synced = timing.step_time(shape, _cluster(nodes=1, per_node=4, overlap=0.0, cores=cores, sync_s=sync),
                                   config, 8)
         assert synced["dp"] - base["dp"] == pytest.approx(2 * sync * share, abs=1e-12), cores
+
+
+def test_message_cpu_is_a_line_through_the_probes_points():
+    cl = _cluster(message_cpu=((1 << 16, 1e-4), (1 << 20, 3e-4)))
+    assert timing.message_cpu(cl, 1 << 16) == pytest.approx(1e-4)
+    assert timing.message_cpu(cl, 1 << 20) == pytest.approx(3e-4)
+    assert timing.message_cpu(cl, 1024) == pytest.approx(1e-4)            # never below the smallest
+    mid = (1 << 16) + ((1 << 20) - (1 << 16)) / 2
+    assert timing.message_cpu(cl, mid) == pytest.approx(2e-4)
+    assert timing.message_cpu(cl, 2 << 20) == pytest.approx(3e-4 + 2e-4 * (1 << 20) / ((1 << 20) - (1 << 16)))
+    assert timing.message_cpu(_cluster(), 1 << 20) == 0.0                  # a datasheet cluster: none
+
+
+def test_a_pipeline_message_costs_its_ends_cpu_where_ranks_share_cores():
+    """Each end of a pipeline message is work of the action that sends or receives it: on shared
+    cores the busiest rank's ends (its F and B each receive one message and send one, or one of
+    each at the first and last stage) come back under ``pp``, its compute unchanged; on devices
+    of their own (``cores`` None) nothing is charged."""
+    shape = ModelShape.preset("tiny")
+    end = 2e-4
+    for config in (Config(dp=2, pp=2, microbatches=4), Config(pp=4, microbatches=4)):
+        machine = dict(nodes=1, per_node=4, overlap=0.0, flops=20e9)   # a CPU's speed: ms per micro-batch
+        plain = timing.step_time(shape, _cluster(cores=2.0, **machine), config, 16)
+        charged = timing.step_time(shape, _cluster(cores=2.0, message_cpu=((1 << 10, end),), **machine), config, 16)
+        assert charged["compute"] == pytest.approx(plain["compute"], rel=0.1), config   # shares: approximate
+        ends = 2 * config.microbatches * (1 if config.pp == 2 else 2)   # the busiest rank's message ends
+        crowd = config.devices / 2.0
+        assert end * ends <= charged["pp"] - plain["pp"] <= end * ends * crowd + 1e-9, config
+        assert charged["total"] > plain["total"]
+        free = [timing.step_time(shape, _cluster(message_cpu=mc, **machine), config, 16)
+                for mc in (None, ((1 << 10, end),))]
+        assert free[0] == free[1]
 
 
 def test_prefetch_probe_gives_the_share_of_a_gather_that_hides_behind_compute():

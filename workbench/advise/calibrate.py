@@ -41,6 +41,14 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           grows with the compute in between, up to a time slice or so.
                           :mod:`workbench.advise.timing` charges it per collective and message,
                           interpolated at the compute that precedes each.
+``message_cpu``           a block on ``r1`` rows, then one message each way with the pair's other
+                          rank (64 KiB and 1 MiB, as a pipeline stage passes activations and
+                          gradients): the CPU seconds (``time.thread_time``) the rank's thread spends
+                          per message end, posting, waiting (a sleeping thread woken) and copying.
+                          After compute that is several times the cost of the same message back to
+                          back: 4 ranks on 2 cores, 64 KiB, 46 us per end back to back, 130-210 us
+                          after a block. :mod:`workbench.advise.timing` charges each end to the
+                          pipeline action that sends or receives it, as work that shares the cores.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -100,6 +108,10 @@ __all__ = ["Calibration", "CalibratedCluster", "calibrate", "load_average"]
 
 # message sizes the comm probes time (bytes, x4 steps): the curves are interpolated between them
 PROBE_SIZES = tuple(16 << (2 * k) for k in range(11))   # 16 B .. 16 MiB
+# the message sizes whose CPU per endpoint is timed after compute (a pipeline's activations: tiny
+# to small models' micro-batches); the cost is a straight line through them
+MESSAGE_CPU_SIZES = (64 << 10, 1 << 20)
+MESSAGE_CPU_CALLS = 8   # block + exchange pairs per size and call of once()
 
 
 def load_average() -> float:
@@ -123,6 +135,7 @@ class CalibratedCluster(Cluster):
     update_s_per_param: float | None = None
     activation_s_per_byte: float = 0.0
     layer_costs: dict | None = None            # (rows, t, sp) -> {"layer": s, "edges": s}, all ranks busy
+    message_cpu: tuple | None = None           # ((bytes, CPU s per message end after compute), ...)
     overlap: float = 0.0                       # share of compute that hides data-parallel traffic
     prefetch_overlap: float | None = None      # share of a gather beside compute that hides (ZeRO-3;
                                                # None: ``overlap``)
@@ -199,6 +212,7 @@ class Calibration:
         unit = -(-sum(p.numel() for p in self.block.parameters()) // self.world)
         self.unit_shard, self.unit_full = torch.randn(unit, generator=g), torch.empty(unit * self.world)
         self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
+        self.wire = {n: (torch.zeros(n // 4), torch.empty(n // 4)) for n in MESSAGE_CPU_SIZES}
         self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
         for k in range(self.world // 2):
             pair = dist.new_group([2 * k, 2 * k + 1])
@@ -255,6 +269,34 @@ class Calibration:
         work = self._gather()   # ZeRO-3's prefetch: the next unit's gather while this unit computes
         self._layer(rows)
         work.wait()
+
+    def _message_cpu(self, nbytes: int, rows: int) -> float:
+        """CPU seconds of this thread per message end (a send or a receive, posted and waited
+        for) when the message follows compute: a block on ``rows``, then one message each way with
+        the pair's other rank, as a pipeline stage sends its output and receives the next input.
+        The mean over every rank."""
+        import torch.distributed as dist
+
+        from workbench import comm
+
+        out, into = self.wire[nbytes]
+        peer = 1 - dist.get_rank(self.pair)
+        spent = 0.0
+        dist.barrier()
+        for _ in range(MESSAGE_CPU_CALLS):
+            self._layer(rows)
+            start = time.thread_time()
+            if peer:   # the pair's first rank sends first, the second receives first
+                sent = comm.isend(out, group=self.pair, group_dst=peer)
+                comm.irecv(into, group=self.pair, group_src=peer).wait()
+            else:
+                comm.irecv(into, group=self.pair, group_src=peer).wait()
+                sent = comm.isend(out, group=self.pair, group_dst=peer)
+            sent.wait()
+            spent += time.thread_time() - start
+        t = torch.tensor([spent / (2 * MESSAGE_CPU_CALLS)], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0]) / self.world
 
     def _short(self) -> None:
         torch.mm(self.s1, self.s2)
@@ -366,6 +408,8 @@ class Calibration:
                                      key=f"layer_r1_sync_{g}")
             self._add(f"layer_r1_before_sync_{g}", a)
             self._add(f"layer_r1_sync_{g}", b)
+        for n in MESSAGE_CPU_SIZES:
+            self._add(f"message_cpu:{n}", self._message_cpu(n, r1))
         a, b, c = self._time_paired(layer2, self._gather_alone, lambda: self._gather_beside(r2), key="prefetch",
                                     least=4)   # a share of a difference: noisier than a time
         self._add("prefetch_layer", a)
@@ -507,7 +551,9 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
         cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
-        update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer), overlap=0.0, prefetch_overlap=prefetch,
+        update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer),
+        message_cpu=tuple(sorted((n, result[f"message_cpu:{n}"]) for n in _sizes(result, "message_cpu"))) or None,
+        overlap=0.0, prefetch_overlap=prefetch,
         machine=machine, links=links,
         load=load, measured=dict(result))
 

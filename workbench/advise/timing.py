@@ -82,7 +82,11 @@ by it (``cost._ring_on_links``).
   the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
   ranks up before the step and gathers the measured timeline after it). A message costs its
   link's time only, not the price of a collective after compute (``sync_by_size`` below): its
-  receiver waits idle, its core given to the ranks that compute.
+  receiver waits idle, its core given to the ranks that compute. Where the ranks share cores (a
+  calibrated CPU cluster), each message's two ends also cost their ranks CPU (``message_cpu``:
+  posting, a sleeping thread woken, copying; 0.13-0.34 ms per end here, at 64 KiB to 1 MiB): the
+  replay charges it to the action that receives its input or sends its output (F: the
+  activations, B: the gradients), as work sharing the cores, and reports it under ``pp``.
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
@@ -120,8 +124,8 @@ from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
 
-__all__ = ["step_time", "flops_per_token", "stage_layers", "group_topology", "measured_layer", "prefetch_wait",
-           "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+__all__ = ["step_time", "flops_per_token", "message_cpu", "stage_layers", "group_topology", "measured_layer",
+           "prefetch_wait", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Config.schedule -> the name pipeline_schedules.bubble_formula uses
@@ -412,13 +416,13 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
 
     # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
     hops, pp_extra = [0.0], 0.0
+    msg_bytes = rows * s * h * e / (t if config.sequence_parallel else 1)   # an activation or its gradient
     if p > 1:
-        msg = rows * s * h * e / (t if config.sequence_parallel else 1)
         owner = stage_to_rank(num_stages, p, style)
         # a message's link time only: its receiver is idle, its core given to the ranks computing (the
         # replay shares the cores among those), not drifting apart from a peer as after a collective
         hops = [0.0 if owner[k] == owner[k + 1] else _link_time(
-            groups["pp"][owner[k]], groups["pp"][owner[k + 1]], dpn, intra, inter, machine, msg)
+            groups["pp"][owner[k]], groups["pp"][owner[k + 1]], dpn, intra, inter, machine, msg_bytes)
             for k in range(num_stages - 1)]
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
@@ -443,10 +447,18 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         shared = tp_layer is not None
         work, comm, tp_work = {}, {}, [0.0] * p
         owner = stage_to_rank(num_stages, p, style)
+        # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
+        # F receives its input and sends its output, B (or the full backward) the gradients the other way
+        end_cpu = message_cpu(cluster, msg_bytes)
+        msg_work = {}
         for k, st in enumerate(per_stage):
             f = st["compute"] / 3
             tf, tb = (st["tp_f"] / crowd, st["tp_b"] / crowd) if shared else (0.0, 0.0)
-            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = f + tf, 2 * f + tb, f + tb, f
+            ends = sum(1 for j in (k - 1, k + 1) if 0 <= j < num_stages and owner[j] != owner[k]) * end_cpu
+            msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends
+            msg_work[("W", k)] = 0.0
+            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = \
+                f + tf + ends, 2 * f + tb + ends, f + tb + ends, f
             cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
             comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
             tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
@@ -454,6 +466,13 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
                        replicas=d * t)
         r = max(range(p), key=lambda i: sim["busy"][i])
         compute, tp_total = sim["compute"][r], sim["comm"][r]
+        # the share of the replayed work that was the messages' CPU: reported as pipeline communication
+        split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+        keys = [("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage)
+                for a in actions[r]]
+        mine = sum(work[key] for key in keys)
+        msg_cpu = compute * sum(msg_work[key] for key in keys) / mine if mine > 0 else 0.0
+        compute -= msg_cpu
         if shared:   # the share of the replayed work that was tensor-parallel communication
             stages_r = sum(1 for o in owner if o == r)
             tp_total = compute * tp_work[r] / max(1, stages_r)
@@ -461,6 +480,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         idle = max(0.0, sim["span"] - sim["busy"][r])
         pp_total = min(idle, critical_messages)
         bubble = idle - pp_total
+        pp_total += msg_cpu
     else:
         compute, tp_total = m * slowest["compute"] * crowd, m * slowest["tp"]
         pp_total, bubble = critical_messages, 0.0
@@ -567,6 +587,20 @@ def measured_layer(cluster, rows: int, config: Config) -> dict | None:
     if not costs or config.precision != "fp32" or config.recompute != "none":
         return None
     return costs.get((rows, config.tp, bool(config.sequence_parallel and config.tp > 1)))
+
+
+def message_cpu(cluster, nbytes: float) -> float:
+    """CPU seconds one end of a ``nbytes`` pipeline message costs its rank after compute (a
+    calibrated cluster's ``message_cpu`` points: a straight line through them, never below the
+    smallest; 0 for a cluster without them, whose devices compute while their NICs move the bytes)."""
+    points = getattr(cluster, "message_cpu", None)
+    if not points:
+        return 0.0
+    if len(points) == 1:
+        return max(0.0, float(points[0][1]))
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+    return max(0.0, float(y0) + slope * max(0.0, nbytes - x0))
 
 
 def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:
