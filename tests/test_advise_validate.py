@@ -360,13 +360,14 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     result = workbench.launch(_calibrate_tiny, world_size=2)[0]
     for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_model", "sync_world",
                 "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
-                "one_way:4096", "message_cpu:65536", "message_cpu:1048576"):
+                "one_way:4096", "message_cpu:65536", "message_cpu:1048576", "gather_cpu", "reduce_scatter_cpu"):
         assert result[key] > 0, key
     cl = cluster_from(result, "tiny", (1, 2), 2)
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
     assert set(cl.sync_by_size) == {2}
     assert [n for n, _ in cl.message_cpu] == [65536, 1048576] and all(c > 0 for _, c in cl.message_cpu)
+    assert set(cl.collective_cpu) == {"all_gather", "reduce_scatter"} and min(cl.collective_cpu.values()) > 0
     # the model's own layers at each row count, and its tensor-parallel model at (2 rows, t=2)
     assert set(cl.layer_costs) == {(1, 1, False), (2, 1, False), (2, 2, False)}
     assert all(v["layer"] > 0 and v["edges"] > 0 for v in cl.layer_costs.values())
@@ -490,6 +491,32 @@ def test_a_pipeline_message_costs_its_ends_cpu_where_ranks_share_cores():
         free = [timing.step_time(shape, _cluster(message_cpu=mc, **machine), config, 16)
                 for mc in (None, ((1 << 10, end),))]
         assert free[0] == free[1]
+
+
+def test_zero3_traffic_is_bounded_below_by_its_collectives_cpu_on_shared_cores():
+    """FSDP's units are the stage's layers and the root: per micro-batch 2 (L/p + 1) gathers and
+    L/p + 1 reduce-scatters, each costing every rank CPU that the ranks share with compute; the
+    data-parallel time is the larger of that CPU times world / cores and the exposed waits."""
+    shape = ModelShape.preset("tiny")
+    cpu = {"all_gather": 1e-3, "reduce_scatter": 4e-3}
+    machine = dict(nodes=1, per_node=4, overlap=0.0, flops=20e9)
+    for config, units in ((Config(dp=4, zero=3), shape.layers + 1),
+                          (Config(dp=2, pp=2, zero=3, microbatches=2), shape.layers // 2 + 1)):
+        assert timing.zero3_cpu(_cluster(cores=2.0, collective_cpu=cpu, **machine), shape, config) == \
+            pytest.approx(units * (2 * 1e-3 + 4e-3))
+        plain = timing.step_time(shape, _cluster(cores=2.0, **machine), config, 16)
+        bound = config.microbatches * units * (2 * 1e-3 + 4e-3) * config.devices / 2.0
+        charged = timing.step_time(shape, _cluster(cores=2.0, collective_cpu=cpu, **machine), config, 16)
+        assert charged["dp"] == pytest.approx(max(plain["dp"], bound), abs=1e-4), config   # + the loss's all-reduce
+        assert charged["dp"] > plain["dp"]   # here the CPU bound is the larger
+        doubled = timing.step_time(shape, _cluster(cores=2.0, collective_cpu={k: 2 * v for k, v in cpu.items()},
+                                                   **machine), config, 16)
+        assert doubled["dp"] - charged["dp"] == pytest.approx(bound)
+        # a cluster whose devices have their own cores, or no ZeRO-3: nothing changes
+        assert timing.zero3_cpu(_cluster(collective_cpu=cpu, **machine), shape, config) == 0.0
+    zero1 = Config(dp=4, zero=1)
+    assert timing.step_time(shape, _cluster(cores=2.0, collective_cpu=cpu, **machine), zero1, 16) == \
+        timing.step_time(shape, _cluster(cores=2.0, **machine), zero1, 16)
 
 
 def test_prefetch_probe_gives_the_share_of_a_gather_that_hides_behind_compute():

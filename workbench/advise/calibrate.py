@@ -49,6 +49,13 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           back: 4 ranks on 2 cores, 64 KiB, 46 us per end back to back, 130-210 us
                           after a block. :mod:`workbench.advise.timing` charges each end to the
                           pipeline action that sends or receives it, as work that shares the cores.
+``collective_cpu``        a block on ``r2`` rows, then an all-gather (or a reduce-scatter) of one
+                          block's parameters sharded over every rank, as ZeRO-3 gathers and reduces a
+                          unit: the CPU seconds of the whole process (``getrusage``: the rank's
+                          thread, gloo's, the communication thread) per collective. GPT ``tiny``, 4
+                          ranks on 2 cores: about 1.3 ms per gather and 4 ms per reduce-scatter,
+                          where the same gather on idle links takes 0.7 ms.
+                          :mod:`workbench.advise.timing` bounds ZeRO-3's traffic below by it.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -112,6 +119,7 @@ PROBE_SIZES = tuple(16 << (2 * k) for k in range(11))   # 16 B .. 16 MiB
 # to small models' micro-batches); the cost is a straight line through them
 MESSAGE_CPU_SIZES = (64 << 10, 1 << 20)
 MESSAGE_CPU_CALLS = 8   # block + exchange pairs per size and call of once()
+COLLECTIVE_CPU_CALLS = 4   # block + collective pairs per kind and call of once()
 
 
 def load_average() -> float:
@@ -136,6 +144,8 @@ class CalibratedCluster(Cluster):
     activation_s_per_byte: float = 0.0
     layer_costs: dict | None = None            # (rows, t, sp) -> {"layer": s, "edges": s}, all ranks busy
     message_cpu: tuple | None = None           # ((bytes, CPU s per message end after compute), ...)
+    collective_cpu: dict | None = None         # {"all_gather", "reduce_scatter": process CPU s per
+                                               # ZeRO-3 unit's collective after compute}
     overlap: float = 0.0                       # share of compute that hides data-parallel traffic
     prefetch_overlap: float | None = None      # share of a gather beside compute that hides (ZeRO-3;
                                                # None: ``overlap``)
@@ -210,7 +220,8 @@ class Calibration:
         self.one = torch.zeros(1)
         # one block's parameters, sharded over every rank as ZeRO-3 shards a unit: what it gathers
         unit = -(-sum(p.numel() for p in self.block.parameters()) // self.world)
-        self.unit_shard, self.unit_full = torch.randn(unit, generator=g), torch.empty(unit * self.world)
+        self.unit_shard, self.unit_full = torch.randn(unit, generator=g), torch.zeros(unit * self.world)
+        self.unit_reduced = torch.empty(unit)   # a reduce-scatter's output (the shard stays as it is)
         self.s1, self.s2 = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
         self.wire = {n: (torch.zeros(n // 4), torch.empty(n // 4)) for n in MESSAGE_CPU_SIZES}
         self.pair = None   # ranks (2k, 2k+1): a group of two, as a tensor-parallel pair or a stage boundary
@@ -297,6 +308,35 @@ class Calibration:
         t = torch.tensor([spent / (2 * MESSAGE_CPU_CALLS)], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t[0]) / self.world
+
+    def _collective_cpu(self, rows: int) -> tuple[float, float]:
+        """CPU seconds of this process (every thread: the rank's own, gloo's, the communication
+        thread's) per all-gather and per reduce-scatter of one block's parameters, sharded over
+        every rank as ZeRO-3 shards a unit, each issued after a block on ``rows`` and waited for.
+        The mean over every rank."""
+        import resource
+
+        import torch.distributed as dist
+
+        from workbench import comm
+
+        def cpu() -> float:
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return r.ru_utime + r.ru_stime
+
+        chunks = list(self.unit_full.chunk(self.world))
+        spent = [0.0, 0.0]
+        dist.barrier()
+        for k, run in enumerate((lambda: self._gather().wait(),
+                                 lambda: comm.reduce_scatter(self.unit_reduced, chunks, async_op=True).wait())):
+            for _ in range(COLLECTIVE_CPU_CALLS):
+                self._layer(rows)
+                start = cpu()
+                run()
+                spent[k] += cpu() - start
+        t = torch.tensor(spent, dtype=torch.float64) / COLLECTIVE_CPU_CALLS
+        dist.all_reduce(t)
+        return float(t[0]) / self.world, float(t[1]) / self.world
 
     def _short(self) -> None:
         torch.mm(self.s1, self.s2)
@@ -410,6 +450,9 @@ class Calibration:
             self._add(f"layer_r1_sync_{g}", b)
         for n in MESSAGE_CPU_SIZES:
             self._add(f"message_cpu:{n}", self._message_cpu(n, r1))
+        gather, scatter = self._collective_cpu(r2)
+        self._add("gather_cpu", gather)
+        self._add("reduce_scatter_cpu", scatter)
         a, b, c = self._time_paired(layer2, self._gather_alone, lambda: self._gather_beside(r2), key="prefetch",
                                     least=4)   # a share of a difference: noisier than a time
         self._add("prefetch_layer", a)
@@ -553,6 +596,8 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer),
         message_cpu=tuple(sorted((n, result[f"message_cpu:{n}"]) for n in _sizes(result, "message_cpu"))) or None,
+        collective_cpu={"all_gather": result["gather_cpu"], "reduce_scatter": result["reduce_scatter_cpu"]}
+        if "gather_cpu" in result else None,
         overlap=0.0, prefetch_overlap=prefetch,
         machine=machine, links=links,
         load=load, measured=dict(result))

@@ -103,8 +103,12 @@ by it (``cost._ring_on_links``).
   Beside ``c`` seconds of compute, ``g`` seconds of traffic wait ``g - hides x min(g, c)``
   (:func:`prefetch_wait`; ``hides`` is ``overlap``, or what a calibrated cluster's ``prefetch``
   probe measured: 0 on this machine's own links, up to about a half on an emulated link, whose
-  held-back time the sender sleeps through). The ZeRO-1/2 parameter all-gather
-  after the step is exposed.
+  held-back time the sender sleeps through). Where the ranks share cores, ZeRO-3's traffic is
+  also bounded below by its CPU: each of the ``3 (L/p + 1)`` collectives per micro-batch costs
+  every rank's process CPU (``collective_cpu``: the rank's thread, gloo's, the communication
+  thread's; on this machine 2-6x the collective's own time on idle links), which all the ranks
+  share with compute, so the traffic costs at least that CPU times ``world / cores``
+  (:func:`zero3_cpu`). The ZeRO-1/2 parameter all-gather after the step is exposed.
 
 Bubble
 ------
@@ -124,7 +128,7 @@ from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
 
-__all__ = ["step_time", "flops_per_token", "message_cpu", "stage_layers", "group_topology", "measured_layer",
+__all__ = ["step_time", "flops_per_token", "message_cpu", "zero3_cpu", "stage_layers", "group_topology", "measured_layer",
            "prefetch_wait", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -515,6 +519,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
             hides = overlap if hides is None else float(hides)
             dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides, sync,
                                           price)
+            dp_total = max(dp_total, m * zero3_cpu(cluster, shape, config) * crowd)
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
             first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
@@ -587,6 +592,18 @@ def measured_layer(cluster, rows: int, config: Config) -> dict | None:
     if not costs or config.precision != "fp32" or config.recompute != "none":
         return None
     return costs.get((rows, config.tp, bool(config.sequence_parallel and config.tp > 1)))
+
+
+def zero3_cpu(cluster, shape, config: Config) -> float:
+    """CPU seconds one rank's ZeRO-3 collectives cost per micro-batch on a calibrated cluster
+    whose ranks share cores (its ``collective_cpu``; 0 elsewhere): FSDP's units are the stage's
+    layers and the root, each gathered in forward and again in backward and reduce-scattered
+    once, ``2 (L/p + 1)`` gathers and ``L/p + 1`` reduce-scatters."""
+    cpu = getattr(cluster, "collective_cpu", None)
+    if not cpu or not getattr(cluster, "cores", None):
+        return 0.0
+    units = max(stage_layers(shape.layers, config.pp)) + 1
+    return units * (2 * float(cpu["all_gather"]) + float(cpu["reduce_scatter"]))
 
 
 def message_cpu(cluster, nbytes: float) -> float:

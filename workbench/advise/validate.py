@@ -319,7 +319,8 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
             r.update(best_predicted=best_pred["config"], best_measured=best_meas["config"], best_ok=ok,
                      calibration={k2: getattr(cluster, k2) for k2 in ("fp32_flops", "flops", "cores", "sync_s", "layer_overhead_s",
                                                                      "microbatch_overhead_s", "step_overhead_s",
-                                                                     "update_s_per_param", "activation_s_per_byte")})
+                                                                     "update_s_per_param", "activation_s_per_byte",
+                                                                     "message_cpu", "collective_cpu")})
         rows += these
         if progress is not None:
             progress(report(these, title=f"setting {k + 1}/{len(settings)}: {setting.label()}, load average "
