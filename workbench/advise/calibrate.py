@@ -53,8 +53,8 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           block's parameters sharded over every rank, as ZeRO-3 gathers and reduces a
                           unit: the CPU seconds of the whole process (``getrusage``: the rank's
                           thread, gloo's, the communication thread) per collective. GPT ``tiny``, 4
-                          ranks on 2 cores: about 1.3 ms per gather and 4 ms per reduce-scatter,
-                          where the same gather on idle links takes 0.7 ms.
+                          ranks on 2 cores: 1.2-1.8 ms per gather and 1.6-3.3 ms per reduce-scatter,
+                          where the message curves price the same gather at 0.6-0.8 ms.
                           :mod:`workbench.advise.timing` bounds ZeRO-3's traffic below by it.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.

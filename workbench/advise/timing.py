@@ -106,9 +106,9 @@ by it (``cost._ring_on_links``).
   held-back time the sender sleeps through). Where the ranks share cores, ZeRO-3's traffic is
   also bounded below by its CPU: each of the ``3 (L/p + 1)`` collectives per micro-batch costs
   every rank's process CPU (``collective_cpu``: the rank's thread, gloo's, the communication
-  thread's; on this machine 2-6x the collective's own time on idle links), which all the ranks
-  share with compute, so the traffic costs at least that CPU times ``world / cores``
-  (:func:`zero3_cpu`). The ZeRO-1/2 parameter all-gather after the step is exposed.
+  thread's; GPT ``tiny`` here: 1.2-1.8 ms per gather, which idle links move in 0.6-0.8 ms),
+  which all the ranks share with compute, so the traffic costs at least that CPU times
+  ``world / cores`` (:func:`zero3_cpu`). The ZeRO-1/2 parameter all-gather after the step is exposed.
 
 Bubble
 ------
