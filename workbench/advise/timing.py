@@ -266,6 +266,14 @@ def _schedule(config: Config, p: int, m: int):
     return plans.zbv(p, m), 2 * p, "v"
 
 
+def _work_keys(actions) -> list[list[tuple[str, int]]]:
+    """Each action's key in :func:`simulate`'s ``work``/``comm``, per rank: ``(kind, stage)``, a
+    backward that is not split into B and W (no W follows it) being ``"Bfull"``."""
+    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+    return [[("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage) for a in acts]
+            for acts in actions]
+
+
 def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, style: str = "loop",
              cores: float | None = None, replicas: int = 1) -> dict:
     """Replay a schedule's per-rank action lists with each action's ``work[(kind, stage)]`` seconds of
@@ -282,7 +290,7 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
 
     ranks = len(actions)
     owner = stage_to_rank(num_stages, ranks, style)
-    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+    keys = _work_keys(actions)
     hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
     done: dict[tuple, float] = {}
     pos = [0] * ranks
@@ -320,7 +328,7 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
                 if t > now + 1e-15:
                     waits.append(t)
                     break
-                key = ("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage)
+                key = keys[r][pos[r]]
                 state[r], remaining[r] = "compute", work[key]
                 comm_end[r] = comm[key]
         computing = [r for r in range(ranks) if state[r] == "compute"]
@@ -471,9 +479,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         r = max(range(p), key=lambda i: sim["busy"][i])
         compute, tp_total = sim["compute"][r], sim["comm"][r]
         # the share of the replayed work that was the messages' CPU: reported as pipeline communication
-        split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
-        keys = [("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage)
-                for a in actions[r]]
+        keys = _work_keys(actions)[r]
         mine = sum(work[key] for key in keys)
         msg_cpu = compute * sum(msg_work[key] for key in keys) / mine if mine > 0 else 0.0
         compute -= msg_cpu
