@@ -334,9 +334,10 @@ def test_memory_predictions_pinned_to_measured(world):
 
 def test_memory_of_small_microbatches_pinned_to_measured():
     """One sequence per rank: ZeRO-3's peak is then the assembly of a unit's flat gradient (three
-    unit-sized tensors beside the unit's weight gradients; with a pipeline the unit is the whole
-    stage, its received input still held), not the last layer's first product;
-    tensor parallelism's head moment (the loss's float32 gradient) against the layer's."""
+    unit-sized tensors beside the unit's weight gradients; a block, with or without a pipeline,
+    whose first stage's root, its embeddings, is not gathered again in backward), not the last
+    layer's first product; tensor parallelism's head moment (the loss's float32 gradient) against
+    the layer's."""
     from workbench.advise.validate import measure_memory
 
     configs = [Config(dp=4, zero=3), Config(dp=2, tp=2, zero=3), Config(dp=2, pp=2, zero=3, microbatches=2),

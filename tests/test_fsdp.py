@@ -207,3 +207,15 @@ def test_bad_input_is_refused_and_other_models_shard():
     assert out["module"].startswith("TypeError")
     assert out["mlp"] <= 1e-6 and out["mlp_eval"] <= 1e-6
     assert out["mlp_units"] == 3
+
+
+def test_a_pipeline_stage_is_cut_into_its_blocks():
+    """A pipeline stage keeps its blocks in a dict under their model indices: each is a unit of its
+    own (gathered one at a time, as without a pipeline), the embeddings or the head the root."""
+    from workbench.parallel.fsdp import find_units
+    from workbench.parallel.pipeline import partition
+
+    stages = partition(GPT(GPTConfig.preset("tiny")), 3)
+    assert [[name for name, _ in find_units(st)] for st in stages] == [
+        ["blocks.0", "blocks.1"], ["blocks.2"], ["blocks.3"]]
+    assert all(sub is st.blocks[name.split(".")[1]] for st in stages for name, sub in find_units(st))

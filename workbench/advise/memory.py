@@ -77,9 +77,11 @@ so far (the step returns them). The interleaved, ZB-H1 and ZBV schedules use
 stage's kept bytes per micro-batch, plus one micro-batch's backward peak and the two receives
 posted ahead.
 
-**Buffers** (``comm``): ZeRO-3 holds gathered units while backward runs -- the root unit (this
-stage's embedding and head, needed again by the embedding's backward at the end) and two blocks
-(the one running and the one prefetched) in the compute dtype; a unit's flat gradient is only
+**Buffers** (``comm``): ZeRO-3 holds gathered units while backward runs -- two blocks (the one
+running and the one prefetched) and, on the rank holding the head, the root unit (embedding,
+final norm and head; gathered for the head's backward, held until its gradient is reduced at the
+end; a first pipeline stage's root, its embeddings, is not gathered again: their backward needs
+only the token ids), in the compute dtype; a unit's flat gradient is only
 built once backward has left the unit (its activations freed), so it is not alive at the peak.
 ZeRO-2 allocates a bucket's flat gradient buffer at the bucket's first gradient and frees them all
 at the end of backward (:class:`~workbench.parallel.zero.ShardedOptimizer`): at the last layer's
@@ -282,15 +284,11 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
 
 
 def _zero3_unit(shape: ModelShape, config: Config, stage: int) -> tuple[float, int, float] | None:
-    """ZeRO-3's largest unit on ``stage``: ``(elements, layers in it, elements of its last two
-    tensors)`` (None without ZeRO-3): a block without a pipeline, the whole stage with one (see
-    :func:`_fsdp_units`)."""
+    """ZeRO-3's unit whose flat gradient backward assembles at a layer: ``(elements, layers in it,
+    elements of its last two tensors)`` (None without ZeRO-3): a block, with or without a pipeline
+    (see :func:`_fsdp_units`)."""
     if config.zero != 3 or config.dp == 1:
         return None
-    n_stages = config.pp * chunks(config)
-    if config.pp > 1:
-        tensors = shape.stage_tensors(n_stages, stage, config.tp)
-        return float(sum(tensors)), shape.layers_per_stage(n_stages)[stage], float(sum(tensors[-2:]))
     tensors = shape.layer_tensors(config.tp)
     return float(sum(tensors)), 1, float(sum(tensors[-2:]))
 
@@ -385,12 +383,14 @@ def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_
 
 
 def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
-    """Sizes of :class:`~workbench.parallel.fsdp.FullyShardedDataParallel`'s units (elements): each
-    block one unit and the rest the root when the wrapped module has its ``blocks`` list (no
-    pipeline); a pipeline stage (its blocks in a dict) is one unit."""
-    if config.pp > 1:
-        return [sum(shape.stage_tensors(n_stages, s, config.tp)) for s in stages]
+    """Sizes of :class:`~workbench.parallel.fsdp.FullyShardedDataParallel`'s units (elements), the
+    root first: each block of the wrapped module one unit, the rest (embeddings, final norm, head)
+    the root -- 0 on a pipeline stage that holds only blocks, which then has no root unit."""
     layer = sum(shape.layer_tensors(config.tp))
+    if config.pp > 1:
+        counts = shape.layers_per_stage(n_stages)
+        root = sum(sum(shape.stage_tensors(n_stages, s, config.tp)) - counts[s] * layer for s in stages)
+        return [root] + [layer] * sum(counts[s] for s in stages)
     return [shape.parameters(config.tp) - shape.layers * layer] + [layer] * shape.layers
 
 
@@ -416,7 +416,7 @@ def model_state(shape: ModelShape, config: Config, stages: list[int], optimizer:
         return {"parameters": 4.0 * n * sum(shards),                   # the padded flat buffers
                 "gradients": 4.0 * (psi if zero == 1 else sum(shards)),
                 "optimizer": 8.0 * sum(shards) + STEP_BYTES * len(shards)}
-    shards = [math.ceil(u / n) for u in _fsdp_units(shape, config, stages, n_stages)]
+    shards = [math.ceil(u / n) for u in _fsdp_units(shape, config, stages, n_stages) if u > 0]
     return {"parameters": 4.0 * sum(shards), "gradients": 4.0 * sum(shards),
             "optimizer": 8.0 * sum(shards) + STEP_BYTES * len(shards)}
 
@@ -469,9 +469,12 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
         if config.dp > 1 and config.zero == 3:
             units = _fsdp_units(shape, config, stages, n_stages)
             root, block = units[0], max(units[1:], default=0)
-            # gathered while backward runs: the root (its embedding needs it last) and two blocks
-            # (the one running and the one prefetched)
-            buffers += e * (root + 2 * block)
+            # gathered while backward runs: two blocks (the one running and the one prefetched) and
+            # the root where it holds the head, whose backward needs the weight (gathered first,
+            # it stays until the root's gradient is reduced at the end); a first pipeline stage's
+            # root is its embeddings, whose backward needs only the token ids, so it stays sharded
+            head_here = n_stages - 1 in stages
+            buffers += e * ((root if head_here else 0) + 2 * block)
         elif config.dp > 1 and config.zero == 2:
             buffers += e * _zero2_open_buckets(shape, config, stages, n_stages)
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],

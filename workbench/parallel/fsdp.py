@@ -95,10 +95,11 @@ __all__ = ["FullyShardedDataParallel", "find_units"]
 
 def find_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The sub-modules that become units of their own: each child of ``module.blocks`` (or of
-    ``module.layers``) that has parameters, with its name. Everything else is the root unit."""
+    ``module.layers``; a list, a sequence, or a pipeline stage's dict of its blocks by their index
+    in the model) that has parameters, with its name. Everything else is the root unit."""
     for attr in ("blocks", "layers"):
         container = getattr(module, attr, None)
-        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        if isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             return [(f"{attr}.{name}", child) for name, child in container.named_children()
                     if any(True for _ in child.parameters())]
     return []
