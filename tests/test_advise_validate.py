@@ -345,6 +345,15 @@ def test_memory_of_small_microbatches_pinned_to_measured():
     _pin(measure_memory("tiny", configs, 4, world_size=4), configs, 4, 4)
 
 
+def test_memory_of_zero3_on_one_block_stages_pinned_to_measured():
+    """ZeRO-3 over 4 stages of one block each (8 ranks): FSDP gathers that block alone, no
+    prefetched neighbour, and the root only on the last stage (its head)."""
+    from workbench.advise.validate import measure_memory
+
+    configs = [Config(dp=2, pp=4, zero=3, microbatches=4)]
+    _pin(measure_memory("tiny", configs, 8, world_size=8), configs, 8, 8)
+
+
 def _calibrate_tiny():
     from workbench.advise.calibrate import Calibration
 

@@ -280,10 +280,10 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
     accumulating = config.microbatches > 1
     return _microbatch(shape, config, global_batch, stage,
                        transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1,
-                       unit=_zero3_unit(shape, config, stage))
+                       unit=_zero3_unit(shape, config))
 
 
-def _zero3_unit(shape: ModelShape, config: Config, stage: int) -> tuple[float, int, float] | None:
+def _zero3_unit(shape: ModelShape, config: Config) -> tuple[float, int, float] | None:
     """ZeRO-3's unit whose flat gradient backward assembles at a layer: ``(elements, layers in it,
     elements of its last two tensors)`` (None without ZeRO-3): a block, with or without a pipeline
     (see :func:`_fsdp_units`)."""
@@ -311,7 +311,7 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     last = rank == config.pp - 1
     transient = _grads_are_transient(config)
     mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
-                             hold_logits=False, unit=_zero3_unit(shape, config, rank)) for first in (True, False)}
+                             hold_logits=False, unit=_zero3_unit(shape, config)) for first in (True, False)}
     live = forwarded = 0
     first = True
     peak = 0.0
@@ -469,12 +469,13 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
         if config.dp > 1 and config.zero == 3:
             units = _fsdp_units(shape, config, stages, n_stages)
             root, block = units[0], max(units[1:], default=0)
-            # gathered while backward runs: two blocks (the one running and the one prefetched) and
-            # the root where it holds the head, whose backward needs the weight (gathered first,
-            # it stays until the root's gradient is reduced at the end); a first pipeline stage's
-            # root is its embeddings, whose backward needs only the token ids, so it stays sharded
+            # gathered while backward runs: two blocks (the one running and the one prefetched; a
+            # stage of one block has one), and the root where it holds the head, whose backward
+            # needs the weight (gathered first, it stays until the root's gradient is reduced at
+            # the end); a first pipeline stage's root is its embeddings, whose backward needs only
+            # the token ids, so it stays sharded
             head_here = n_stages - 1 in stages
-            buffers += e * ((root if head_here else 0) + 2 * block)
+            buffers += e * ((root if head_here else 0) + min(2, len(units) - 1) * block)
         elif config.dp > 1 and config.zero == 2:
             buffers += e * _zero2_open_buckets(shape, config, stages, n_stages)
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
