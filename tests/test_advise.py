@@ -161,11 +161,16 @@ def test_activations_without_parallelism_are_recompute_activation_bytes(precisio
         sbh, sb = s * batch * h, s * batch
         loss = formula["kept"] + 2 * e * sb * V      # nll_loss's and log_softmax's gradients
         head = formula["kept"] + e * sbh + (e * V * h if accumulating else 0)
-        if policy == "full":
-            return max(formula["peak"], loss)
         work = e * (sbh + sb * 4 * h) - e * (2 * sbh + 2 * sb + sb * V)
         if accumulating:     # the MLP weight's and bias's new gradients beside their .grad, the tied head's
             work += e * (h * 4 * h + h) + e * V * h
+        if policy == "full":
+            if not accumulating:
+                return max(formula["peak"], loss)
+            # the recomputed last layer's backward: its whole working set in place of its input
+            none = activation_bytes(cfg, batch, policy="none", dtype=dtype)["per_layer"]
+            alive = formula["kept"] - formula["per_layer"] + none
+            return max(formula["peak"], alive + max(0, work), loss, head)
         return max(formula["peak"], formula["kept"] + max(0, work), loss, head)
 
     got = memory_per_device(cfg, Config(precision=precision, recompute=policy), b)["activations"]

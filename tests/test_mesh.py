@@ -93,6 +93,10 @@ def _parity_rank(cases) -> list[str]:
             if list(theirs.get_coordinate()) != [mesh.coords[d] for d in ("pp", "dp", "tp")]:
                 bad.append(f"{tag}: coords {mesh.coords}, torch's {theirs.get_coordinate()}")
         trained = parallelize(model, mesh, lr=1e-2, **kwargs)
+        policies = {getattr(block, "_recompute_policy", "none") for block in trained._stage_module.blocks.values()} \
+            if pp > 1 else {getattr(block, "_recompute_policy", "none") for block in trained._stage_module.blocks}
+        if policies != {kwargs.get("recompute", "none")}:
+            bad.append(f"{tag}: this rank's blocks recompute {policies}")
         for i, (x, y) in enumerate(batches):
             loss = float(trained.step(x, y))
             if abs(loss - want_losses[i]) > 1e-5:
@@ -117,13 +121,16 @@ def _check(results):
 
 def test_parity_pairs_4_ranks():
     """Each pair of dimensions on 4 ranks; ZeRO 0 (DDP), 1 (ShardedOptimizer) and 3 (FSDP) over
-    dp; sequence parallelism and GPipe once each; the tied embedding across stages throughout."""
+    dp; sequence parallelism and GPipe once each; the tied embedding across stages throughout;
+    activation recomputation (full and selective) against one process that keeps everything."""
     cases = [(2, 2, 1, dict(zero_stage=z)) for z in (0, 1, 3)]
     cases[0][3]["against_torch"] = True
     cases += [(2, 1, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
     cases += [(1, 2, 2, dict()), (1, 2, 2, dict(sequence_parallel=True, schedule="gpipe", n_microbatches=4)),
               (2, 2, 1, dict(zero_stage=2, sequence_parallel=True)),
               (2, 1, 2, dict(zero_stage=1, order=("dp", "pp", "tp"))), (2, 2, 1, dict(order=("tp", "dp", "pp")))]
+    cases += [(2, 1, 2, dict(zero_stage=3, recompute="full")), (1, 2, 2, dict(recompute="full", schedule="gpipe")),
+              (2, 2, 1, dict(zero_stage=1, sequence_parallel=True, recompute="selective"))]
     preload()
     _check(workbench.launch(_parity_rank, world_size=4, args=(cases,), timeout=240))
 
@@ -132,7 +139,8 @@ def test_parity_3d_8_ranks():
     """dp = tp = pp = 2: 1F1B over tensor-parallel stages, ZeRO 0, 1 and 3 across the replicas."""
     cases = [(2, 2, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
     cases[0][3]["against_torch"] = True
-    cases += [(2, 2, 2, dict(zero_stage=1, sequence_parallel=True, n_microbatches=4))]
+    cases += [(2, 2, 2, dict(zero_stage=1, sequence_parallel=True, n_microbatches=4)),
+              (2, 2, 2, dict(zero_stage=0, recompute="full"))]
     preload()
     _check(workbench.launch(_parity_rank, world_size=8, args=(cases,), timeout=300))
 
@@ -161,6 +169,7 @@ def _errors_rank() -> list[str]:
     expect(lambda: parallelize(model, mesh, n_microbatches=1), "n_microbatches >= pp", "1 < 2")
     expect(lambda: parallelize(model, mesh, sequence_parallel=True), "sequence_parallel=True", "tp > 1")
     expect(lambda: parallelize(model, mesh, zero_stage=2), "zero_stage=2", "tied")
+    expect(lambda: parallelize(model, mesh, recompute="some"), "recompute='some'", "'full'")
     expect(lambda: parallelize(model, Mesh(dp=4), n_microbatches=2), "n_microbatches=2", "pp > 1")
     # a mesh inside a sub-group: ranks numbered in the group, its sub-groups made by its members
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -60,7 +60,9 @@ each a sum of tensors alive at once (measured op by op with :class:`~workbench.m
 
 With ``selective`` the last layer's attention core is recomputed beside the kept tensors and two
 gradients; with ``full`` the first recomputed layer's whole working set, the gradient flowing into
-it and the caller's logits. On GPT tiny and small these put the prediction within 0.3% of
+it and the caller's logits, and where the strategy copies the new weight gradients (or they
+accumulate over micro-batches) the first moment above inside that layer: the other layers' inputs
+and the recomputed layer whole in place of everything kept. On GPT tiny and small these put the prediction within 0.3% of
 ``MemoryMeter``'s peak on one process and in every data-, tensor- and sequence-parallel layout
 that :func:`workbench.advise.validate.measure_memory` runs.
 
@@ -229,7 +231,10 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
         peak = max(kept, kept - head + core + 2 * grad_in)
     else:
         peak = kept
-    if policy != "full":
+    # what the last layer's backward finds kept: everything, or with full recomputation the other
+    # layers' inputs and the last layer recomputed whole
+    alive = kept if policy != "full" else kept - layer["full"] + layer["none"]
+    if policy != "full" or transient_grads:
         # the last layer's backward begins (the MLP's output projection): beside everything kept
         # but the head's tensors, the gradient flowing in, (sequence parallel) its all-gathered copy,
         # the gradient of the ffn-wide input and -- when they are temporaries -- the weight's and
@@ -239,7 +244,7 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
         waiting = g * vt * h if (transient_grads and shape.tied and first and last) else 0.0
         if transient_grads:
             work += g * (h * ffn / t + (h if shape.bias else 0)) + waiting
-        peak = max(peak, kept - head + work)
+        peak = max(peak, alive - head + work)
         if unit is not None and config.dp > 1:
             # ZeRO-3 assembles a unit's flat gradient once backward has left the unit (autograd runs
             # the slices' backward after the unit's own nodes, whose sequence numbers are higher):
@@ -256,7 +261,7 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
             peak = max(peak, assembly)
             if n_layers > per_unit:
                 fewer = per_unit * layer[policy]
-                peak = max(peak, assembly - fewer + u, kept - head + work - fewer + u)
+                peak = max(peak, assembly - fewer + u, alive - head + work - fewer + u)
     if last:
         # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
         # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized

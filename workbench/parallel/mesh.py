@@ -32,6 +32,11 @@ group, nothing re-implemented:
    the micro-batches' gradients accumulated under ``no_sync`` and averaged once after the
    schedule), ZeRO-1/2 (:class:`ShardedOptimizer`) or ZeRO-3 (:class:`FullyShardedDataParallel`).
 
+Activation recomputation (``recompute="full"`` or ``"selective"``,
+:func:`workbench.parallel.recompute.recompute`) checkpoints this rank's blocks after steps 1-2, so
+it composes with all three: a block recomputed in backward runs its tensor-parallel collectives
+again (Megatron's full recomputation does the same), and under ZeRO-3 gathers its unit again.
+
 One step: data-parallel rank ``d`` takes rows ``[d B/dp, (d+1) B/dp)`` of the global batch; its
 pipeline splits them into ``m`` micro-batches; every ``tp`` rank sees them whole. The returned
 loss is the global batch's mean (the last stage's micro-batch means averaged, sent to the other
@@ -348,7 +353,7 @@ def _optimizer_factory(optimizer_cls, kwargs) -> Callable:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: str = "1f1b",
-                n_microbatches: int | None = None, sequence_parallel: bool = False,
+                n_microbatches: int | None = None, sequence_parallel: bool = False, recompute: str = "none",
                 optimizer_cls=torch.optim.AdamW, **optimizer_kwargs) -> ParallelModel:
     """Compose tensor, pipeline and data parallelism (ZeRO ``zero_stage``) on ``model`` over ``mesh``.
 
@@ -360,7 +365,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     (default ``pp``; 1F1B needs ``>= pp``). ``sequence_parallel``: split norms and residuals by
     sequence too (needs ``tp > 1``). ``zero_stage``: 0 DDP, 1-2 :class:`ShardedOptimizer`, 3
     :class:`FullyShardedDataParallel`, over ``dp`` (with ``dp = 1`` there is nothing to shard and
-    it has no effect). ``optimizer_cls(params, **optimizer_kwargs)`` builds the optimizer.
+    it has no effect). ``recompute``: ``"none"``, ``"full"`` (each block keeps its input and runs
+    again in backward) or ``"selective"`` (only the attention core runs again).
+    ``optimizer_cls(params, **optimizer_kwargs)`` builds the optimizer.
     Returns a :class:`ParallelModel`.
     """
     from workbench import runtime
@@ -392,6 +399,11 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     if schedule == "1f1b" and pp > 1 and n_microbatches < pp:
         raise ValueError(f"parallelize: 1F1B needs n_microbatches >= pp stages: got {n_microbatches} < {pp}; "
                          "use more micro-batches or schedule='gpipe'")
+    from workbench.parallel.recompute import POLICIES
+    from workbench.parallel.recompute import recompute as checkpoint_blocks
+
+    if recompute not in POLICIES:
+        raise ValueError(f"parallelize: recompute={recompute!r} must be one of {POLICIES}")
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"parallelize: sequence_parallel={sequence_parallel!r} must be True or False")
     if sequence_parallel and tp == 1:
@@ -433,6 +445,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         del stages
     else:
         stage_module = model
+    if recompute != "none":   # this rank's blocks, before data parallelism wraps them (its hooks rerun)
+        checkpoint_blocks(stage_module, recompute)
     marks = {name: {a: getattr(p, a, None) for a in ("_tp_dim", "_tp_chunks", "_tp_vocab")}
              for name, p in stage_module.named_parameters(remove_duplicate=False)}
 

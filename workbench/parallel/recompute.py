@@ -106,13 +106,17 @@ POLICIES = ("none", "selective", "full")
 
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated layers of ``model``: the children of ``model.blocks`` or ``model.layers``,
-    else of the first ``nn.ModuleList`` whose children all have one class (``transformer.h`` of a
-    Hugging Face GPT-2, ``model.layers`` of a Llama). A wrapper's ``.module`` is looked into."""
+    """The repeated layers of ``model``: the children of ``model.blocks`` or ``model.layers`` (a
+    list, a ``Sequential``, or the ``nn.ModuleDict`` a pipeline stage keeps its blocks in, under
+    their indices in the whole model), else of the first ``nn.ModuleList`` whose children all have
+    one class (``transformer.h`` of a Hugging Face GPT-2, ``model.layers`` of a Llama). A
+    wrapper's ``.module`` is looked into."""
     for attr in ("blocks", "layers"):
         container = getattr(model, attr, None)
         if isinstance(container, (nn.ModuleList, nn.Sequential)) and len(container):
             return list(container)
+        if isinstance(container, nn.ModuleDict) and len(container):
+            return list(container.values())
     for _, sub in model.named_modules():
         if isinstance(sub, nn.ModuleList) and len(sub) and len({type(c) for c in sub}) == 1:
             return list(sub)
