@@ -359,14 +359,17 @@ def test_memory_with_recomputation_pinned_to_measured():
     but the attention core; full keeps each block's input, and the recomputed block's backward
     peaks as a block does without recomputation where the strategy copies the new weight
     gradients (DDP's buckets, or accumulation over micro-batches): beside the other blocks' inputs,
-    the gradient flowing in, the ffn-wide gradient and those weight gradients. Left out: full
+    the gradient flowing in, the ffn-wide gradient and those weight gradients. ZeRO-1 with full
+    recomputation peaks in its step instead: a bucket's flat gradient buffer and its reduced chunk
+    beside the logits. Left out: full
     recomputation with tensor parallelism, whose recomputed all-reduces sometimes leave one or two
     sequence-sized buffers alive at the peak (measured 5-10% above the prediction on some ranks in
-    some runs, exactly on it in others), and ZeRO-1/ZeRO-3 with full recomputation (see the README)."""
+    some runs, exactly on it in others), ZeRO-1 with sequence parallelism and ZeRO-3, each with full
+    recomputation (see the README)."""
     from workbench.advise.validate import measure_memory
 
     configs = [Config(dp=4, recompute=policy) for policy in ("selective", "full")]
-    configs += [Config(dp=2, pp=2, microbatches=2, recompute="full"),
+    configs += [Config(dp=2, pp=2, microbatches=2, recompute="full"), Config(dp=4, zero=1, recompute="full"),
                 Config(dp=2, tp=2, recompute="selective"), Config(dp=4, zero=3, recompute="selective"),
                 Config(tp=2, pp=2, microbatches=2, schedule="gpipe", recompute="selective")]
     measured = measure_memory("tiny", configs, 8, world_size=4)

@@ -87,8 +87,12 @@ only the token ids), in the compute dtype; a unit's flat gradient is only
 built once backward has left the unit (its activations freed), so it is not alive at the peak.
 ZeRO-2 allocates a bucket's flat gradient buffer at the bucket's first gradient and frees them all
 at the end of backward (:class:`~workbench.parallel.zero.ShardedOptimizer`): at the last layer's
-peak only the buckets holding the final norm's (and an untied head's) gradients are open. DDP
-holds nothing more (gradients are views of its buckets). And on NCCL each communicator's own
+peak only the buckets holding the final norm's (and an untied head's) gradients are open. ZeRO-1
+reduces in its step: each bucket's gradients copied into a flat buffer (built while the previous
+one is still being reduced: two at once) and reduce-scattered into a chunk kept until the update;
+where that moment outweighs backward's (full recomputation keeps little), it is the peak: the
+buffers and chunks beside the caller's logits. DDP holds nothing more (gradients are views of its
+buckets). And on NCCL each communicator's own
 buffers (``cluster.communicator_bytes``): the world group, each of this rank's groups of more than
 one rank, and a pair per pipeline neighbour for send/recv.
 
@@ -387,6 +391,20 @@ def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_
                for idx in assign_buckets(params, ZERO2_BUCKET_BYTES) if done & set(idx))
 
 
+def _zero1_step_buffers(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> int:
+    """Elements of ZeRO-1's flat buffers at the busiest moment of its step
+    (:meth:`~workbench.parallel.zero.ShardedOptimizer.reduce_gradients`): each bucket's gradients
+    are copied into a flat buffer (padded to a multiple of ``dp``) and reduce-scattered into this
+    rank's chunk, which stays until the update; a bucket's flat buffer is built while the previous
+    one is still being reduced. So at bucket ``i + 1``: two flat buffers and the chunks so far."""
+    tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
+    n = config.dp
+    flats = [math.ceil(b / n) * n for b in _zero_buckets(tensors)]
+    if not flats:
+        return 0
+    return max(flats[max(0, i - 1)] * (i > 0) + flats[i] + sum(flats[:i + 1]) // n for i in range(len(flats)))
+
+
 def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
     """Sizes of :class:`~workbench.parallel.fsdp.FullyShardedDataParallel`'s units (elements), the
     root first: each block of the wrapped module one unit, the rest (embeddings, final norm, head)
@@ -483,6 +501,14 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             buffers += e * ((root if head_here else 0) + min(2, len(units) - 1) * block)
         elif config.dp > 1 and config.zero == 2:
             buffers += e * _zero2_open_buckets(shape, config, stages, n_stages)
+        elif config.dp > 1 and config.zero == 1:
+            # the step's reduction (flat buffers, reduced chunks) beside what backward left: the
+            # caller's logits (no pipeline)
+            held = 0.0 if piped else e * shape.seq * microbatch_size(config, global_batch) \
+                * shape.padded_vocab(config.tp) / config.tp
+            step = e * _zero1_step_buffers(shape, config, stages, n_stages)
+            if held + step > activations + buffers - comms:
+                activations, buffers = held, comms + step
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
                "activations": float(activations), "buffers": float(buffers)}
         row["total"] = sum(row[c] for c in MEMORY_CATEGORIES)

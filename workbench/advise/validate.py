@@ -9,7 +9,8 @@ configuration's prediction beside its measurement:
 
 * **memory per rank** by category: model state (parameters, gradients, optimizer state:
   :func:`workbench.metrics.model_state_bytes` after a step) and the peak of the step
-  (:class:`workbench.memory.MemoryMeter`: activations, communication buffers), each rank against
+  (:class:`workbench.memory.MemoryMeter`: activations, communication buffers, and as buffers the
+  gradients alive at the peak beyond those kept after the step: ZeRO-1's reduced chunk), each rank against
   :func:`workbench.advise.memory.memory_by_rank` for its pipeline stage. Model state is compared
   exactly (Adam's 4-byte step counter per tensor it updates is measured beside it,
   ``step_counters``, and is part of the prediction); activations together with buffers, since
@@ -120,8 +121,11 @@ def _memory(trained, x, y) -> dict[str, int]:
     peak = meter.peak_by_category
     counters = sum(s["step"].numel() * s["step"].element_size() for s in _optimizer_states(trained.optimizer)
                    if isinstance(s.get("step"), torch.Tensor))
+    # gradients alive at the peak beyond those kept after the step are temporaries (ZeRO-1's reduced
+    # chunk, the ``.grad`` of its flat shard during the step): buffers
+    excess = max(0, peak.get("grads", 0) - state["grads"])
     return {"parameters": state["params"], "gradients": state["grads"], "optimizer": state["optimizer"],
-            "activations": peak.get("activations", 0), "buffers": peak.get("comm", 0),
+            "activations": peak.get("activations", 0), "buffers": peak.get("comm", 0) + excess,
             "peak": meter.peak_bytes, "step_counters": counters}
 
 
