@@ -122,7 +122,8 @@ def _check(results):
 def test_parity_pairs_4_ranks():
     """Each pair of dimensions on 4 ranks; ZeRO 0 (DDP), 1 (ShardedOptimizer) and 3 (FSDP) over
     dp; sequence parallelism and GPipe once each; the tied embedding across stages throughout;
-    activation recomputation (full and selective) against one process that keeps everything."""
+    activation recomputation (full and selective) against one process that keeps everything;
+    ZB-H1 under DDP, ZeRO-1, ZeRO-3 and tensor parallelism."""
     cases = [(2, 2, 1, dict(zero_stage=z)) for z in (0, 1, 3)]
     cases[0][3]["against_torch"] = True
     cases += [(2, 1, 2, dict(zero_stage=z)) for z in (0, 1, 3)]
@@ -131,6 +132,9 @@ def test_parity_pairs_4_ranks():
               (2, 1, 2, dict(zero_stage=1, order=("dp", "pp", "tp"))), (2, 2, 1, dict(order=("tp", "dp", "pp")))]
     cases += [(2, 1, 2, dict(zero_stage=3, recompute="full")), (1, 2, 2, dict(recompute="full", schedule="gpipe")),
               (2, 2, 1, dict(zero_stage=1, sequence_parallel=True, recompute="selective"))]
+    # zero-bubble H1: backward split into B and W, under DDP, ZeRO-1, ZeRO-3 and tensor parallelism
+    cases += [(2, 1, 2, dict(zero_stage=z, schedule="zb-h1")) for z in (0, 1, 3)]
+    cases += [(1, 2, 2, dict(schedule="zb-h1", n_microbatches=4))]
     preload()
     _check(workbench.launch(_parity_rank, world_size=4, args=(cases,), timeout=240))
 
@@ -170,6 +174,10 @@ def _errors_rank() -> list[str]:
     expect(lambda: parallelize(model, mesh, sequence_parallel=True), "sequence_parallel=True", "tp > 1")
     expect(lambda: parallelize(model, mesh, zero_stage=2), "zero_stage=2", "tied")
     expect(lambda: parallelize(model, mesh, recompute="some"), "recompute='some'", "'full'")
+    expect(lambda: parallelize(model, Mesh(tp=2, pp=2), schedule="zb-h1", sequence_parallel=True),
+           "schedule='zb-h1'", "sequence_parallel=True")
+    expect(lambda: parallelize(model, mesh, schedule="zb-h1", n_microbatches=1), "ZB-H1", "1 < 2")
+    expect(lambda: parallelize(model, mesh, schedule="zb-h1", recompute="full"), "schedule='zb-h1'", "recompute='full'")
     expect(lambda: parallelize(model, Mesh(dp=4), n_microbatches=2), "n_microbatches=2", "pp > 1")
     # a mesh inside a sub-group: ranks numbered in the group, its sub-groups made by its members
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
