@@ -252,8 +252,8 @@ def _check_config(c: Config, world_size: int = WORLD) -> None:
         raise ValueError(f"config {c.label()}: the mesh runs float32; validate with precision='fp32'")
     if c.schedule not in ("gpipe", "1f1b", "zb-h1") and c.pp > 1:
         raise ValueError(f"config {c.label()}: the mesh runs schedule 'gpipe', '1f1b' or 'zb-h1', not {c.schedule!r}")
-    if c.schedule == "zb-h1" and c.pp > 1 and (c.sequence_parallel or c.recompute != "none"):
-        raise ValueError(f"config {c.label()}: the mesh runs zb-h1 without sequence parallelism or recomputation")
+    if c.schedule == "zb-h1" and c.pp > 1 and c.recompute != "none":
+        raise ValueError(f"config {c.label()}: the mesh runs zb-h1 without recomputation")
 
 
 def _predict_memory(shape, c: Config, batch: int) -> list[dict] | None:

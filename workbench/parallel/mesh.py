@@ -362,7 +362,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     keeps its stage: drop your own reference to ``model`` so the other stages' layers are freed.
     ``schedule``:
     ``"1f1b"``, ``"gpipe"`` or ``"zb-h1"`` (with ``pp > 1``; zero-bubble H1, backward split into
-    the input gradient B and the weight gradient W, not with sequence parallelism or recomputation);
+    the input gradient B and the weight gradient W; not with recomputation);
     ``n_microbatches``: per data-parallel rank (default ``pp``; 1F1B and ZB-H1 need ``>= pp``).
     ``sequence_parallel``: split norms and residuals by sequence too (needs ``tp > 1``). ``zero_stage``: 0 DDP, 1-2 :class:`ShardedOptimizer`, 3
     :class:`FullyShardedDataParallel`, over ``dp`` (with ``dp = 1`` there is nothing to shard and
@@ -411,10 +411,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     if sequence_parallel and tp == 1:
         raise ValueError("parallelize: sequence_parallel=True splits by sequence over the tp ranks and needs "
                          "tp > 1; build the mesh with tp >= 2 or pass sequence_parallel=False")
-    if schedule == "zb-h1" and pp > 1 and sequence_parallel:
-        raise ValueError("parallelize: schedule='zb-h1' with sequence_parallel=True is not supported (splitting "
-                         "backward into B and W around the sequence-parallel collectives gives wrong gradients "
-                         "here); use schedule='1f1b' with sequence parallelism, or zb-h1 without it")
     if schedule == "zb-h1" and pp > 1 and recompute != "none":
         raise ValueError(f"parallelize: schedule='zb-h1' with recompute={recompute!r} is not supported: B recomputes "
                          "each block and keeps what it recomputed for W (measured on GPT tiny, dp2 x pp2: 16.8 MB "

@@ -202,7 +202,9 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
     # on the way (W runs them) are its branch
     owned: dict = {}
     branch_nodes: set = set()
-    for n in input_path & towards_params:
+    # in the order autograd runs them (latest first), not a set's: the W calls must issue any
+    # collectives inside them (sequence parallelism's re-gather) in the same order on every rank
+    for n in sorted(input_path & towards_params, key=lambda node: -node._sequence_nr()):
         found, stack = set(), [k for k in children[n] if k in towards_params and k not in input_path]
         seen = set(stack)
         while stack:
@@ -242,7 +244,7 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
     work = []
     for nodes, pset in groups:
         edges, values = [], []
-        for n in nodes:
+        for n in sorted(nodes, key=lambda node: -node._sequence_nr()):
             for i, g in enumerate(kept.get(n, ())):
                 if g is not None:
                     edges.append(GradientEdge(n, i))
