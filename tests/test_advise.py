@@ -208,7 +208,9 @@ def test_pipeline_ranks_keep_the_schedules_live_microbatches():
     """GPipe and 1F1B replay the rank's action list: the live micro-batches kept whole, the one in
     backward at its peak (its weight gradients accumulate into .grad after the rank's first
     backward), the receive posted for the next compute action, the input gradient sent by the
-    previous backward, and on the last stage the logits of every micro-batch forwarded so far."""
+    previous backward, and on the last stage the logits of every micro-batch forwarded so far.
+    ZB-H1: a split B also keeps the output gradients of the products whose W it defers (per GPT
+    layer 3h + h + 4h + h wide: query/key/value, attention projection, MLP up and down)."""
     shape = ModelShape.preset("small").with_(layers=8)
     one = lambda config, stage: activation_bytes_per_microbatch(shape, config, 16, stage)  # noqa: E731
     msg = 4 * shape.seq * 2 * shape.hidden          # one micro-batch of 2 sequences, float32
@@ -227,9 +229,13 @@ def test_pipeline_ranks_keep_the_schedules_live_microbatches():
                 assert got == (live[r] - 1) * kept + acc + (2 * msg if r > 0 else msg), (r, got)
             elif schedule == "1f1b":    # one alive; the last-but-one backward, 7 micro-batches' logits
                 assert got == acc + 2 * msg + 7 * logits
-            else:                       # zb-h1: the schedule's live count (W frees), messages, logits
+            elif r == 0:                # zb-h1's first stage: B has nothing to do, W the whole backward
                 low = live[r] * kept + acc - kept
                 assert low <= got <= low + 2 * msg + 8 * logits, (r, got, low)
+            else:   # a split B ends holding its micro-batch and every deferred product's output gradient
+                w_grads = 2 * 4 * shape.seq * 2 * 9 * shape.hidden + (logits if r == 3 else 0)
+                low = live[r] * kept + w_grads
+                assert low <= got <= low + 3 * msg + 2 * msg + 8 * logits, (r, got, low)
     # interleaved: two chunks per rank, each half a stage's layers
     inter = memory_by_rank(shape, Config(pp=2, schedule="interleaved", microbatches=4), 16)
     assert len(inter) == 2 and inter[0]["activations"] > inter[1]["activations"]

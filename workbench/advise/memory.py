@@ -74,7 +74,13 @@ temporaries after the rank's first backward: they accumulate into ``.grad``), th
 pipeline has posted for the next compute action (``e sbh/r`` each), on a stage after the first the
 input gradient the previous backward sent (held until the pipeline sees it delivered, which it
 checks between compute actions), and on the last stage the logits of every micro-batch forwarded
-so far (the step returns them). The interleaved, ZB-H1 and ZBV schedules use
+so far (the step returns them). ZB-H1 is replayed the same way, with backward split
+(:mod:`workbench.parallel.pipeline_backward`): on a stage fed activations a B ends holding its
+micro-batch and the output gradient of every product whose W it defers (per GPT layer ``3h + h +
+4h + h`` wide, ``/t`` for the column-parallel ones; the head's logits gradient on the last stage),
+until W; the first stage's B has nothing to compute, so it holds the gradient it received until
+its W runs the whole backward; under ZeRO-3 FSDP's flat 1-D parameters leave nothing to defer, as
+1F1B. The interleaved and ZBV schedules use
 :func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` on their action lists with each
 stage's kept bytes per micro-batch, plus one micro-batch's backward peak and the two receives
 posted ahead.
@@ -302,6 +308,27 @@ def _zero3_unit(shape: ModelShape, config: Config) -> tuple[float, int, float] |
     return float(sum(tensors)), 1, float(sum(tensors[-2:]))
 
 
+def _weight_gradient_inputs(shape: ModelShape, config: Config, global_batch: int, stage: int) -> float:
+    """Bytes a zero-bubble B keeps for its W beyond the activations
+    (:mod:`workbench.parallel.pipeline_backward`): the gradient flowing out of every deferred
+    matrix product -- per layer the query/key/value projection's (``(h + 2k)/t`` wide), the
+    attention projection's (``h``: a row-parallel product's output is whole, its gradient
+    all-gathered under sequence parallelism), the MLP's up projection's (``ffn/t``, twice gated)
+    and its down projection's (``h``) -- and on the last stage the head's
+    (the logits' gradient, float32 when vocabulary-parallel), held from B until W. The inputs of
+    those products are among the activations already kept."""
+    e, t = ELEMENT_SIZE[config.precision], config.tp
+    sb = shape.seq * microbatch_size(config, global_batch)
+    h = shape.hidden
+    # (a row-parallel product's output is the full h wide, its gradient all-gathered under sequence parallelism)
+    per_layer = e * sb * ((h + 2 * shape.kv_dim) / t + 2 * h + (2 if shape.gated else 1) * shape.ffn / t)
+    n_stages = config.pp * chunks(config)
+    out = shape.layers_per_stage(n_stages)[stage] * per_layer
+    if stage == n_stages - 1:
+        out += (4 if t > 1 else e) * sb * shape.padded_vocab(t) / t
+    return out
+
+
 def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, rank: int) -> float:
     """Most bytes of activations on pipeline rank ``rank`` of a one-stage-per-rank schedule: the
     rank's action list (with its messages, :func:`~workbench.parallel.pipeline_schedules.with_comms`)
@@ -321,7 +348,17 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     transient = _grads_are_transient(config)
     mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
                              hold_logits=False, unit=_zero3_unit(shape, config)) for first in (True, False)}
+    # a zero-bubble B on a stage fed activations keeps every deferred product's output gradient for
+    # its W, beside its activations, until it ends (the first stage's B has no input gradient to
+    # compute: its W is the whole backward)
+    w_grads = _weight_gradient_inputs(shape, config, global_batch, rank) if rank > 0 else 0.0
+    if config.zero == 3 and config.dp > 1:
+        # FSDP's parameters are flat 1-D shards, and the split defers only matrices: B does the whole
+        # backward, as in 1F1B
+        w_grads = 0.0
+    qkv_grads = e * shape.seq * b * (shape.hidden + 2 * shape.kv_dim) / config.tp
     live = forwarded = 0
+    held = 0.0       # the first stage's output gradients received for a W still to run
     first = True
     peak = 0.0
     for kind, posted, deferred in _replay_events(config.schedule, config.pp, config.microbatches, rank):
@@ -329,7 +366,15 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
         if kind == "F":
             live += 1
             forwarded += 1
-            peak = max(peak, live * mb[True]["kept"] + posted + (forwarded * logits if last else 0.0))
+            peak = max(peak, live * mb[True]["kept"] + posted + held + (forwarded * logits if last else 0.0))
+        elif kind == "B" and deferred and rank == 0:
+            held += message   # nothing to do yet: W will run the whole backward from this gradient
+        elif kind == "W" and rank == 0:
+            one = mb[first]
+            held -= message   # its own: the gradient flowing in, inside its backward's peak
+            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + held)
+            live -= 1
+            first = False
         elif kind == "B":
             one = mb[first]
             # a stage after the first sent the previous backward's input gradient; the pipeline lets
@@ -337,7 +382,13 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
             sent = message if (rank > 0 and not first) else 0.0
             peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + sent
                        + (forwarded * logits if last else 0.0))
-            live -= not deferred
+            if deferred and w_grads:
+                # the end of a split B (the first layer's query, key and value gradients being joined
+                # into its projection's): all it was given, and the gradients W needs
+                peak = max(peak, live * one["kept"] + w_grads + qkv_grads + posted + sent
+                           + (forwarded * logits if last else 0.0))
+            # freed now unless W comes later and holds the gradients above (none under ZeRO-3)
+            live -= not (deferred and w_grads)
             first = False
         else:
             live -= 1

@@ -481,6 +481,13 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         wrapped.shared_parameters = stage_module.shared_parameters  # the pipeline sums tied gradients by it
 
     pipeline = None
+    if pp > 1 and schedule == "zb-h1" and isinstance(wrapped, FullyShardedDataParallel):
+        import warnings
+
+        warnings.warn("parallelize: schedule='zb-h1' with zero_stage=3 defers no weight gradient: FSDP's "
+                      "parameters are flat 1-D shards, and the split defers only matrices, so B runs the whole "
+                      "backward (1F1B's work and memory in ZB-H1's order); use zero_stage=1 to defer W",
+                      stacklevel=2)
     if pp > 1:
         if tp_info is not None:
             def loss_fn(logits, target):
