@@ -123,6 +123,7 @@ above) and the bubble.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
@@ -225,6 +226,8 @@ def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: b
     for phase, collectives in communication_per_layer(rows, s, h, config.sequence_parallel, shape.bias).items():
         for collective, sizes in collectives.items():
             calls[phase] += [(collective, k) for k in sizes] * layers
+            if phase == "forward" and config.recompute == "full":   # backward runs each layer's forward again
+                calls["backward"] += [(collective, k) for k in sizes] * layers
     if config.sequence_parallel:
         if first:   # embedding: reduce-scattered forward, all-gathered backward (and the positions)
             calls["forward"].append(("reduce_scatter", n))
@@ -394,11 +397,17 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
     timed = measured_layer(cluster, rows, config)
     tp_layer = tp_edges = None
     if timed is not None:
-        layer_c, edges_c = min(layer_s * crowd, timed["layer"]), min(edges_s * crowd, timed["edges"])
+        # timed without recomputation: its compute grows by what recomputation repeats (the formulas'
+        # ratio), its collectives by the forward's, which _tp_time adds to backward
+        plain = tokens * flops_per_token(shape, tp=t)["layer"] / rate + act * act_s \
+            + float(getattr(cluster, "layer_overhead_s", 0.0))
+        again = layer_s / plain
+        layer_c, edges_c = min(plain * crowd, timed["layer"]), min(edges_s * crowd, timed["edges"])
         if t == 1:
             layer_c, edges_c = timed["layer"], timed["edges"]
         else:
             tp_layer, tp_edges = timed["layer"] - layer_c, timed["edges"] - edges_c
+        layer_c *= again
         layer_s, edges_s = layer_c / crowd, edges_c / crowd
         head_s = min(head_s, edges_s)
 
@@ -414,7 +423,10 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         if tp_layer is not None:   # the measured collectives, split forward/backward as the formulas split them
             layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo["tp"], machine, sync)
             ef, eb = tp_f - layers_f, tp_b - layers_b
-            scale_l = n_layers * tp_layer / (layers_f + layers_b) if layers_f + layers_b > 0 else 0.0
+            # scaled by the formulas without recomputation (what was timed); recomputation's are on top
+            total = sum(_tp_time(rows, shape, replace(config, recompute="none"), n_layers, False, False, e,
+                                 topo["tp"], machine, sync))
+            scale_l = n_layers * tp_layer / total if total > 0 else 0.0
             scale_e = tp_edges / edge_tp if edge_tp > 0 else 0.0
             tp_f, tp_b = layers_f * scale_l + ef * scale_e, layers_b * scale_l + eb * scale_e
         per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b})
@@ -593,9 +605,10 @@ def measured_layer(cluster, rows: int, config: Config) -> dict | None:
     """A calibrated cluster's timing of the model's own layer at this configuration's micro-batch
     shape (``rows`` sequences, ``config.tp``, sequence parallelism), every rank busy:
     ``{"layer": s, "edges": s}`` (:func:`workbench.advise.calibrate.layer_costs`), or None where
-    that shape was not timed (or the configuration runs another precision or recomputes)."""
+    that shape was not timed (or the configuration runs another precision). Timed without
+    recomputation: :func:`step_time` adds what recomputation repeats."""
     costs = getattr(cluster, "layer_costs", None)
-    if not costs or config.precision != "fp32" or config.recompute != "none":
+    if not costs or config.precision != "fp32":
         return None
     return costs.get((rows, config.tp, bool(config.sequence_parallel and config.tp > 1)))
 
