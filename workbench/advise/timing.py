@@ -47,7 +47,10 @@ profile the layers, not a FLOP rate), those timings replace the formulas above
 head, loss) as measured; with ``t > 1`` the tensor-parallel model's layer and edges, their
 collectives included, of which the formulas' compute is the compute and the rest the ``tp``
 part (split forward/backward, and layers/edges, as the formulas split it). Per-operator costs
-and the collectives' waits on an oversubscribed machine are then inside the measured cost.
+and the collectives' waits on an oversubscribed machine are then inside the measured cost. The
+layers are timed without recomputation: a recomputing configuration scales the timed compute by
+the formulas' ratio (full: one more forward) and, with full recomputation, runs each layer's
+forward collectives again in backward.
 The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it updates
 (the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient and two
 moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989 TFLOP/s
