@@ -166,7 +166,13 @@ def test_activations_without_parallelism_are_recompute_activation_bytes(precisio
             work += e * (h * 4 * h + h) + e * V * h
         if policy == "full":
             if not accumulating:
-                return max(formula["peak"], loss)
+                # the gradients become .grad as backward goes: the peak (with them) at the last layer
+                # if an input outweighs a layer's gradients, else at the first (no other input kept)
+                none = activation_bytes(cfg, batch, policy="none", dtype=dtype)["per_layer"]
+                grads = e * (12 * h * h + 13 * h)
+                others = (cfg.n_layer - 1) * formula["per_layer"] if formula["per_layer"] >= grads else 0
+                alive = others + none + e * sb * V + e * sbh + e * sb * 4 * h + e * V * h
+                return max(formula["kept"], alive, loss, head)
             # the recomputed last layer's backward: its whole working set in place of its input
             none = activation_bytes(cfg, batch, policy="none", dtype=dtype)["per_layer"]
             alive = formula["kept"] - formula["per_layer"] + none

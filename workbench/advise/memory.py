@@ -62,7 +62,11 @@ With ``selective`` the last layer's attention core is recomputed beside the kept
 gradients; with ``full`` the first recomputed layer's whole working set, the gradient flowing into
 it and the caller's logits, and where the strategy copies the new weight gradients (or they
 accumulate over micro-batches) the first moment above inside that layer: the other layers' inputs
-and the recomputed layer whole in place of everything kept. On GPT tiny and small these put the prediction within 0.3% of
+and the recomputed layer whole in place of everything kept. Where the new gradients become
+``.grad`` (one replica, ZeRO-1), they are model state made as backward goes, and the peak with
+them is at that moment in the last layer if a layer's input outweighs its gradients (the other
+inputs all kept), else in the first (no other input left): the recomputed layer, the gradient
+flowing in, the ffn-wide one, the logits and a tied head's gradient waiting for the embedding's. On GPT tiny and small these put the prediction within 0.3% of
 ``MemoryMeter``'s peak on one process and in every data-, tensor- and sequence-parallel layout
 that :func:`workbench.advise.validate.measure_memory` runs.
 
@@ -234,7 +238,19 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
     held = logits if (last and hold_logits) else 0.0   # the caller's logits, alive through backward
     kept = n_layers * layer[policy] + edge + held
     grad_in = e * sbh / rep            # the gradient flowing into the stage's last layer
-    if policy == "full":     # every layer's input + the first recomputed layer + the gradient into it
+    if policy == "full" and not transient_grads:
+        # a recomputed layer's backward (its MLP's first product) beside the other layers' inputs, the
+        # gradient flowing in and the ffn-wide one, and a tied head's gradient waiting for the
+        # embedding's. New gradients become .grad (model state) as backward goes, so the meter's peak
+        # is where activations and the gradients made so far are largest together: at the last layer
+        # if a layer's input outweighs its gradients (then every other input is still kept), else at
+        # the first (no other input left; the other layers' gradients made)
+        g_layer = g * sum(shape.layer_tensors(t))
+        others = (n_layers - 1) * layer["full"] if layer["full"] >= g_layer else 0.0
+        tied_waiting = g * vt * h if (shape.tied and first and last) else 0.0
+        work = grad_in + (e * sbh if sp else 0.0) + e * sb * ffn / t
+        peak = max(kept, others + layer["none"] + edge - head + held + work + tied_waiting)
+    elif policy == "full":   # every layer's input + the first recomputed layer + the gradient into it
         peak = max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held)
     elif policy == "selective":  # the last layer's attention core recomputed beside the kept tensors
         core = layer["none"] - layer["selective"] + grad_in

@@ -74,14 +74,18 @@ class Setting:
         return self.name or f"{self.model} B={self.batch} {'2 nodes ' + self.topology if self.topology else '1 node'}"
 
 
-def _c(dp=1, tp=1, pp=1, zero=0, schedule="1f1b", m=1, sp=False) -> Config:
-    return Config(dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule, microbatches=m, sequence_parallel=sp)
+def _c(dp=1, tp=1, pp=1, zero=0, schedule="1f1b", m=1, sp=False, recompute="none") -> Config:
+    return Config(dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule, microbatches=m, sequence_parallel=sp,
+                  recompute=recompute)
 
 
-# the configurations tried; each setting runs a subset chosen so that the winner changes with the setting
-_FLAT = (_c(dp=4), _c(dp=2, tp=2), _c(tp=4), _c(dp=2, pp=2, m=2), _c(pp=4, m=4), _c(tp=2, pp=2, m=2, schedule="gpipe"))
+# the configurations tried; each setting runs a subset chosen so that the winner changes with the
+# setting, and every lever the mesh runs appears: ZeRO 0-3, GPipe / 1F1B / ZB-H1, sequence
+# parallelism, full recomputation
+_FLAT = (_c(dp=4), _c(dp=2, tp=2), _c(tp=4), _c(dp=2, pp=2, m=2), _c(pp=4, m=4), _c(tp=2, pp=2, m=2, schedule="gpipe"),
+         _c(dp=2, pp=2, m=4, schedule="zb-h1"))
 _ZERO = (_c(dp=4, zero=1), _c(dp=4, zero=3), _c(dp=2, tp=2, zero=2, sp=True), _c(dp=2, pp=2, zero=1, m=4),
-         _c(tp=2, pp=2, m=4, sp=True), _c(pp=2, dp=2, m=2, schedule="gpipe"))
+         _c(tp=2, pp=2, m=4, sp=True), _c(pp=2, dp=2, m=2, schedule="gpipe"), _c(dp=4, zero=1, recompute="full"))
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("tiny", 16, None, _FLAT),
