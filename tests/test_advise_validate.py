@@ -220,6 +220,22 @@ def test_timed_tensor_parallel_layers_put_their_collectives_in_tp():
     assert t["tp"] > 0 and t["tp"] != pytest.approx(untimed["tp"])
 
 
+def test_zero_bubble_stages_pay_the_split_of_their_backward():
+    """A zero-bubble stage fed activations splits each layer's backward into B and W, walking the
+    autograd graph (``split_overhead_s`` per layer and micro-batch, a calibration probe); the first
+    stage has no input gradient and runs W as a plain backward; 1F1B splits nothing."""
+    shape = ModelShape.preset("tiny")
+    base = dict(flops=100e9, cores=None)
+    config = Config(pp=2, schedule="zb-h1", microbatches=4)
+    zb0, zb1 = (timing.step_time(shape, _timed_cluster(None, split_overhead_s=x, **base), config, 16)
+                for x in (0.0, 0.001))
+    one0, one1 = (timing.step_time(shape, _timed_cluster(None, split_overhead_s=x, **base),
+                                   Config(pp=2, schedule="1f1b", microbatches=4), 16) for x in (0.0, 0.001))
+    assert one1["total"] == pytest.approx(one0["total"])
+    # the second stage's 2 layers x 4 micro-batches, on the slowest stage's compute
+    assert zb1["compute"] - zb0["compute"] == pytest.approx(4 * 2 * 0.001, rel=1e-6)
+
+
 def test_timed_layers_with_recomputation_add_what_is_repeated():
     """The layers are timed without recomputation; a recomputing configuration adds the formulas'
     share of the repeated work to the timed compute (full: one more forward of each layer) and, with

@@ -56,6 +56,11 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           ranks on 2 cores: 1.2-1.8 ms per gather and 1.6-3.3 ms per reduce-scatter,
                           where the message curves price the same gather at 0.6-0.8 ms.
                           :mod:`workbench.advise.timing` bounds ZeRO-3's traffic below by it.
+``split_overhead_s``      the block on ``r1`` rows with its backward split into B (input gradient)
+                          and W (weight gradient) as a zero-bubble pipeline stage runs it, less the
+                          block unsplit, timed in turns: the split's walk of the autograd graph, per
+                          layer and micro-batch (GPT ``tiny`` here: 0.4-0.8 ms, as long as the
+                          block's own forward and backward at 2 rows).
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -138,6 +143,7 @@ class CalibratedCluster(Cluster):
     sync_s: float = 0.0                        # price of a synchronisation after compute (see docstring)
     sync_by_size: dict | None = None           # per group size, [(compute before it s, price s), ...]
     layer_overhead_s: float = 0.0
+    split_overhead_s: float = 0.0              # per layer and micro-batch: a zero-bubble B/W split's graph walk
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     update_s_per_param: float | None = None
@@ -253,6 +259,18 @@ class Calibration:
     # -- the probes' bodies
     def _layer(self, rows: int) -> None:
         self.block(self.inputs[rows]).sum().backward()
+
+    def _split_layer(self, rows: int) -> None:
+        """The block's forward and backward split into B and W as a zero-bubble pipeline stage runs
+        them (:mod:`workbench.parallel.pipeline_backward`): the same work and a walk of the graph."""
+        from workbench.parallel import pipeline_backward as split
+
+        x = self.inputs[rows]
+        params = list(self.block.parameters())
+        with split.SavedActivations() as saved:
+            out = self.block(x)
+        _, state = split.backward_input(out, torch.ones_like(out), [x], params, saved)
+        split.backward_weight(state, params)
 
     def _model(self) -> None:
         _, loss = self.gpt(self.tokens, self.tokens)
@@ -443,6 +461,9 @@ class Calibration:
         a, b = self._time_paired(self._model, self._train, key="train_r1")
         self._add("model_before_train_r1", a)
         self._add("train_r1", b)
+        a, b = self._time_paired(layer1, lambda: self._split_layer(r1), key="split_r1")
+        self._add("layer_r1_before_split", a)
+        self._add("split_r1", b)
         for g, group in (("world", None), ("pair", self.pair)):   # a block, then a block and a collective
             a, b = self._time_paired(layer1, lambda group=group: (self._layer(r1), self._sync(group)),
                                      key=f"layer_r1_sync_{g}")
@@ -575,6 +596,8 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     update = result["adam_model"] / crowd / max(1, _psi(c))
     # the whole step less its forward and backward (timed in turns) and its update
     step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / crowd - update * _psi(c))
+    # a block's backward split into B and W, less the same block unsplit (timed in turns)
+    split = max(0.0, (result["split_r1"] - result["layer_r1_before_split"]) / crowd) if "split_r1" in result else 0.0
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])
@@ -593,6 +616,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
         cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
+        split_overhead_s=split,
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer),
         message_cpu=tuple(sorted((n, result[f"message_cpu:{n}"]) for n in _sizes(result, "message_cpu"))) or None,

@@ -422,6 +422,10 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         first, last = k == 0, k == num_stages - 1
         # the head's FLOPs on the last stage; the per-micro-batch overheads on every stage
         compute = n_layers * layer_s + (head_s if last else 0.0) + (edges_s - head_s) / (num_stages // p)
+        if k > 0 and SCHEDULE_NAMES[config.schedule] in ("zb_h1", "zbv"):
+            # a stage fed activations splits its backward into B and W: the split walks the graph
+            # (the first stage has no input gradient: its W is a plain backward)
+            compute += n_layers * float(getattr(cluster, "split_overhead_s", 0.0))
         tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
         if tp_layer is not None:   # the measured collectives, split forward/backward as the formulas split them
             layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo["tp"], machine, sync)
