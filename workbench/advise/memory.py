@@ -63,12 +63,13 @@ gradients; with ``full`` the first recomputed layer's whole working set, the gra
 it and the caller's logits, and where the strategy copies the new weight gradients (or they
 accumulate over micro-batches) the first moment above inside that layer: the other layers' inputs
 and the recomputed layer whole in place of everything kept. Where the new gradients become
-``.grad`` (one replica, ZeRO-1), they are model state made as backward goes, and the peak with
-them is at that moment in the last layer if a layer's input outweighs its gradients (the other
-inputs all kept), else in the first (no other input left): the recomputed layer, the gradient
-flowing in, the ffn-wide one, the logits and a tied head's gradient waiting for the embedding's. On GPT tiny and small these put the prediction within 0.3% of
-``MemoryMeter``'s peak on one process and in every data-, tensor- and sequence-parallel layout
-that :func:`workbench.advise.validate.measure_memory` runs.
+``.grad`` (one replica, ZeRO-1), they are model state made as backward goes, and the peak with them
+is at that moment in the last layer if a layer's input outweighs its gradients (the other inputs
+all kept), else in the first (no other input left): the recomputed layer, the gradient flowing in,
+the ffn-wide one, the logits and a tied head's gradient waiting for the embedding's. On GPT tiny
+and small these put the prediction within 0.3% of ``MemoryMeter``'s peak on one process and in
+every data-, tensor- and sequence-parallel layout that
+:func:`workbench.advise.validate.measure_memory` runs.
 
 **Pipelines.** A pipeline stage also keeps its output for the backward (``e sbh``, ``/t`` with
 sequence parallelism). For GPipe and 1F1B each rank's action list (with its messages,

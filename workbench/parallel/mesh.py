@@ -23,10 +23,10 @@ group, nothing re-implemented:
 1. **Tensor parallelism** over ``tp`` (:func:`workbench.parallel.tensor.tensor_parallel`): heads,
    MLP units and vocabulary split, the loss the vocabulary-parallel cross-entropy.
 2. **Pipeline parallelism** over ``pp`` (:func:`workbench.parallel.pipeline.partition` and a
-   schedule: GPipe, 1F1B or ZB-H1): the tensor-parallel model is cut into stages, so every stage's layers are already
-   split; the ``tp`` ranks of a stage run the same schedule in lockstep, each on its shard, and
-   each sends its activation to the rank of the next stage with the same ``(dp, tp)``
-   coordinates. The tied embedding's two copies (first and last stage) have their gradients
+   schedule: GPipe, 1F1B or ZB-H1): the tensor-parallel model is cut into stages, so every stage's
+   layers are already split; the ``tp`` ranks of a stage run the same schedule in lockstep, each on
+   its shard, and each sends its activation to the rank of the next stage with the same ``(dp,
+   tp)`` coordinates. The tied embedding's two copies (first and last stage) have their gradients
    summed between those ranks, shard by shard.
 3. **Data parallelism** over ``dp`` on this rank's stage: ZeRO-0 (:class:`DistributedDataParallel`,
    the micro-batches' gradients accumulated under ``no_sync`` and averaged once after the
@@ -364,10 +364,11 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     ``"1f1b"``, ``"gpipe"`` or ``"zb-h1"`` (with ``pp > 1``; zero-bubble H1, backward split into
     the input gradient B and the weight gradient W; not with recomputation);
     ``n_microbatches``: per data-parallel rank (default ``pp``; 1F1B and ZB-H1 need ``>= pp``).
-    ``sequence_parallel``: split norms and residuals by sequence too (needs ``tp > 1``). ``zero_stage``: 0 DDP, 1-2 :class:`ShardedOptimizer`, 3
-    :class:`FullyShardedDataParallel`, over ``dp`` (with ``dp = 1`` there is nothing to shard and
-    it has no effect). ``recompute``: ``"none"``, ``"full"`` (each block keeps its input and runs
-    again in backward) or ``"selective"`` (only the attention core runs again).
+    ``sequence_parallel``: split norms and residuals by sequence too (needs ``tp > 1``).
+    ``zero_stage``: 0 DDP, 1-2 :class:`ShardedOptimizer`, 3 :class:`FullyShardedDataParallel`, over
+    ``dp`` (with ``dp = 1`` there is nothing to shard and it has no effect). ``recompute``:
+    ``"none"``, ``"full"`` (each block keeps its input and runs again in backward) or
+    ``"selective"`` (only the attention core runs again).
     ``optimizer_cls(params, **optimizer_kwargs)`` builds the optimizer.
     Returns a :class:`ParallelModel`.
     """

@@ -160,7 +160,7 @@ def _reaching(graph_children: dict, targets: set) -> set:
 def _accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Add ``grad`` into a parameter's ``.grad`` as backward would: through autograd's own
     accumulation for a leaf, so that the hooks strategies put on it run (DDP adopting the gradient
-    into its bucket, sequence parallelism summing a replicated norm's gradient over ``tp``)."""
+    into its bucket, ZeRO-2 moving it into its flat buffer)."""
     if grad is None:
         return
     if param.is_leaf and param.requires_grad:
