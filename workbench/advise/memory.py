@@ -435,11 +435,12 @@ def _actions_with_comms(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
 
 
 # ----------------------------------------------------------------------------------- model state
-def _zero_buckets(tensors: list[int]) -> list[int]:
+@lru_cache(maxsize=1024)
+def _zero_buckets(tensors: tuple[int, ...]) -> tuple[int, ...]:
     """Sizes of :class:`~workbench.parallel.zero.ShardedOptimizer`'s flat buckets (elements): its
     own :func:`~workbench.parallel.buckets.assign_buckets` on the tensors (meta tensors: no memory)."""
     params = [torch.empty(n, device="meta") for n in tensors]
-    return [sum(tensors[i] for i in idx) for idx in assign_buckets(params, ZERO2_BUCKET_BYTES)]
+    return tuple(sum(tensors[i] for i in idx) for idx in assign_buckets(params, ZERO2_BUCKET_BYTES))
 
 
 def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> int:
@@ -467,10 +468,13 @@ def _zero1_step_buffers(shape: ModelShape, config: Config, stages: list[int], n_
     one is still being reduced. So at bucket ``i + 1``: two flat buffers and the chunks so far."""
     tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
     n = config.dp
-    flats = [math.ceil(b / n) * n for b in _zero_buckets(tensors)]
-    if not flats:
-        return 0
-    return max(flats[max(0, i - 1)] * (i > 0) + flats[i] + sum(flats[:i + 1]) // n for i in range(len(flats)))
+    flats = [math.ceil(b / n) * n for b in _zero_buckets(tuple(tensors))]
+    busiest = 0
+    for i, flat in enumerate(flats):
+        previous = flats[i - 1] if i else 0            # still being reduced
+        chunks = sum(flats[:i + 1]) // n                # this rank's reduced chunks so far
+        busiest = max(busiest, previous + flat + chunks)
+    return busiest
 
 
 def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
@@ -503,7 +507,7 @@ def model_state(shape: ModelShape, config: Config, stages: list[int], optimizer:
     if zero == 0:
         return {"parameters": 4.0 * psi, "gradients": 4.0 * psi, "optimizer": 8.0 * psi + STEP_BYTES * len(tensors)}
     if zero in (1, 2):
-        shards = [math.ceil(b / n) for b in _zero_buckets(tensors)]
+        shards = [math.ceil(b / n) for b in _zero_buckets(tuple(tensors))]
         return {"parameters": 4.0 * n * sum(shards),                   # the padded flat buffers
                 "gradients": 4.0 * (psi if zero == 1 else sum(shards)),
                 "optimizer": 8.0 * sum(shards) + STEP_BYTES * len(shards)}
