@@ -426,15 +426,17 @@ def test_memory_with_recomputation_pinned_to_measured():
 def test_memory_of_zero_bubble_pinned_to_measured():
     """ZB-H1 (``parallelize(schedule="zb-h1")``): a stage fed activations ends each split B holding
     everything it was given plus the output gradient of every deferred matrix product (its W's
-    input), the first layer's query, key and value gradients being joined; the first stage's B has
-    nothing to do, so it holds the output gradient it received until its W runs the whole backward.
-    Left out: sequence parallelism (the last stage 6.4% above the prediction) and ZeRO-3, whose flat
-    parameters defer nothing (as 1F1B; the prediction -1.2% to +0.9%)."""
+    input), the first layer's input gradients being formed; from B to W a micro-batch holds M_W
+    (those gradients and the deferred products' inputs: under sequence parallelism more than its
+    sharded activations); the first stage's B has nothing to do, so it holds the output gradient it
+    received until its W runs the whole backward. Left out: ZeRO-3, whose flat parameters defer
+    nothing (as 1F1B; the prediction -1.2% to +0.9%)."""
     from workbench.advise.validate import measure_memory
 
     configs = [Config(dp=2, pp=2, schedule="zb-h1", microbatches=2),
                Config(dp=2, pp=2, zero=1, schedule="zb-h1", microbatches=4),
-               Config(tp=2, pp=2, schedule="zb-h1", microbatches=4), Config(pp=4, schedule="zb-h1", microbatches=4)]
+               Config(tp=2, pp=2, schedule="zb-h1", microbatches=4), Config(pp=4, schedule="zb-h1", microbatches=4),
+               Config(tp=2, pp=2, schedule="zb-h1", microbatches=4, sequence_parallel=True)]
     _pin(measure_memory("tiny", configs, 8, world_size=4), configs, 8, 4)
 
 

@@ -82,9 +82,11 @@ checks between compute actions), and on the last stage the logits of every micro
 so far (the step returns them). ZB-H1 is replayed the same way, with backward split
 (:mod:`workbench.parallel.pipeline_backward`): on a stage fed activations a B ends holding its
 micro-batch and the output gradient of every product whose W it defers (per GPT layer ``3h + h +
-4h + h`` wide, ``/t`` for the column-parallel ones; the head's logits gradient on the last stage),
-until W; the first stage's B has nothing to compute, so it holds the gradient it received until
-its W runs the whole backward; under ZeRO-3 FSDP's flat 1-D parameters leave nothing to defer, as
+4h + h`` wide, ``/t`` for the column-parallel ones; the head's logits gradient on the last stage);
+from then until W the micro-batch holds ``M_W`` (Qi et al.): those gradients and the deferred
+products' inputs (per layer ``h + h/t + h + 4h/t``, the two ``h`` sequence shards ``h/t`` under
+sequence parallelism), not its whole activations; the first stage's B has nothing to compute, so
+it holds the gradient it received until its W runs the whole backward; under ZeRO-3 FSDP's flat 1-D parameters leave nothing to defer, as
 1F1B. The interleaved and ZBV schedules use
 :func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` on their action lists with each
 stage's kept bytes per micro-batch, plus one micro-batch's backward peak and the two receives
@@ -332,8 +334,7 @@ def _weight_gradient_inputs(shape: ModelShape, config: Config, global_batch: int
     attention projection's (``h``: a row-parallel product's output is whole, its gradient
     all-gathered under sequence parallelism), the MLP's up projection's (``ffn/t``, twice gated)
     and its down projection's (``h``) -- and on the last stage the head's
-    (the logits' gradient, float32 when vocabulary-parallel), held from B until W. The inputs of
-    those products are among the activations already kept."""
+    (the logits' gradient, float32 when vocabulary-parallel), held from B until W."""
     e, t = ELEMENT_SIZE[config.precision], config.tp
     sb = shape.seq * microbatch_size(config, global_batch)
     h = shape.hidden
@@ -344,6 +345,25 @@ def _weight_gradient_inputs(shape: ModelShape, config: Config, global_batch: int
     if stage == n_stages - 1:
         out += (4 if t > 1 else e) * sb * shape.padded_vocab(t) / t
     return out
+
+
+def _deferred_weight_bytes(shape: ModelShape, config: Config, global_batch: int, stage: int) -> float:
+    """``M_W``: what a micro-batch holds between its B and its W (Qi et al. 2023's ``M_W``). After B
+    the pipeline lets go of every saved tensor W does not read, keeping the inputs of the deferred
+    products -- per layer the query/key/value projection's and the MLP's up projection's (the norms'
+    outputs: ``h``, or this rank's ``h/t`` sequence shard under sequence parallelism, which W
+    all-gathers again), the attention projection's (``h/t``) and the down projection's
+    (``ffn/t``), and on the last stage the head's (the final norm's output) -- beside the gradients
+    of their outputs (:func:`_weight_gradient_inputs`)."""
+    e, t = ELEMENT_SIZE[config.precision], config.tp
+    rep = t if config.sequence_parallel else 1
+    sb = shape.seq * microbatch_size(config, global_batch)
+    h = shape.hidden
+    n_stages = config.pp * chunks(config)
+    inputs = shape.layers_per_stage(n_stages)[stage] * e * sb * (2 * h / rep + h / t + shape.ffn / t)
+    if stage == n_stages - 1:
+        inputs += e * sb * h / rep
+    return inputs + _weight_gradient_inputs(shape, config, global_batch, stage)
 
 
 def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, rank: int) -> float:
@@ -365,16 +385,23 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     transient = _grads_are_transient(config)
     mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
                              hold_logits=False, unit=_zero3_unit(shape, config)) for first in (True, False)}
-    # a zero-bubble B on a stage fed activations keeps every deferred product's output gradient for
-    # its W, beside its activations, until it ends (the first stage's B has no input gradient to
+    # a zero-bubble B on a stage fed activations ends holding every deferred product's output gradient
+    # beside its activations, then M_W until its W (the first stage's B has no input gradient to
     # compute: its W is the whole backward)
     w_grads = _weight_gradient_inputs(shape, config, global_batch, rank) if rank > 0 else 0.0
     if config.zero == 3 and config.dp > 1:
         # FSDP's parameters are flat 1-D shards, and the split defers only matrices: B does the whole
         # backward, as in 1F1B
         w_grads = 0.0
-    qkv_grads = e * shape.seq * b * (shape.hidden + 2 * shape.kv_dim) / config.tp
+    m_w = _deferred_weight_bytes(shape, config, global_batch, rank) if w_grads else 0.0
+    # the end of a split B, at the first layer's first product (measured, GPT tiny): beside the kept
+    # tensors, the gradient along the residual stream and -- one rank -- the query, key and value
+    # gradients before they are joined; with tensor parallelism the gradient flowing into the norm
+    # and dX = dY W, whole before its all-reduce (or reduce-scatter under sequence parallelism)
+    sbh = e * shape.seq * b * shape.hidden
+    b_end = sbh + e * shape.seq * b * (shape.hidden + 2 * shape.kv_dim) if config.tp == 1 else 3 * sbh
     live = forwarded = 0
+    pending = 0      # micro-batches between their B and their W, M_W bytes each
     held = 0.0       # the first stage's output gradients received for a W still to run
     first = True
     peak = 0.0
@@ -383,7 +410,8 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
         if kind == "F":
             live += 1
             forwarded += 1
-            peak = max(peak, live * mb[True]["kept"] + posted + held + (forwarded * logits if last else 0.0))
+            peak = max(peak, live * mb[True]["kept"] + pending * m_w + posted + held
+                       + (forwarded * logits if last else 0.0))
         elif kind == "B" and deferred and rank == 0:
             held += message   # nothing to do yet: W will run the whole backward from this gradient
         elif kind == "W" and rank == 0:
@@ -397,16 +425,18 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
             # a stage after the first sent the previous backward's input gradient; the pipeline lets
             # go of a sent tensor only once it sees it delivered, between compute actions
             sent = message if (rank > 0 and not first) else 0.0
-            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + sent
-                       + (forwarded * logits if last else 0.0))
+            others = pending * m_w + posted + sent + (forwarded * logits if last else 0.0)
+            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + others)
+            live -= 1
             if deferred and w_grads:
                 # the end of a split B (the first layer's query, key and value gradients being joined
-                # into its projection's): all it was given, and the gradients W needs
-                peak = max(peak, live * one["kept"] + w_grads + qkv_grads + posted + sent
-                           + (forwarded * logits if last else 0.0))
-            # freed now unless W comes later and holds the gradients above (none under ZeRO-3)
-            live -= not (deferred and w_grads)
+                # into its projection's): all it was given, and the gradients W needs; then it keeps
+                # only M_W until its W (none deferred under ZeRO-3)
+                peak = max(peak, (live + 1) * one["kept"] + w_grads + b_end + others)
+                pending += 1
             first = False
+        elif kind == "W" and w_grads:
+            pending -= 1
         else:
             live -= 1
     return peak
