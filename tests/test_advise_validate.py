@@ -236,6 +236,23 @@ def test_zero_bubble_stages_pay_the_split_of_their_backward():
     assert zb1["compute"] - zb0["compute"] == pytest.approx(4 * 2 * 0.001, rel=1e-6)
 
 
+def test_zero_bubble_replay_puts_the_backward_where_the_split_runs_it():
+    """A split backward's B (input gradients: on the pipeline's critical path) and W (weight
+    gradients: deferred into the bubbles) get their measured shares (``split_w_share``, timed by the
+    calibration's split probe; else the FLOPs': weights / forward per layer). The less of the
+    backward W takes, the longer the critical path and the bubble; the work is the same."""
+    shape = ModelShape.preset("tiny")
+    config = Config(pp=4, schedule="zb-h1", microbatches=8)
+    t = {share: timing.step_time(shape, _timed_cluster(None, flops=100e9, cores=4, split_overhead_s=0.0005,
+                                                       split_w_share=share), config, 16)
+         for share in (None, 0.1, 0.3, 0.6)}
+    assert len({round(v["compute"], 12) for v in t.values()}) == 1
+    assert t[0.1]["bubble"] > t[0.3]["bubble"] > t[0.6]["bubble"] > 0
+    flops = timing.flops_per_token(shape)
+    assert flops["weight_grad"] / (flops["layer"] * 2 / 3) == pytest.approx(0.46, abs=0.01)
+    assert t[0.3]["bubble"] > t[None]["bubble"] > t[0.6]["bubble"]
+
+
 def test_timed_layers_with_recomputation_add_what_is_repeated():
     """The layers are timed without recomputation; a recomputing configuration adds the formulas'
     share of the repeated work to the timed compute (full: one more forward of each layer) and, with
@@ -456,11 +473,13 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     result = workbench.launch(_calibrate_tiny, world_size=2)[0]
     for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_model", "sync_world",
                 "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
-                "one_way:4096", "message_cpu:65536", "message_cpu:1048576", "gather_cpu", "reduce_scatter_cpu"):
+                "one_way:4096", "message_cpu:65536", "message_cpu:1048576", "gather_cpu", "reduce_scatter_cpu",
+                "split_r1", "split_w_share_r1"):
         assert result[key] > 0, key
     cl = cluster_from(result, "tiny", (1, 2), 2)
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
+    assert 0 < cl.split_w_share < 1
     assert set(cl.sync_by_size) == {2}
     assert [n for n, _ in cl.message_cpu] == [65536, 1048576] and all(c > 0 for _, c in cl.message_cpu)
     assert set(cl.collective_cpu) == {"all_gather", "reduce_scatter"} and min(cl.collective_cpu.values()) > 0

@@ -61,6 +61,10 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           block unsplit, timed in turns: the split's walk of the autograd graph, per
                           layer and micro-batch (GPT ``tiny`` here: 0.4-0.8 ms, as long as the
                           block's own forward and backward at 2 rows).
+``split_w_share``         in the same loop, W's share of the split backward (B + W), each phase
+                          timed: where a zero-bubble replay puts the backward's time (GPT ``tiny``
+                          here: about 0.3 -- B keeps the attention core's backward and most of the
+                          walk; the FLOPs' share, ``weights / forward`` per layer, is 0.46).
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -144,6 +148,7 @@ class CalibratedCluster(Cluster):
     sync_by_size: dict | None = None           # per group size, [(compute before it s, price s), ...]
     layer_overhead_s: float = 0.0
     split_overhead_s: float = 0.0              # per layer and micro-batch: a zero-bubble B/W split's graph walk
+    split_w_share: float | None = None         # W's share of a split backward (None: the FLOPs')
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     update_s_per_param: float | None = None
@@ -254,6 +259,7 @@ class Calibration:
             self.gpt_opt.step()
             self._model()
         self.budget_s = budget_s
+        self.split_phases = [0.0, 0.0]
         self.counts: dict[str, int] = {}   # calls per timing of each probe, the same on every rank
 
     # -- the probes' bodies
@@ -269,8 +275,12 @@ class Calibration:
         params = list(self.block.parameters())
         with split.SavedActivations() as saved:
             out = self.block(x)
+        start = time.perf_counter()
         _, state = split.backward_input(out, torch.ones_like(out), [x], params, saved)
+        middle = time.perf_counter()
         split.backward_weight(state, params)
+        self.split_phases[0] += middle - start
+        self.split_phases[1] += time.perf_counter() - middle
 
     def _model(self) -> None:
         _, loss = self.gpt(self.tokens, self.tokens)
@@ -461,9 +471,15 @@ class Calibration:
         a, b = self._time_paired(self._model, self._train, key="train_r1")
         self._add("model_before_train_r1", a)
         self._add("train_r1", b)
+        import torch.distributed as dist
+
+        self.split_phases = [0.0, 0.0]   # B's seconds, W's, over the loop's calls
         a, b = self._time_paired(layer1, lambda: self._split_layer(r1), key="split_r1")
         self._add("layer_r1_before_split", a)
         self._add("split_r1", b)
+        phases = torch.tensor(self.split_phases, dtype=torch.float64)
+        dist.all_reduce(phases, op=dist.ReduceOp.MAX)
+        self._add("split_w_share_r1", float(phases[1] / max(1e-12, phases.sum())))
         for g, group in (("world", None), ("pair", self.pair)):   # a block, then a block and a collective
             a, b = self._time_paired(layer1, lambda group=group: (self._layer(r1), self._sync(group)),
                                      key=f"layer_r1_sync_{g}")
@@ -598,6 +614,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / crowd - update * _psi(c))
     # a block's backward split into B and W, less the same block unsplit (timed in turns)
     split = max(0.0, (result["split_r1"] - result["layer_r1_before_split"]) / crowd) if "split_r1" in result else 0.0
+    w_share = result.get("split_w_share_r1")
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
               for kind in ("exchange", "one_way", "reduction")}
     alpha, beta = cost.fit_line(points["one_way"])
@@ -616,7 +633,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
         cores=cores, sync_s=sync[world_size][-1][1], sync_by_size=sync, layer_overhead_s=overhead,
-        split_overhead_s=split,
+        split_overhead_s=split, split_w_share=w_share,
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer),
         message_cpu=tuple(sorted((n, result[f"message_cpu:{n}"]) for n in _sizes(result, "message_cpu"))) or None,

@@ -159,7 +159,8 @@ def stage_layers(layers: int, pp: int) -> list[int]:
 
 def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str, float]:
     """Forward and backward FLOPs per token on one tensor-parallel rank: ``{"layer": one layer's
-    forward + backward (+ recomputation), "head": the head's forward + backward}``."""
+    forward + backward (+ recomputation), "head": the head's forward + backward, "weight_grad": a
+    layer's weight-gradient products (what a zero-bubble W computes)}``."""
     h, s, f = shape.hidden, shape.seq, shape.ffn
     k = getattr(shape, "kv_dim", h)                 # keys and values (narrower with grouped-query attention)
     mlp = (3 if shape.gated else 2) * h * f
@@ -168,7 +169,7 @@ def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str,
     forward = 2 * weights + attention
     extra = {"none": 0.0, "selective": attention, "full": forward}[recompute]
     vocab = -(-shape.vocab // tp) * tp
-    return {"layer": (3 * forward + extra) / tp, "head": 3 * 2 * h * vocab / tp}
+    return {"layer": (3 * forward + extra) / tp, "head": 3 * 2 * h * vocab / tp, "weight_grad": 2 * weights / tp}
 
 
 def group_topology(ranks: list[int], devices_per_node: int, intra, inter) -> Topology:
@@ -422,10 +423,12 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         first, last = k == 0, k == num_stages - 1
         # the head's FLOPs on the last stage; the per-micro-batch overheads on every stage
         compute = n_layers * layer_s + (head_s if last else 0.0) + (edges_s - head_s) / (num_stages // p)
+        split = 0.0
         if k > 0 and SCHEDULE_NAMES[config.schedule] in ("zb_h1", "zbv"):
             # a stage fed activations splits its backward into B and W: the split walks the graph
             # (the first stage has no input gradient: its W is a plain backward)
-            compute += n_layers * float(getattr(cluster, "split_overhead_s", 0.0))
+            split = n_layers * float(getattr(cluster, "split_overhead_s", 0.0))
+            compute += split
         tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
         if tp_layer is not None:   # the measured collectives, split forward/backward as the formulas split them
             layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo["tp"], machine, sync)
@@ -436,7 +439,7 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
             scale_l = n_layers * tp_layer / total if total > 0 else 0.0
             scale_e = tp_edges / edge_tp if edge_tp > 0 else 0.0
             tp_f, tp_b = layers_f * scale_l + ef * scale_e, layers_b * scale_l + eb * scale_e
-        per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b})
+        per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b, "split": split})
     per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
     from workbench.parallel.pipeline_schedules import stage_to_rank
 
@@ -481,15 +484,23 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
         # F receives its input and sends its output, B (or the full backward) the gradients the other way
         end_cpu = message_cpu(cluster, msg_bytes)
+        # a split backward: W's share of it (calibrated: each phase timed; else the FLOPs': W computes
+        # the weight-gradient products, B the input gradients and the attention core's backward)
+        w_share = getattr(cluster, "split_w_share", None)
+        if w_share is None:
+            w_share = fpt["weight_grad"] / (fpt["layer"] * 2 / 3)
         msg_work = {}
         for k, st in enumerate(per_stage):
-            f = st["compute"] / 3
+            f = (st["compute"] - st["split"]) / 3
+            back = 2 * f + st["split"]
+            # the first stage (fed tokens) has no input gradient: B is nothing, W the whole backward
+            w = w_share * back if k > 0 else back
             tf, tb = (st["tp_f"] / crowd, st["tp_b"] / crowd) if shared else (0.0, 0.0)
             ends = sum(1 for j in (k - 1, k + 1) if 0 <= j < num_stages and owner[j] != owner[k]) * end_cpu
             msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends
             msg_work[("W", k)] = 0.0
             work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = \
-                f + tf + ends, 2 * f + tb + ends, f + tb + ends, f
+                f + tf + ends, back + tb + ends, back - w + tb + ends, w
             cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
             comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
             tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
