@@ -62,9 +62,10 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           layer and micro-batch (GPT ``tiny`` here: 0.4-0.8 ms, as long as the
                           block's own forward and backward at 2 rows).
 ``split_w_share``         in the same loop, W's share of the split backward (B + W), each phase
-                          timed: where a zero-bubble replay puts the backward's time (GPT ``tiny``
-                          here: about 0.3 -- B keeps the attention core's backward and most of the
-                          walk; the FLOPs' share, ``weights / forward`` per layer, is 0.46).
+                          timed: where a zero-bubble replay puts the backward's time. Here GPT
+                          ``tiny`` 0.20-0.29 and ``small`` 0.43-0.45, where the FLOPs' share
+                          (``weights / forward`` per layer) is 0.46 and 0.48: B keeps the attention
+                          core's backward, the elementwise work and most of the walk.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -448,6 +449,8 @@ class Calibration:
 
     def once(self) -> None:
         """Every probe once (call on every rank)."""
+        import torch.distributed as dist
+
         from workbench.comm import cost
 
         r1, r2 = self.rows[0], self.rows[-1]
@@ -471,8 +474,6 @@ class Calibration:
         a, b = self._time_paired(self._model, self._train, key="train_r1")
         self._add("model_before_train_r1", a)
         self._add("train_r1", b)
-        import torch.distributed as dist
-
         self.split_phases = [0.0, 0.0]   # B's seconds, W's, over the loop's calls
         a, b = self._time_paired(layer1, lambda: self._split_layer(r1), key="split_r1")
         self._add("layer_r1_before_split", a)

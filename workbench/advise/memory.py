@@ -86,8 +86,8 @@ micro-batch and the output gradient of every product whose W it defers (per GPT 
 from then until W the micro-batch holds ``M_W`` (Qi et al.): those gradients and the deferred
 products' inputs (per layer ``h + h/t + h + 4h/t``, the two ``h`` sequence shards ``h/t`` under
 sequence parallelism), not its whole activations; the first stage's B has nothing to compute, so
-it holds the gradient it received until its W runs the whole backward; under ZeRO-3 FSDP's flat 1-D parameters leave nothing to defer, as
-1F1B. The interleaved and ZBV schedules use
+it holds the gradient it received until its W runs the whole backward; under ZeRO-3 FSDP's flat
+1-D parameters leave nothing to defer, as 1F1B. The interleaved and ZBV schedules use
 :func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` on their action lists with each
 stage's kept bytes per micro-batch, plus one micro-batch's backward peak and the two receives
 posted ahead.

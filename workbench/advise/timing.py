@@ -488,7 +488,8 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         # the weight-gradient products, B the input gradients and the attention core's backward)
         w_share = getattr(cluster, "split_w_share", None)
         if w_share is None:
-            w_share = fpt["weight_grad"] / (fpt["layer"] * 2 / 3)
+            plain = flops_per_token(shape, tp=t)
+            w_share = plain["weight_grad"] / (plain["layer"] * 2 / 3)
         msg_work = {}
         for k, st in enumerate(per_stage):
             f = (st["compute"] - st["split"]) / 3
