@@ -180,11 +180,16 @@ def test_layer_costs_from_the_probes():
               _tp_key(4, 1, False, "none"): 0.005, _tp_key(8, 1, False, "none"): 0.009,
               _tp_key(4, 2, True, "all"): 0.130, _tp_key(4, 2, True, "none"): 0.010}
     costs = layer_costs(result, (1, 4, 8), layers=4)
-    assert costs[(1, 1, False)] == {"layer": 0.010, "edges": 0.003}
+    assert costs[(1, 1, False)] == {"layer": 0.010, "edges": 0.003}   # no whole model timed: the block
     assert costs[(4, 1, False)] == {"layer": 0.020, "edges": 0.005}
     assert costs[(8, 1, False)] == {"layer": 0.040, "edges": 0.009}
     assert costs[(4, 2, True)] == pytest.approx({"layer": 0.030, "edges": 0.010})   # (all - none) / layers
     assert set(costs) == {(1, 1, False), (4, 1, False), (8, 1, False), (4, 2, True)}
+    # the whole model timed at t = 1: its layers are (all - none) / layers, not the block
+    result[_tp_key(4, 1, False, "all")] = 0.093
+    costs = layer_costs(result, (1, 4, 8), layers=4)
+    assert costs[(4, 1, False)] == pytest.approx({"layer": 0.022, "edges": 0.005})
+    assert costs[(1, 1, False)] == {"layer": 0.010, "edges": 0.003}
 
 
 def test_timed_layers_are_the_compute_the_timing_uses():
@@ -474,7 +479,7 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_model", "sync_world",
                 "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
                 "one_way:4096", "message_cpu:65536", "message_cpu:1048576", "gather_cpu", "reduce_scatter_cpu",
-                "split_r1", "split_w_share_r1"):
+                "split_r1", "split_w_share_r1", "tp1_rows1_all", "tp1_rows2_all", "tp1_rows2_none"):
         assert result[key] > 0, key
     cl = cluster_from(result, "tiny", (1, 2), 2)
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0

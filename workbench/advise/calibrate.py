@@ -70,13 +70,16 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
                           profile the layers, not a FLOP rate): for every row count ``r`` of ``rows``
-                          the block and the whole model (embedding, head, loss: the model less its
-                          blocks: the model with its blocks taken out), and for every ``(r, t,
-                          sequence_parallel)`` of ``tp_shapes`` the model split by
+                          the whole model, and for every ``(r, t, sequence_parallel)`` of
+                          ``tp_shapes`` the model split by
                           :func:`workbench.parallel.tensor.tensor_parallel` over groups of ``t``
-                          adjacent ranks (as the mesh lays them out), timed with all its layers and
-                          with none (the edges; the difference over the layers: one layer, its
-                          collectives included). Per-operator
+                          adjacent ranks (as the mesh lays them out), each timed with all its layers
+                          and with none (the edges: embedding, head, loss; the difference over the
+                          layers: one layer, its collectives included). The whole model, not the
+                          block above times its layers: each of its layers has its own weights and
+                          activations, which a block timed over and over keeps in cache (GPT
+                          ``tiny`` here: the model 6-10% over its layers timed as one block, in
+                          one launch, at 1, 4 and 16 rows). Per-operator
                           costs (Python, dispatch, small kernels below the matmul rate) and the
                           collectives' waits are inside; :mod:`workbench.advise.timing` uses these
                           where a configuration's shape was timed, and the formulas elsewhere.
@@ -462,6 +465,8 @@ class Calibration:
                   "adam_model": (self._gpt_step, False),
                   "short": (self._short, False),
                   **{_tp_key(r, 1, False, "none"): ((lambda r=r: self._run_model(self.edges, r)), False)
+                     for r in self.rows},
+                  **{_tp_key(r, 1, False, "all"): ((lambda r=r: self._run_model(self.gpt, r)), False)
                      for r in self.rows}}
         for r, t, sp in self.tp_shapes:
             for name, m in zip(("all", "none"), self.tp_models[(t, sp)]):
@@ -555,7 +560,9 @@ def max_over(value: float) -> float:
 def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) -> dict:
     """The model's layers at each shape the probes timed, in seconds with every rank busy:
     ``{(rows, t, sequence_parallel): {"layer": one layer's forward + backward (its tensor-parallel
-    collectives included), "edges": the rest of a micro-batch (embedding, head, loss)}}``."""
+    collectives included), "edges": the rest of a micro-batch (embedding, head, loss)}}``: the
+    model with all its layers less the model with none, over the layers, where both were timed
+    (a result without the whole model at ``t = 1``: the block as timed)."""
     rows = tuple(sorted(set(rows)))
     out = {}
     for r in rows:
@@ -564,7 +571,7 @@ def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) ->
         if layer is not None and edges is not None:
             out[(r, 1, False)] = {"layer": layer, "edges": edges}
     for key in result:
-        if key.startswith("tp") and key.endswith("_all") and not key.startswith("tp1_"):
+        if key.startswith("tp") and key.endswith("_all"):
             head, r = key[:-len("_all")].split("_rows")
             t, sp = int(head[2:].replace("sp", "")), head.endswith("sp")
             none = result.get(_tp_key(int(r), t, sp, "none"))

@@ -43,10 +43,11 @@ cores (:func:`_crowding`).
 Where a calibrated cluster timed the model's own layers at a configuration's micro-batch shape
 (``layer_costs``, keyed by rows per micro-batch, ``t`` and sequence parallelism; vTrain's way:
 profile the layers, not a FLOP rate), those timings replace the formulas above
-(:func:`measured_layer`): with ``t = 1`` a block's forward + backward and the edges (embedding,
-head, loss) as measured; with ``t > 1`` the tensor-parallel model's layer and edges, their
-collectives included, of which the formulas' compute is the compute and the rest the ``tp``
-part (split forward/backward, and layers/edges, as the formulas split it). Per-operator costs
+(:func:`measured_layer`): a layer's forward + backward (the model with all its layers less the
+model with none, over the layers) and the edges (embedding, head, loss: the model with none) as
+measured; with ``t > 1`` the layer and the edges include their collectives, of which the
+formulas' compute is the compute and the rest the ``tp`` part (split forward/backward, and
+layers/edges, as the formulas split it). Per-operator costs
 and the collectives' waits on an oversubscribed machine are then inside the measured cost. The
 layers are timed without recomputation: a recomputing configuration scales the timed compute by
 the formulas' ratio (full: one more forward) and, with full recomputation, runs each layer's
