@@ -461,7 +461,6 @@ class Calibration:
         probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
                   **{f"layer_rows{r}": ((lambda r=r: self._layer(r)), False) for r in self.rows[1:-1]},
                   "matmul": (self._matmul, False), "matmul_bf16": (self._matmul_bf16, False),
-                  "model_r1": (self._model, False),
                   "adam_model": (self._gpt_step, False),
                   "short": (self._short, False),
                   **{_tp_key(r, 1, False, "none"): ((lambda r=r: self._run_model(self.edges, r)), False)
@@ -610,7 +609,9 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     act_per_token = activation_bytes_per_layer(1, s, h, a) / s
     act_s = max(0.0, (slope - per_token_flops / flops) / act_per_token)
     head_flops = flops_per_token(shape)["head"] * r1 * s
-    mb_overhead = max(0.0, (result["model_r1"] - c.n_layer * result["layer_r1"]) / crowd - head_flops / flops)
+    # the whole model on r1 rows (results saved before it was timed at every row count call it model_r1)
+    model_r1 = result.get(_tp_key(r1, 1, False, "all"), result.get("model_r1"))
+    mb_overhead = max(0.0, (model_r1 - c.n_layer * result["layer_r1"]) / crowd - head_flops / flops)
     # the price of a synchronisation, after a short compute (a 128 x 128 matmul) and a long one (a block)
     sync = {n: [(result["short"], max(0.0, result[f"short_sync_{g}"] - result["short"] - result[f"sync_{g}"])),
                 (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result.get(f"layer_r1_before_sync_{g}",
