@@ -89,6 +89,91 @@ def test_replayed_schedule_matches_formula_and_cores_shrink_the_bubble(schedule,
     assert crowded["span"] >= sum(free["busy"]) - 1e-9   # one core does all the work
 
 
+def test_replay_trace_is_the_schedule_it_times():
+    """The replay's trace: one record per action, each rank's records adding up to its busy time
+    and ending at the span, every action after what it needs (its input, and the message's hop
+    when that came from another rank)."""
+    p, m, hop = 2, 4, 0.25
+    actions, stages, style = timing._schedule(Config(pp=p, microbatches=m, schedule="1f1b"), p, m)
+    work = {(k, s): w for s in range(stages) for k, w in (("F", 1.0), ("Bfull", 2.0), ("B", 1.0), ("W", 1.0))}
+    comm = {key: 0.0 for key in work}
+    trace: list = []
+    sim = timing.simulate(actions, stages, work, comm, message=hop, style=style, cores=1.5, trace=trace)
+    assert len(trace) == sum(len(a) for a in actions)
+    assert max(r["end"] for r in trace) == pytest.approx(sim["span"])
+    for rank in range(p):
+        mine = [r for r in trace if r["rank"] == rank]
+        assert sum(r["end"] - r["start"] for r in mine) == pytest.approx(sim["busy"][rank])
+        assert all(a["end"] <= b["start"] + 1e-12 for a, b in zip(mine, mine[1:]))   # one action at a time
+    end = {(r["kind"], r["stage"], r["microbatch"]): r["end"] for r in trace}
+    for r in trace:
+        s, i = r["stage"], r["microbatch"]
+        if r["kind"] == "F" and s > 0:
+            assert r["start"] >= end[("F", s - 1, i)] + hop - 1e-12
+        if r["kind"] == "B" and s < p - 1:
+            assert r["start"] >= end[("B", s + 1, i)] + hop - 1e-12
+
+
+def test_step_time_gives_the_replay_without_changing_the_time():
+    """A pipeline's trace comes with the same step time as without one, on a calibrated cluster
+    (whose time is the replay's) and on a datasheet one (closed forms; the trace drawn on devices
+    of their own); no trace without a pipeline."""
+    shape = ModelShape.preset("tiny")
+    config = Config(dp=2, pp=2, microbatches=2)
+    for cl in (_timed_cluster(None, flops=100e9, cores=2.0), _cluster(nodes=1, per_node=4)):
+        trace: list = []
+        assert timing.step_time(shape, cl, config, 16, trace=trace) == timing.step_time(shape, cl, config, 16)
+        assert sorted({(r["rank"], r["kind"]) for r in trace}) == [(0, "B"), (0, "F"), (1, "B"), (1, "F")]
+        assert len(trace) == 2 * 2 * 2
+    flat: list = []
+    timing.step_time(shape, _cluster(nodes=1, per_node=4), Config(dp=4), 16, trace=flat)
+    assert flat == []
+
+
+def test_timeline_figure_draws_the_replay_above_the_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from workbench.advise import validate
+
+    rec = lambda rank, kind, i, a, b: {"rank": rank, "stage": rank, "kind": kind, "microbatch": i,  # noqa: E731
+                                       "start": a, "end": b}
+    row = {"setting_label": "tiny B=16 1 node", "config": "dp1-tp1-pp2 1f1b m1 fp32", "predicted_s": 0.010,
+           "measured_s": 0.012,
+           "timeline_predicted": [rec(0, "F", 0, 0.0, 0.001), rec(1, "F", 0, 0.001, 0.002),
+                                  rec(1, "B", 0, 0.002, 0.004), rec(0, "B", 0, 0.004, 0.006)],
+           "timeline_measured": [rec(0, "F", 0, 0.0, 0.001), rec(0, "send", 0, 0.001, 0.0011),
+                                 rec(1, "F", 0, 0.002, 0.003), rec(1, "B", 0, 0.003, 0.005),
+                                 rec(0, "B", 0, 0.006, 0.008)]}
+    fig = validate.timeline_figure(row)
+    top, bottom = fig.axes[:2]
+    assert "predicted" in top.get_title() and "6.0 ms" in top.get_title()
+    assert "measured" in bottom.get_title() and "8.0 ms" in bottom.get_title()
+    assert len(top.patches) == 4 and len(bottom.patches) == 4     # the send is not drawn
+    assert top.get_xlim() == bottom.get_xlim()
+    with pytest.raises(ValueError, match="no pipeline timelines"):
+        validate.timeline_figure({**row, "timeline_measured": []})
+
+
+def test_validation_records_each_pipeline_trial_timeline():
+    """Structure, not speed: a pipeline configuration's trials each keep the last step's timeline
+    (the first pipeline's ranks, F and B of every micro-batch); a configuration without a
+    pipeline keeps none."""
+    from workbench.advise import validate
+
+    pipe, flat = Config(dp=2, pp=2, microbatches=2), Config(dp=4)
+    out = validate._launch(validate.Setting("tiny", 8, None, (pipe, flat)), trials=2, steps=1, warmup=1,
+                           calibrate=False)
+    assert set(out["timelines"]) == {pipe.label()}
+    assert len(out["timelines"][pipe.label()]) == 2
+    for timeline in out["timelines"][pipe.label()]:
+        computed = {(r["rank"], r["kind"], r["microbatch"]) for r in timeline if r["kind"] in ("F", "B")}
+        assert computed == {(rank, kind, i) for rank in (0, 1) for kind in ("F", "B") for i in (0, 1)}
+        assert all(r["end"] >= r["start"] for r in timeline)
+    first = validate._median_trial(out["timelines"][pipe.label()], out["samples"][pipe.label()])
+    assert first in out["timelines"][pipe.label()]
+
+
 def _tp_seconds(link: Link, t: int, rows: int) -> float:
     """Tensor-parallel collectives of one step of SHAPE priced by hand on ``link`` (ring all-reduces)."""
     topo = timing.Topology(t, intra=link, inter=link)

@@ -283,7 +283,7 @@ def _work_keys(actions) -> list[list[tuple[str, int]]]:
 
 
 def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, style: str = "loop",
-             cores: float | None = None, replicas: int = 1) -> dict:
+             cores: float | None = None, replicas: int = 1, trace: list | None = None) -> dict:
     """Replay a schedule's per-rank action lists with each action's ``work[(kind, stage)]`` seconds of
     compute (at one rank's full speed) followed by ``comm[(kind, stage)]`` seconds of tensor-parallel
     communication, and ``message`` seconds for an activation or gradient to reach another rank
@@ -293,6 +293,10 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     ranks computing at each moment (processor sharing; each pipeline rank stands for ``replicas``
     ranks doing the same, its data- and tensor-parallel peers); None: every rank its own device.
     Returns ``{"span", "busy": [per rank], "compute": [per rank], "comm": [per rank]}`` in seconds.
+    ``trace``: a list each action is appended to as it ends, in the records of a pipeline's
+    measured ``schedule.timeline`` (``{"rank", "stage", "kind", "microbatch", "start", "end"}``,
+    seconds from the step's start), so the replay can be drawn beside a run
+    (:func:`workbench.plots.pipeline_schedule` draws both).
     """
     from workbench.parallel.pipeline_schedules import stage_to_rank
 
@@ -306,6 +310,7 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     remaining = [0.0] * ranks         # compute seconds left (at full speed) / comm end time
     comm_end = [0.0] * ranks
     busy_c, busy_m = [0.0] * ranks, [0.0] * ranks
+    started = [0.0] * ranks           # when each rank's current action began
     now = 0.0
 
     def deps(a):
@@ -337,6 +342,7 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
                     waits.append(t)
                     break
                 key = keys[r][pos[r]]
+                started[r] = now
                 state[r], remaining[r] = "compute", work[key]
                 comm_end[r] = comm[key]
         computing = [r for r in range(ranks) if state[r] == "compute"]
@@ -358,15 +364,23 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
             if state[r] == "comm" and remaining[r] <= now + 1e-15:
                 a = actions[r][pos[r]]
                 done[(a.kind, a.stage, a.microbatch)] = now
+                if trace is not None:
+                    trace.append({"rank": r, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch,
+                                  "start": started[r], "end": now})
                 state[r] = "idle"
                 pos[r] += 1
                 left -= 1
     return {"span": now, "busy": [c + m for c, m in zip(busy_c, busy_m)], "compute": busy_c, "comm": busy_m}
 
 
-def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, float]:
+def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list | None = None) -> dict[str, float]:
     """Seconds per training step of ``config`` for ``shape`` on ``cluster`` with ``global_batch``
-    sequences: ``{"compute", "tp", "dp", "pp", "bubble", "total"}`` (see the module docstring)."""
+    sequences: ``{"compute", "tp", "dp", "pp", "bubble", "total"}`` (see the module docstring).
+
+    ``trace``: for a pipeline, a list to receive the schedule's replay, one record per action of
+    the first pipeline (:func:`simulate`'s ``trace``): the replay the time comes from where the
+    ranks share cores, else the same actions each on its own device (drawn, not summed: the
+    closed forms give the time)."""
     from workbench.parallel.pipeline_schedules import bubble_formula
     from workbench.parallel.tensor import activation_bytes_per_layer
 
@@ -473,13 +487,13 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
         pp_extra += 2 * _sync(cluster, p)
     critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
 
-    if p > 1 and cores:
+    if p > 1 and (cores or trace is not None):
         # the schedule replayed with the machine's cores shared among the ranks computing
         # Timed tensor-parallel layers: their collectives' cost beyond the formulas is mostly waiting
         # for a peer to get a core, which shrinks as the cores do when fewer ranks compute (ramp-up,
         # drain), so it is shared like compute: replayed as work at the crowded rate, and reported
         # as tp in proportion.
-        shared = tp_layer is not None
+        shared = tp_layer is not None and bool(cores)
         work, comm, tp_work = {}, {}, [0.0] * p
         owner = stage_to_rank(num_stages, p, style)
         # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
@@ -507,7 +521,8 @@ def step_time(shape, cluster, config: Config, global_batch: int) -> dict[str, fl
             comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
             tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
         sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=cores,
-                       replicas=d * t)
+                       replicas=d * t, trace=trace)
+    if p > 1 and cores:
         r = max(range(p), key=lambda i: sim["busy"][i])
         compute, tp_total = sim["compute"][r], sim["comm"][r]
         # the share of the replayed work that was the messages' CPU: reported as pipeline communication

@@ -21,7 +21,9 @@ configuration's prediction beside its measurement:
   (:class:`workbench.advise.calibrate.Calibration`, one more candidate of the trials, so its
   probes see the same load as the runs);
 * per setting, whether the configuration predicted fastest is the measured fastest, or within
-  5% of it.
+  5% of it;
+* for a pipeline, its schedule twice: as the timing model replays it and as the run measured it
+  (the median trial's last step), for :func:`timeline_figure` to draw one above the other.
 
 One launch per setting: every configuration of the setting is built once (same seed, so the
 same model), warmed up, measured for memory, then timed in trials whose order rotates
@@ -46,7 +48,7 @@ from workbench.advise.plan import MEMORY_CATEGORIES, Config
 
 __all__ = ["Setting", "SETTINGS", "measure", "measure_memory", "validate", "validate_memory", "memory_summary",
            "memory_report", "summary", "report", "figure",
-           "memory_errors", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
+           "memory_errors", "timeline_figure", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
 
 WORLD = 4
 # 2 nodes of 2 ranks; inside a node this machine's own loopback (~50 us, 1-3 GB/s), between nodes
@@ -167,13 +169,17 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
             built[label].step(x, y)
         memory[label] = _memory(built[label], x, y)
     cal = Calibration(config, rows, tp_shapes=tp_shapes) if calibrate else None
+    timelines: dict[str, list] = {label: [] for label in labels if built[label].schedule is not None}
 
     def one(name: str) -> float:
         if name == "calibration":
             cal.once()
             return 0.0
         trained = built[name]
-        return _common.max_over_ranks(_common.timed(lambda: trained.step(x, y), steps))
+        seconds = _common.max_over_ranks(_common.timed(lambda: trained.step(x, y), steps))
+        if name in timelines:   # the trial's last step, as this rank's pipeline measured it
+            timelines[name].append(list(trained.schedule.timeline))
+        return seconds
 
     candidates = labels + (["calibration"] if calibrate else [])
     samples = _common.interleaved_trials(candidates, trials, one) if trials else {k: [] for k in candidates}
@@ -187,7 +193,7 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
         dist.all_gather(everyone, mine)
         rows_mem[label] = {k: [float(t[i]) for t in everyone] for i, k in enumerate(keys)}
     return {"time": {label: _common.median(samples[label]) for label in labels},
-            "samples": {label: samples[label] for label in labels}, "memory": rows_mem,
+            "samples": {label: samples[label] for label in labels}, "timelines": timelines, "memory": rows_mem,
             "calibration": cal.result() if cal is not None else None, "load": loads}
 
 
@@ -270,6 +276,14 @@ def _predict_memory(shape, c: Config, batch: int) -> list[dict] | None:
     return [stages[r // (c.dp * c.tp)] for r in range(c.devices)]
 
 
+def _median_trial(timelines: list, samples: list[float]) -> list[dict]:
+    """The measured pipeline timeline of the trial whose time is the median (the one reported)."""
+    if not timelines:
+        return []
+    order = sorted(range(len(timelines)), key=lambda k: samples[k] if k < len(samples) else math.inf)
+    return timelines[order[(len(order) - 1) // 2]]
+
+
 def _worst(values: list[float]) -> float:
     return max(values) if values else float("nan")
 
@@ -305,7 +319,8 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
         these = []
         for c in setting.configs:
             label = c.label()
-            predicted = step_time(shape, cluster, c, setting.batch)
+            replay: list = []
+            predicted = step_time(shape, cluster, c, setting.batch, trace=replay)
             measured = out["time"][label]
             mem = out["memory"][label]
             row = {"setting": k, "setting_label": setting.label(), "model": setting.model, "batch": setting.batch,
@@ -316,6 +331,9 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
                    # the probes' medians and row counts: the prediction can be made again from the JSON
                    # (calibrate.cluster_from), e.g. after a change to the timing model
                    "probes": out["calibration"], "probe_rows": list(out["rows"])}
+            if label in out.get("timelines", {}):
+                row["timeline_predicted"] = replay
+                row["timeline_measured"] = _median_trial(out["timelines"][label], out["samples"][label])
             pm = _predict_memory(shape, c, setting.batch)
             if pm is not None:
                 row["memory_predicted"] = pm
@@ -543,6 +561,39 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {plot_path}")
     ok = s["time_within_15"] >= 0.9 * s["configurations"] and s["best_ok"] >= 0.9 * s["settings"]
     return 0 if ok else 1
+
+
+def timeline_figure(row: dict, axes=None):
+    """A pipeline configuration's step as the timing model replayed it (``timeline_predicted``:
+    :func:`workbench.advise.timing.step_time`'s ``trace``) above the same step as the run measured
+    it (``timeline_measured``: the first pipeline's ``schedule.timeline`` in the trial whose time
+    was the median), one row per pipeline rank, on one time axis in ms. The schedule only: the
+    step's line-up before it and its gradient reduction and optimizer after it are not drawn."""
+    import matplotlib.pyplot as plt
+
+    from workbench import plots
+
+    if not row.get("timeline_measured") or not row.get("timeline_predicted"):
+        raise ValueError(f"timeline_figure: row {row.get('config')!r} has no pipeline timelines (a configuration "
+                         "with pp > 1, from validate() since timelines are recorded)")
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(10, 4.2), sharex=True, layout="constrained")
+    measured = [r for r in row["timeline_measured"] if r["kind"] in ("F", "B", "W")]
+    predicted = row["timeline_predicted"]
+
+    def span(records):
+        return (max(r["end"] for r in records) - min(r["start"] for r in records)) * 1e3
+
+    label = f"{row['setting_label']}, {row['config']}"
+    plots.pipeline_schedule(predicted, ax=axes[0], title=f"predicted (the timing model's replay): schedule "
+                            f"{span(predicted):.1f} ms of a {row['predicted_s'] * 1e3:.1f} ms step -- {label}")
+    plots.pipeline_schedule(measured, ax=axes[1], title=f"measured: schedule {span(measured):.1f} ms of a "
+                            f"{row['measured_s'] * 1e3:.1f} ms step (median trial)")
+    right = max(span(predicted), span(measured)) * 1.02
+    for ax in axes:
+        ax.set_xlim(0, right)
+        ax.title.set_fontsize(9)
+    return axes[0].figure
 
 
 def figure(rows: list[dict], ax=None):
