@@ -290,21 +290,25 @@ if rows:
 #
 # A pipeline's predicted time comes from replaying its schedule: each stage's forwards and
 # backwards at the speed the calibration timed, the machine's cores shared among the ranks
-# computing at each moment, each message taking its link's time. The run records when each of
-# those actions really ran (`schedule.timeline`), so the two can be drawn on one time axis
-# (`validate.timeline_figure`): here DDP + 2 stages of GPT `tiny` on one node, 4 ranks (each stage
-# two data-parallel replicas) on this machine's 2 cores; the figure shows the first replica's
-# pipeline, the other one runs beside it on the same cores. The numbers under the figure split the
+# computing at each moment, each message taking its link's time (and half a time slice more if
+# it lands while every core computes). The run records when each of those actions really ran
+# (`schedule.timeline`), so the two can be drawn on one time axis (`validate.timeline_figure`):
+# here DDP + 2 stages of GPT `tiny` on one node, 4 ranks (each stage two data-parallel replicas)
+# on this machine's 2 cores; the figure shows the first replica's pipeline, the other one runs
+# beside it on the same cores. The numbers under the figure split the
 # schedule's difference into the actions' own time (summed over the pipeline's ranks) and the
 # time the ranks spent between actions. In the run stored here the forwards and backwards took
-# less time than the replay gave them, and the ranks waited far longer between them: the first
-# stage starts its first backward long after the second stage sent it the gradient. On one node
-# a message reaches a waiting rank only once a core is free, because gloo's network thread, which
-# reads it out of its socket, yields to every computing thread (`workbench/gloo_threads.py`: left
-# alone, it spins and stalls every message for a time slice); while other ranks compute -- the
-# second stage itself, then the other replica's stages -- the gradient waits. The replay shares the cores among whoever computes and lets a
-# message arrive after its link's time. This is one of the reasons, measured in the README's
-# "What is known", why GPT `tiny`'s pipelines on one node come out slower than predicted.
+# about what the replay gave them, and the ranks spent longer between them: the first stage
+# starts its last backward well after the second stage sent it the gradient, while neither of
+# this pipeline's ranks computes. On one node a message reaches a waiting rank only once a core
+# is free, because gloo's network thread, which reads it out of its socket, yields to every
+# computing thread (`workbench/gloo_threads.py`: left alone, it spins and stalls every message
+# for a time slice); the other replica's ranks, which the figure does not draw, run the same
+# schedule on the same two cores. The replay charges half the scheduler's time slice (measured by
+# the calibration) to a message that lands while every core computes, but it runs the two
+# replicas in step, where the run lets them drift apart and take turns. This is one of the reasons,
+# measured in the README's "What is known", why GPT `tiny`'s pipelines on one node come out
+# slower than predicted.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -114,6 +114,46 @@ def test_replay_trace_is_the_schedule_it_times():
             assert r["start"] >= end[("B", s + 1, i)] + hop - 1e-12
 
 
+def test_a_message_landing_on_busy_cores_waits_for_a_core():
+    """With every core computing when a message is sent, its receiver starts ``late`` after the
+    message's link time; with a core free, right after it. GPipe over 2 stages: stage 0 goes on
+    to its second forward as it sends its first."""
+    p, m, hop, late = 2, 2, 0.1, 0.5
+    actions, stages, style = timing._schedule(Config(pp=p, microbatches=m, schedule="gpipe"), p, m)
+    work = {(k, s): w for s in range(stages) for k, w in (("F", 1.0), ("Bfull", 2.0), ("B", 1.0), ("W", 1.0))}
+    comm = {key: 0.0 for key in work}
+
+    def first_forward_of_stage_1(cores, wait):
+        trace: list = []
+        timing.simulate(actions, stages, work, comm, message=hop, style=style, cores=cores, trace=trace, late=wait)
+        return next(r["start"] for r in trace if r["stage"] == 1 and r["kind"] == "F" and r["microbatch"] == 0)
+
+    assert first_forward_of_stage_1(1.0, late) == pytest.approx(1.0 + hop + late)   # the one core is busy
+    assert first_forward_of_stage_1(2.0, late) == pytest.approx(1.0 + hop)          # a core is free
+    assert first_forward_of_stage_1(1.0, 0.0) == pytest.approx(1.0 + hop)
+
+
+def test_half_a_time_slice_per_message_only_on_this_machines_own_links():
+    """A calibrated one-node cluster's time slice makes its pipelines slower (messages landing on
+    busy cores); the same cluster with an emulated link, or with a core per rank, does not."""
+    from dataclasses import replace
+
+    from workbench.comm.topology import Topology
+
+    shape = ModelShape.preset("tiny")
+    config = Config(dp=2, pp=2, microbatches=4)
+    own = _timed_cluster(None, flops=100e9, cores=2.0)
+    plain = timing.step_time(shape, own, config, 16)["total"]
+    sliced = timing.step_time(shape, replace(own, time_slice_s=0.004), config, 16)
+    assert sliced["total"] > plain + 0.002 and sliced["pp"] > timing.step_time(shape, own, config, 16)["pp"]
+    emulated = replace(own, time_slice_s=0.004, links=Topology(2, inter=SLOW))
+    assert timing.step_time(shape, emulated, config, 16)["total"] == pytest.approx(
+        timing.step_time(shape, replace(emulated, time_slice_s=0.0), config, 16)["total"])
+    devices = replace(own, time_slice_s=0.004, cores=None)
+    assert timing.step_time(shape, devices, config, 16) == timing.step_time(shape, replace(devices, time_slice_s=0.0),
+                                                                              config, 16)
+
+
 def test_step_time_gives_the_replay_without_changing_the_time():
     """A pipeline's trace comes with the same step time as without one, on a calibrated cluster
     (whose time is the replay's) and on a datasheet one (closed forms; the trace drawn on devices
@@ -566,8 +606,10 @@ def test_calibration_gives_a_cluster_the_timing_uses():
                 "one_way:4096", "message_cpu:65536", "message_cpu:1048576", "gather_cpu", "reduce_scatter_cpu",
                 "split_r1", "split_w_share_r1", "tp1_rows1_all", "tp1_rows2_all", "tp1_rows2_none"):
         assert result[key] > 0, key
+    assert result["time_slice"] >= 0   # 0 where no rank was ever taken off its core
     cl = cluster_from(result, "tiny", (1, 2), 2)
     assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
+    assert cl.time_slice_s == result["time_slice"]
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
     assert 0 < cl.split_w_share < 1
     assert set(cl.sync_by_size) == {2}

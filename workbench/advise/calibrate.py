@@ -49,6 +49,14 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           back: 4 ranks on 2 cores, 64 KiB, 46 us per end back to back, 130-210 us
                           after a block. :mod:`workbench.advise.timing` charges each end to the
                           pipeline action that sends or receives it, as work that shares the cores.
+``time_slice_s``          every rank spins on small matmuls, reading the clock, for ``SLICE_SPIN_S``:
+                          the median gap between two readings longer than 0.2 ms is how long a rank
+                          stays off a core while the others run, the scheduler's time slice (4 ms
+                          here: 4 ranks on 2 cores each run about 4 ms, then wait about 4 ms). A
+                          message that lands while every core computes reaches its waiting rank
+                          when a running rank's slice ends, half a slice later on average:
+                          :func:`workbench.advise.timing.simulate` charges that to pipeline
+                          messages on this machine's own links.
 ``collective_cpu``        a block on ``r2`` rows, then an all-gather (or a reduce-scatter) of one
                           block's parameters sharded over every rank, as ZeRO-3 gathers and reduces a
                           unit: the CPU seconds of the whole process (``getrusage``: the rank's
@@ -133,6 +141,8 @@ PROBE_SIZES = tuple(16 << (2 * k) for k in range(11))   # 16 B .. 16 MiB
 MESSAGE_CPU_SIZES = (64 << 10, 1 << 20)
 MESSAGE_CPU_CALLS = 8   # block + exchange pairs per size and call of once()
 COLLECTIVE_CPU_CALLS = 4   # block + collective pairs per kind and call of once()
+SLICE_SPIN_S = 0.3         # seconds every rank spins to see the scheduler's time slice, per call of once()
+SLICE_GAP_S = 2e-4         # a gap between two clock readings longer than this: the rank was off its core
 
 
 def load_average() -> float:
@@ -159,6 +169,7 @@ class CalibratedCluster(Cluster):
     activation_s_per_byte: float = 0.0
     layer_costs: dict | None = None            # (rows, t, sp) -> {"layer": s, "edges": s}, all ranks busy
     message_cpu: tuple | None = None           # ((bytes, CPU s per message end after compute), ...)
+    time_slice_s: float = 0.0                  # the scheduler's time slice with every rank busy
     collective_cpu: dict | None = None         # {"all_gather", "reduce_scatter": process CPU s per
                                                # ZeRO-3 unit's collective after compute}
     overlap: float = 0.0                       # share of compute that hides data-parallel traffic
@@ -370,6 +381,27 @@ class Calibration:
         dist.all_reduce(t)
         return float(t[0]) / self.world, float(t[1]) / self.world
 
+    def _time_slice(self) -> float:
+        """The scheduler's time slice with every rank busy: every rank spins on small matmuls for
+        ``SLICE_SPIN_S``, reading the clock; a gap longer than ``SLICE_GAP_S`` between two readings
+        is a time the rank was off its core while another ran. The median gap over every rank (0
+        where no rank was ever taken off its core: a core each)."""
+        import torch.distributed as dist
+
+        gaps = []
+        dist.barrier()
+        start = last = time.monotonic()
+        while last - start < SLICE_SPIN_S:
+            self._short()
+            now = time.monotonic()
+            if now - last > SLICE_GAP_S:
+                gaps.append(now - last)
+            last = now
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, gaps)
+        every = [g for mine in everyone for g in mine]
+        return statistics.median(every) if every else 0.0
+
     def _short(self) -> None:
         torch.mm(self.s1, self.s2)
 
@@ -492,6 +524,7 @@ class Calibration:
             self._add(f"layer_r1_sync_{g}", b)
         for n in MESSAGE_CPU_SIZES:
             self._add(f"message_cpu:{n}", self._message_cpu(n, r1))
+        self._add("time_slice", self._time_slice())
         gather, scatter = self._collective_cpu(r2)
         self._add("gather_cpu", gather)
         self._add("reduce_scatter_cpu", scatter)
@@ -646,6 +679,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         microbatch_overhead_s=mb_overhead, step_overhead_s=step_overhead,
         update_s_per_param=update, activation_s_per_byte=act_s, layer_costs=layer_costs(result, rows, c.n_layer),
         message_cpu=tuple(sorted((n, result[f"message_cpu:{n}"]) for n in _sizes(result, "message_cpu"))) or None,
+        time_slice_s=float(result.get("time_slice", 0.0)),
         collective_cpu={"all_gather": result["gather_cpu"], "reduce_scatter": result["reduce_scatter_cpu"]}
         if "gather_cpu" in result else None,
         overlap=0.0, prefetch_overlap=prefetch,

@@ -90,7 +90,11 @@ by it (``cost._ring_on_links``).
   calibrated CPU cluster), each message's two ends also cost their ranks CPU (``message_cpu``:
   posting, a sleeping thread woken, copying; 0.13-0.34 ms per end here, at 64 KiB to 1 MiB): the
   replay charges it to the action that receives its input or sends its output (F: the
-  activations, B: the gradients), as work sharing the cores, and reports it under ``pp``.
+  activations, B: the gradients), as work sharing the cores, and reports it under ``pp``. On a
+  calibrated cluster whose links are all this machine's own, a message that lands while every
+  core computes waits half the scheduler's time slice more (``time_slice_s``: 4 ms here, so 2 ms):
+  its rank, and gloo's network thread that reads it, get a core when a running rank's slice ends
+  (:mod:`workbench.gloo_threads`); the replay decides it per message (``simulate``'s ``late``).
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
@@ -283,7 +287,7 @@ def _work_keys(actions) -> list[list[tuple[str, int]]]:
 
 
 def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, style: str = "loop",
-             cores: float | None = None, replicas: int = 1, trace: list | None = None) -> dict:
+             cores: float | None = None, replicas: int = 1, trace: list | None = None, late=0.0) -> dict:
     """Replay a schedule's per-rank action lists with each action's ``work[(kind, stage)]`` seconds of
     compute (at one rank's full speed) followed by ``comm[(kind, stage)]`` seconds of tensor-parallel
     communication, and ``message`` seconds for an activation or gradient to reach another rank
@@ -293,6 +297,11 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     ranks computing at each moment (processor sharing; each pipeline rank stands for ``replicas``
     ranks doing the same, its data- and tensor-parallel peers); None: every rank its own device.
     Returns ``{"span", "busy": [per rank], "compute": [per rank], "comm": [per rank]}`` in seconds.
+    ``late``: with ``cores``, the seconds more a message waits when it lands while every core
+    computes (one number, or one per stage boundary as ``message``): the rank it wakes, and the
+    thread that reads it out of its socket, get a core only when a running rank's time slice ends
+    (:mod:`workbench.gloo_threads`), half a slice later on average. Decided when the message is
+    sent, after the ranks that can start then have started (the sender's next action among them).
     ``trace``: a list each action is appended to as it ends, in the records of a pipeline's
     measured ``schedule.timeline`` (``{"rank", "stage", "kind", "microbatch", "start", "end"}``,
     seconds from the step's start), so the replay can be drawn beside a run
@@ -304,7 +313,10 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     owner = stage_to_rank(num_stages, ranks, style)
     keys = _work_keys(actions)
     hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
+    wait = list(late) if isinstance(late, (list, tuple)) else [late] * max(1, num_stages - 1)
     done: dict[tuple, float] = {}
+    extra: dict[tuple, float] = {}    # a sent message's wait for a core (decided once the senders went on)
+    undecided: dict[tuple, int] = {}  # a message just sent -> the boundary it crosses
     pos = [0] * ranks
     state = ["idle"] * ranks          # idle, compute, comm
     remaining = [0.0] * ranks         # compute seconds left (at full speed) / comm end time
@@ -324,10 +336,17 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     def ready_at(r, a):
         t = 0.0
         for d in deps(a):
-            if d not in done:
+            if d not in done or d in undecided:
                 return None
-            t = max(t, done[d] + (hop[min(d[1], a.stage)] if owner[d[1]] != r else 0.0))
+            t = max(t, done[d] + (hop[min(d[1], a.stage)] + extra.get(d, 0.0) if owner[d[1]] != r else 0.0))
         return t
+
+    def sends_to(a):
+        """The stage boundary an action's output crosses to another rank, or None."""
+        peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else None
+        if peer is None or not 0 <= peer < num_stages or owner[peer] == owner[a.stage]:
+            return None
+        return min(peer, a.stage)
 
     left = sum(len(a) for a in actions)
     while left:
@@ -346,6 +365,12 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
                 state[r], remaining[r] = "compute", work[key]
                 comm_end[r] = comm[key]
         computing = [r for r in range(ranks) if state[r] == "compute"]
+        if undecided:   # the messages sent now: every core computing, or one free to take them
+            full = len(computing) * replicas >= cores - 1e-9
+            for key, boundary in undecided.items():
+                extra[key] = wait[boundary] if full else 0.0
+            undecided.clear()
+            continue    # their receivers' readiness is known now
         rate = 1.0 if not cores else min(1.0, cores / (len(computing) * replicas)) if computing else 1.0
         events = waits + [now + remaining[r] / rate for r in computing] + \
             [remaining[r] for r in range(ranks) if state[r] == "comm"]
@@ -364,6 +389,9 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
             if state[r] == "comm" and remaining[r] <= now + 1e-15:
                 a = actions[r][pos[r]]
                 done[(a.kind, a.stage, a.microbatch)] = now
+                boundary = sends_to(a)
+                if cores and boundary is not None and wait[boundary] > 0:
+                    undecided[(a.kind, a.stage, a.microbatch)] = boundary
                 if trace is not None:
                     trace.append({"rank": r, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch,
                                   "start": started[r], "end": now})
@@ -520,8 +548,14 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
             comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
             tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
+        # on this machine's own links (no emulated ones), a message that lands while every core computes
+        # waits for a time slice to end, half a slice on average (with an emulated link the ranks sleep
+        # through its held-back messages and their network threads are promoted meanwhile: not seen there)
+        half = float(getattr(cluster, "time_slice_s", 0.0) or 0.0) / 2 if getattr(cluster, "links", None) is None \
+            else 0.0
+        late = [0.0 if owner[k] == owner[k + 1] else half for k in range(num_stages - 1)] or [0.0]
         sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=cores,
-                       replicas=d * t, trace=trace)
+                       replicas=d * t, trace=trace, late=late)
     if p > 1 and cores:
         r = max(range(p), key=lambda i: sim["busy"][i])
         compute, tp_total = sim["compute"][r], sim["comm"][r]
@@ -535,7 +569,8 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             tp_total = compute * tp_work[r] / max(1, stages_r)
             compute -= tp_total
         idle = max(0.0, sim["span"] - sim["busy"][r])
-        pp_total = min(idle, critical_messages)
+        # the messages on the critical path, and their waits for a core where they had to
+        pp_total = min(idle, critical_messages + 2 * sum(late) + 2 * (m - 1) * max(late))
         bubble = idle - pp_total
         pp_total += msg_cpu
     else:
