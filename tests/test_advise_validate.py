@@ -310,6 +310,9 @@ def test_layer_costs_from_the_probes():
     assert costs[(8, 1, False)] == {"layer": 0.040, "edges": 0.009}
     assert costs[(4, 2, True)] == pytest.approx({"layer": 0.030, "edges": 0.010})   # (all - none) / layers
     assert set(costs) == {(1, 1, False), (4, 1, False), (8, 1, False), (4, 2, True)}
+    # the tensor-parallel model's first group timed alone: its time over the time with every rank busy
+    result[_tp_key(4, 2, True, "all") + "_alone"] = 0.078
+    assert layer_costs(result, (1, 4, 8), layers=4)[(4, 2, True)]["alone"] == pytest.approx(0.6)
     # the whole model timed at t = 1: its layers are (all - none) / layers, not the block
     result[_tp_key(4, 1, False, "all")] = 0.093
     costs = layer_costs(result, (1, 4, 8), layers=4)
@@ -423,6 +426,34 @@ def test_timed_tensor_parallel_layers_share_the_cores_in_a_pipeline():
     assert shared["compute"] + shared["tp"] < busy + plain["compute"]
     flat = timing.step_time(shape, _timed_cluster(timed, flops=100e9, cores=2.0), Config(dp=2, tp=2), 16)
     assert flat["compute"] + flat["tp"] == pytest.approx(L * 0.030 + 0.012, rel=1e-9)
+
+
+def test_a_tensor_parallel_stage_alone_runs_at_its_timed_share_of_the_crowded_time():
+    """Where the group's time alone was timed (``alone``: over its time with every rank busy), a
+    stage computing alone takes that share of its crowded time, and a stage computing beside the
+    other its crowded time, whatever ``alone`` says; ``alone = 1/p`` is sharing the cores, the
+    replay without it; less than that is taken as that."""
+    shape = ModelShape.preset("tiny")
+    config = Config(tp=2, pp=2, microbatches=2, schedule="gpipe")
+
+    def replay(alone):
+        timed = {(8, 2, False): {"layer": 0.030, "edges": 0.012}}
+        if alone is not None:
+            timed[(8, 2, False)]["alone"] = alone
+        trace = []
+        out = timing.step_time(shape, _timed_cluster(timed, flops=100e9, cores=2.0), config, 16, trace=trace)
+        first = min(trace, key=lambda a: a["start"])            # stage 0's first forward: alone
+        return out["total"], first["end"] - first["start"]
+
+    base, first = replay(None)
+    assert replay(0.5) == pytest.approx((base, first), rel=1e-9)   # 1 / p: sharing the cores
+    assert replay(0.3) == pytest.approx((base, first), rel=1e-9)   # never faster than sharing them
+    total, longer = replay(0.8)
+    assert longer == pytest.approx(first * 0.8 / 0.5, rel=1e-9) and total > base
+    # alone = 1: no faster alone than with every rank busy, so the step is its two stages' crowded
+    # time in turns at best and every action takes its crowded time (twice the sharing's alone)
+    _, crowded = replay(1.0)
+    assert crowded == pytest.approx(2 * first, rel=1e-9)
 
 
 def test_pipeline_pays_the_drift_price_twice_per_step_and_not_per_message():
@@ -600,24 +631,26 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     import workbench
     from workbench.advise.calibrate import cluster_from
 
-    result = workbench.launch(_calibrate_tiny, world_size=2)[0]
+    result = workbench.launch(_calibrate_tiny, world_size=4)[0]
     for key in ("layer_r1", "layer_r2", "layer_r2_alone", "matmul", "matmul_bf16", "adam_model", "sync_world",
                 "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
                 "one_way:4096", "message_cpu:65536", "message_cpu:1048576", "gather_cpu", "reduce_scatter_cpu",
-                "split_r1", "split_w_share_r1", "tp1_rows1_all", "tp1_rows2_all", "tp1_rows2_none"):
+                "split_r1", "split_w_share_r1", "tp1_rows1_all", "tp1_rows2_all", "tp1_rows2_none",
+                "tp2_rows2_all", "tp2_rows2_all_alone"):
         assert result[key] > 0, key
     assert result["time_slice"] >= 0   # 0 where no rank was ever taken off its core
-    cl = cluster_from(result, "tiny", (1, 2), 2)
-    assert cl.devices == 2 and 1.0 <= cl.cores <= 2.0
+    cl = cluster_from(result, "tiny", (1, 2), 4)
+    assert cl.devices == 4 and 1.0 <= cl.cores <= 4.0
     assert cl.time_slice_s == result["time_slice"]
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
     assert 0 < cl.split_w_share < 1
-    assert set(cl.sync_by_size) == {2}
+    assert set(cl.sync_by_size) == {2, 4}   # pairs and every rank
     assert [n for n, _ in cl.message_cpu] == [65536, 1048576] and all(c > 0 for _, c in cl.message_cpu)
     assert set(cl.collective_cpu) == {"all_gather", "reduce_scatter"} and min(cl.collective_cpu.values()) > 0
     # the model's own layers at each row count, and its tensor-parallel model at (2 rows, t=2)
     assert set(cl.layer_costs) == {(1, 1, False), (2, 1, False), (2, 2, False)}
     assert all(v["layer"] > 0 and v["edges"] > 0 for v in cl.layer_costs.values())
+    assert cl.layer_costs[(2, 2, False)]["alone"] > 0 and "alone" not in cl.layer_costs[(2, 1, False)]
     shape = ModelShape.preset("tiny")
     tp = timing.step_time(shape, cl, Config(tp=2), 2)
     timed = cl.layer_costs[(2, 2, False)]

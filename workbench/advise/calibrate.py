@@ -91,6 +91,12 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           costs (Python, dispatch, small kernels below the matmul rate) and the
                           collectives' waits are inside; :mod:`workbench.advise.timing` uses these
                           where a configuration's shape was timed, and the formulas elsewhere.
+                          The tensor-parallel model with all its layers is also timed with its first
+                          group of ``t`` ranks alone, the others asleep (``alone``: that time over
+                          the time with every rank busy), as a pipeline stage computes in its
+                          ramp-up and drain: its ranks wait for each other within every layer,
+                          which no core speeds up (2 groups of 2 on 2 cores: GPT ``tiny`` 0.59-0.63,
+                          ``small`` 0.52-0.55, where sharing the cores alone would give 0.5).
 ``prefetch_overlap``      ZeRO-3's prefetch: a block's parameters all-gathered (asynchronously) while
                           a block's forward + backward runs on ``r2`` rows, timed in turns with the
                           block alone and the gather alone. The pair's excess over the block is the
@@ -419,9 +425,10 @@ class Calibration:
         self._model()
         self.gpt_opt.step()
 
-    def _time(self, fn, *, alone: bool, iterations: int | None = None, key: str | None = None,
+    def _time(self, fn, *, alone: bool | int, iterations: int | None = None, key: str | None = None,
               span: bool = True) -> float:
-        """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier), or on every
+        """Seconds per call of ``fn``: on rank 0 alone (the others asleep in a barrier; ``alone=k``:
+        ranks ``0 .. k-1``, a group of ``k``, the slowest one's), or on every
         rank at once (the span from the first start to the last end, over the calls; ``span=False``:
         the slowest rank's own time, for probes whose messages line the ranks up). The same number
         on every rank. ``key``: the probe's
@@ -438,7 +445,7 @@ class Calibration:
         dist.barrier()
         if alone or not span:
             t = torch.zeros(1, dtype=torch.float64)
-            if not alone or self.rank == 0:
+            if not alone or self.rank < int(alone):
                 start = time.perf_counter()
                 for _ in range(n):
                     fn()
@@ -502,6 +509,9 @@ class Calibration:
         for r, t, sp in self.tp_shapes:
             for name, m in zip(("all", "none"), self.tp_models[(t, sp)]):
                 probes[_tp_key(r, t, sp, name)] = ((lambda m=m, r=r: self._run_model(m, r)), False)
+            if t < self.world:   # the first group alone, the others asleep: a pipeline stage in its ramp-up
+                probes[_tp_key(r, t, sp, "all") + "_alone"] = ((lambda m=self.tp_models[(t, sp)][0], r=r:
+                                                                self._run_model(m, r)), t)
         for g, group in (("world", None), ("pair", self.pair)):
             probes[f"sync_{g}"] = ((lambda group=group: self._sync(group)), False)
             probes[f"short_sync_{g}"] = ((lambda group=group: (self._short(), self._sync(group))), False)
@@ -594,7 +604,9 @@ def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) ->
     ``{(rows, t, sequence_parallel): {"layer": one layer's forward + backward (its tensor-parallel
     collectives included), "edges": the rest of a micro-batch (embedding, head, loss)}}``: the
     model with all its layers less the model with none, over the layers, where both were timed
-    (a result without the whole model at ``t = 1``: the block as timed)."""
+    (a result without the whole model at ``t = 1``: the block as timed). With ``t > 1``, where it
+    was timed, ``"alone"``: the whole model's time with its first tensor-parallel group computing
+    and the other ranks asleep, over its time with every rank busy."""
     rows = tuple(sorted(set(rows)))
     out = {}
     for r in rows:
@@ -609,6 +621,8 @@ def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) ->
             none = result.get(_tp_key(int(r), t, sp, "none"))
             if none is not None:
                 out[(int(r), t, sp)] = {"layer": max(0.0, result[key] - none) / layers, "edges": none}
+                if key + "_alone" in result and result[key] > 0:
+                    out[(int(r), t, sp)]["alone"] = result[key + "_alone"] / result[key]
     return out
 
 

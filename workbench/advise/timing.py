@@ -61,8 +61,12 @@ Ranks that outnumber the cores (``cluster.cores``, a calibrated cluster's: 4 ran
 share them: while every rank computes, each runs ``world / cores`` times slower than alone. A
 pipeline is not always all busy -- in its ramp-up and drain a stage computes alone, and fast --
 so its step is the schedule's own action lists replayed (:func:`simulate`) with the cores shared
-among the ranks computing at each moment. On a cluster whose every rank has its own device
-(``cores`` None) the replay is not needed and the closed forms below hold.
+among the ranks computing at each moment. A tensor-parallel stage alone gains less than sharing
+says -- its ranks wait for each other within every layer, and no core speeds that up -- so where a
+calibrated cluster timed its group alone (``layer_costs``' ``alone``: the group's time alone over
+its time with every rank busy), the replay runs it at that ratio of its crowded time whenever it
+computes alone. On a cluster whose every rank has its own device (``cores`` None) the replay is
+not needed and the closed forms below hold.
 
 Communication, on the link each group crosses
 ---------------------------------------------
@@ -522,6 +526,19 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         # drain), so it is shared like compute: replayed as work at the crowded rate, and reported
         # as tp in proportion.
         shared = tp_layer is not None and bool(cores)
+        # Alone, such a stage is faster only as far as its group's own time alone says: processor sharing
+        # makes it ``p`` times faster than with every stage busy (its d x t ranks outnumber the cores), but
+        # its ranks also wait for each other within every layer, which no core speeds up (measured, 2 x 2
+        # ranks on 2 cores, GPT tiny: 0.59-0.63 of the crowded time alone, small 0.52-0.55). ``alone``: that
+        # ratio, timed (the model's first tensor-parallel group alone, the others asleep). The replay runs
+        # a stage at full speed alone and at ``alone`` of it with every stage busy: each action's work is
+        # its time alone, and the cores ``alone x world``; ``alone`` is never taken under ``1 / p``, what
+        # sharing the cores alone gives (a stage's ranks outnumbering the cores).
+        alone = timed.get("alone") if shared and timed is not None else None
+        sim_cores, speed = cores, 1.0
+        if alone is not None:
+            alone = max(float(alone), d * t / world)
+            sim_cores, speed = alone * world, alone * crowd
         work, comm, tp_work = {}, {}, [0.0] * p
         owner = stage_to_rank(num_stages, p, style)
         # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
@@ -544,7 +561,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends
             msg_work[("W", k)] = 0.0
             work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = \
-                f + tf + ends, back + tb + ends, back - w + tb + ends, w
+                (f + tf) * speed + ends, (back + tb) * speed + ends, (back - w + tb) * speed + ends, w * speed
             cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
             comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
             tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
@@ -554,7 +571,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         half = float(getattr(cluster, "time_slice_s", 0.0) or 0.0) / 2 if getattr(cluster, "links", None) is None \
             else 0.0
         late = [0.0 if owner[k] == owner[k + 1] else half for k in range(num_stages - 1)] or [0.0]
-        sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=cores,
+        sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=sim_cores,
                        replicas=d * t, trace=trace, late=late)
     if p > 1 and cores:
         r = max(range(p), key=lambda i: sim["busy"][i])
