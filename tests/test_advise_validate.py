@@ -409,6 +409,26 @@ def test_timed_layers_with_recomputation_add_what_is_repeated():
     assert sel["tp"] == pytest.approx(plain["tp"])
 
 
+def test_full_recomputation_repeats_the_forward_s_overheads_too():
+    """Full recomputation runs each layer's whole forward again: a third more of its FLOPs, of its
+    memory-bound work and of its per-operator cost; selective recomputation repeats only the
+    attention core's FLOPs. (GPT tiny, ZeRO-1 with full recomputation, B=64, one node: the FLOPs
+    alone priced the recomputation at 8 ms where the runs spent 14 ms.)"""
+    from workbench.parallel.tensor import activation_bytes_per_layer
+
+    shape = ModelShape.preset("tiny")
+    cl = _timed_cluster(None, flops=100e9, layer_overhead_s=1e-3, activation_s_per_byte=1e-11)
+    plain, full, sel = (timing.step_time(shape, cl, Config(dp=4, recompute=r), 16)
+                        for r in ("none", "full", "selective"))
+    fpt = {r: timing.flops_per_token(shape, recompute=r)["layer"] for r in ("none", "selective")}
+    tokens = 4 * shape.seq
+    rest = activation_bytes_per_layer(4, shape.seq, shape.hidden, shape.heads, 1, False, 4) * 1e-11 + 1e-3
+    layer = tokens * fpt["none"] / 100e9 + rest
+    assert full["compute"] - plain["compute"] == pytest.approx(shape.layers * layer / 3)
+    assert sel["compute"] - plain["compute"] == pytest.approx(
+        shape.layers * tokens * (fpt["selective"] - fpt["none"]) / 100e9)
+
+
 def test_timed_tensor_parallel_layers_share_the_cores_in_a_pipeline():
     """On an oversubscribed machine the timed collectives' waits shrink when fewer ranks compute:
     in a pipeline they are replayed as shared work, so the step is shorter than with them as fixed

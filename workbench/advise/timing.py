@@ -50,8 +50,9 @@ formulas' compute is the compute and the rest the ``tp`` part (split forward/bac
 layers/edges, as the formulas split it). Per-operator costs
 and the collectives' waits on an oversubscribed machine are then inside the measured cost. The
 layers are timed without recomputation: a recomputing configuration scales the timed compute by
-the formulas' ratio (full: one more forward) and, with full recomputation, runs each layer's
-forward collectives again in backward.
+the formulas' ratio (full: one more forward, a third more, which repeats the forward's
+memory-bound work and per-operator costs as well as its FLOPs; selective: the attention core's
+FLOPs) and, with full recomputation, runs each layer's forward collectives again in backward.
 The optimizer's update is memory-bound: ``update_s_per_param`` seconds per parameter it updates
 (the local shard under ZeRO), by default 28 bytes (Adam reads parameter, gradient and two
 moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 989 TFLOP/s
@@ -437,7 +438,10 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     fpt = flops_per_token(shape, tp=t, recompute=config.recompute)
     act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
     act = activation_bytes_per_layer(rows, s, h, shape.heads, t, config.sequence_parallel, e) if act_s else 0
-    layer_s = tokens * fpt["layer"] / rate + act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))
+    # full recomputation runs each layer's whole forward again: its memory-bound work and its per-operator
+    # costs as well as its FLOPs (a forward is a third of a layer's forward + backward, as the FLOPs say)
+    again_rest = fpt["layer"] / flops_per_token(shape, tp=t)["layer"] if config.recompute == "full" else 1.0
+    layer_s = tokens * fpt["layer"] / rate + (act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))) * again_rest
     head_s = tokens * fpt["head"] / rate                          # the last stage's
     edges_s = head_s + float(getattr(cluster, "microbatch_overhead_s", 0.0))   # embedding, head, loss
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
