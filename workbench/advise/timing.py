@@ -537,7 +537,9 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         # ratio, timed (the model's first tensor-parallel group alone, the others asleep). The replay runs
         # a stage at full speed alone and at ``alone`` of it with every stage busy: each action's work is
         # its time alone, and the cores ``alone x world``; ``alone`` is never taken under ``1 / p``, what
-        # sharing the cores alone gives (a stage's ranks outnumbering the cores).
+        # sharing the cores alone gives (a stage's ranks outnumbering the cores). With those cores a stage
+        # alone does not fill them, so a message landing then is not held for a time slice (``late``):
+        # its ranks spend most of the stage waiting for each other, their cores free.
         alone = timed.get("alone") if shared and timed is not None else None
         sim_cores, speed = cores, 1.0
         if alone is not None:

@@ -184,8 +184,8 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
 
     # each trial: the configurations in rotating order, then the calibration. What runs right after the
     # calibration's seconds of probes is slower (GPT tiny DDP on 4 ranks: 26.9 ms after it, 22.3-23.6 ms
-    # elsewhere in one launch); in a plain rotation the first configuration always followed it, here a
-    # different one follows it in each trial, so that no median takes it more than once in a few trials
+    # elsewhere in one launch); rotated with the configurations, it had the first one after it in all
+    # trials but one: here a different one follows it in each trial, and no median takes that twice
     candidates = labels + (["calibration"] if calibrate else [])
     samples = {k: [] for k in candidates}
     for t in range(trials):
