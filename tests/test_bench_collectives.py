@@ -71,6 +71,22 @@ def test_interleaved_trials_rotate_the_order():
         _common.interleaved_trials(["a"], 0, lambda name: 0.0)
 
 
+def test_interleaved_trials_run_after_last_so_a_different_candidate_follows_it():
+    """``after`` runs once per trial after the rotating candidates: what follows it (the next
+    trial's first candidate) changes from trial to trial, where rotating it with the others put
+    the same candidate after it in every trial but one."""
+    calls = []
+    samples = _common.interleaved_trials(["a", "b", "c"], 4, lambda name: calls.append(name) or 0.0, after=["cal"])
+    assert calls == ["a", "b", "c", "cal", "b", "c", "a", "cal", "c", "a", "b", "cal", "a", "b", "c", "cal"]
+    followers = [calls[k + 1] for k in range(len(calls) - 1) if calls[k] == "cal"]
+    assert followers == ["b", "c", "a"]
+    assert {k: len(v) for k, v in samples.items()} == {"a": 4, "b": 4, "c": 4, "cal": 4}
+    # the plain rotation with "cal" among the candidates: "a" follows it in every trial but the first
+    calls.clear()
+    _common.interleaved_trials(["a", "b", "c", "cal"], 4, lambda name: calls.append(name) or 0.0)
+    assert [calls[k + 1] for k in range(len(calls) - 1) if calls[k] == "cal"] == ["b", "a", "a", "a"]
+
+
 def test_format_table_aligns_and_marks_missing():
     text = _common.format_table([{"x": 1, "y": 2.5}, {"x": 100, "y": float("nan")}],
                                 [("x", "size", "{:d}"), ("y", "busbw", "{:.2f}")], title="t")

@@ -436,11 +436,12 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     tail = _crowding(cluster, d * t, world) if p > 1 else 1.0
 
     fpt = flops_per_token(shape, tp=t, recompute=config.recompute)
+    fpt_plain = flops_per_token(shape, tp=t)                     # without recomputation
     act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
     act = activation_bytes_per_layer(rows, s, h, shape.heads, t, config.sequence_parallel, e) if act_s else 0
     # full recomputation runs each layer's whole forward again: its memory-bound work and its per-operator
     # costs as well as its FLOPs (a forward is a third of a layer's forward + backward, as the FLOPs say)
-    again_rest = fpt["layer"] / flops_per_token(shape, tp=t)["layer"] if config.recompute == "full" else 1.0
+    again_rest = fpt["layer"] / fpt_plain["layer"] if config.recompute == "full" else 1.0
     layer_s = tokens * fpt["layer"] / rate + (act * act_s + float(getattr(cluster, "layer_overhead_s", 0.0))) * again_rest
     head_s = tokens * fpt["head"] / rate                          # the last stage's
     edges_s = head_s + float(getattr(cluster, "microbatch_overhead_s", 0.0))   # embedding, head, loss
@@ -454,7 +455,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     if timed is not None:
         # timed without recomputation: its compute grows by what recomputation repeats (the formulas'
         # ratio), its collectives by the forward's, which _tp_time adds to backward
-        plain = tokens * flops_per_token(shape, tp=t)["layer"] / rate + act * act_s \
+        plain = tokens * fpt_plain["layer"] / rate + act * act_s \
             + float(getattr(cluster, "layer_overhead_s", 0.0))
         again = layer_s / plain
         layer_c, edges_c = min(plain * crowd, timed["layer"]), min(edges_s * crowd, timed["edges"])

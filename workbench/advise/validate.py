@@ -27,7 +27,7 @@ configuration's prediction beside its measurement:
 
 One launch per setting: every configuration of the setting is built once (same seed, so the
 same model), warmed up, measured for memory, then timed in trials whose order rotates
-(``bench._common.rotated``), the calibration probes last in each trial, so that the configuration
+(``bench._common.interleaved_trials``), the calibration probes last in each trial, so that the configuration
 that follows them (and runs slower for it) changes from trial to trial.
 
 The figures the issue asks for: memory within 3% (model state exactly, activations within 5%),
@@ -186,11 +186,9 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
     # calibration's seconds of probes is slower (GPT tiny DDP on 4 ranks: 26.9 ms after it, 22.3-23.6 ms
     # elsewhere in one launch); rotated with the configurations, it had the first one after it in all
     # trials but one: here a different one follows it in each trial, and no median takes that twice
-    candidates = labels + (["calibration"] if calibrate else [])
-    samples = {k: [] for k in candidates}
-    for t in range(trials):
-        for name in _common.rotated(labels, t) + (["calibration"] if calibrate else []):
-            samples[name].append(float(one(name)))
+    after = ["calibration"] if calibrate else []
+    samples = _common.interleaved_trials(labels, trials, one, after=after) if trials \
+        else {k: [] for k in labels + after}
     loads.append(load_average())
     # every rank's memory, on every rank
     rows_mem = {}

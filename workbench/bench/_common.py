@@ -108,18 +108,21 @@ def rotated(candidates: Sequence[str], trial: int) -> list[str]:
 
 
 def interleaved_trials(candidates: Sequence[str], trials: int,
-                       measure: Callable[[str], float]) -> dict[str, list[float]]:
+                       measure: Callable[[str], float], *, after: Sequence[str] = ()) -> dict[str, list[float]]:
     """Call ``measure(name)`` for every candidate once per trial, in rotating order.
 
+    ``after``: names measured once per trial after the rotating ones, in this order -- work whose
+    aftermath slows what runs next (a calibration's seconds of probes), which then falls on a
+    different candidate in each trial instead of on the same one in most of them.
     Returns ``{name: [one number per trial]}``. Inside a rank, every rank must pass the same
     ``candidates`` and ``trials`` (the order is deterministic, so collectives inside ``measure``
     match up across ranks).
     """
     if trials < 1:
         raise ValueError(f"trials={trials} must be at least 1 (5 or more for a stable median)")
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    samples: dict[str, list[float]] = {name: [] for name in (*candidates, *after)}
     for t in range(trials):
-        for name in rotated(candidates, t):
+        for name in (*rotated(candidates, t), *after):
             samples[name].append(float(measure(name)))
     return samples
 
