@@ -306,3 +306,27 @@ def test_many_launches_in_a_row_never_hang_at_rendezvous():
     for _ in range(100):
         assert workbench.launch(_tiny_all_reduce, 3, timeout=30) == [3.0, 3.0, 3.0]
     assert time.monotonic() - start < 120
+
+
+def test_destroy_process_group_frees_gloo_after_an_optimizer_was_built(tmp_path):
+    """torch's first optimizer imports torch.distributed.nn.functional (through torch._dynamo), whose
+    default arguments capture the default group when a group exists: destroy_process_group could
+    then not free it, and gloo's threads ran into interpreter finalization, where they abort the
+    process now and then. Importing workbench first imports that module while there is no group."""
+    script = textwrap.dedent(f"""
+        import glob, sys
+        import torch, torch.distributed as dist
+        import workbench
+        assert "torch._dynamo" not in sys.modules  # the import it triggers must happen after the group
+        dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
+        model = torch.nn.Linear(4, 4)
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        assert "torch._dynamo" in sys.modules
+        dist.destroy_process_group()
+        names = [open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm")]
+        print("gloo threads left:", sum(n.startswith(("gloo", "pt_gloo")) for n in names))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gloo threads left: 0" in proc.stdout, proc.stdout

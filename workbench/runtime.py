@@ -7,6 +7,15 @@ started by ``torchrun``, or in a plain single process (rank 0 of a world of 1).
 ``report(**fields)`` is the one way a rank talks to the notebook while it runs: each call sends a
 record (a dict with ``rank`` and ``time`` added) to the parent, which draws a progress bar and
 keeps the records on the launch's result for plotting.
+
+Importing this module also imports ``torch.distributed.nn.functional``, before any process group
+exists. That torch module evaluates ``group=group.WORLD`` in its functions' default arguments when
+it is imported, so imported after ``init_process_group`` it keeps the default group alive for good:
+``destroy_process_group`` then cannot free it, and gloo's threads run into interpreter
+finalization, where a thread letting go of a tensor aborts the process at exit (SIGABRT,
+"terminate called without an active exception"), now and then, after a clean run. The first
+``torch.optim`` optimizer of a process imports it (through ``torch._dynamo``), so every training
+script would otherwise hit this.
 """
 from __future__ import annotations
 
@@ -17,6 +26,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401 -- before any group exists: see the docstring
 
 BACKENDS = ("gloo", "nccl")
 
