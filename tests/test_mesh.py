@@ -10,6 +10,10 @@ inside ONE launch, and every rank returns its mismatches as readable strings.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -245,3 +249,31 @@ def test_compare_3d_on_request(tmp_path, capsys):
         assert 0 <= s["optimizer"] - 8 * (s["params"] // 4) // 2 <= 64, s
     assert strategies.get("2d").default and strategies.get("2d").world_size == 4
     assert not strategies.get("3d").default
+
+
+def test_a_mesh_s_groups_are_let_go_with_the_world(tmp_path):
+    """The mesh makes each sub-group once per world; destroy_process_group then frees them (their
+    gloo threads end), and a new world makes its own instead of reusing destroyed ones."""
+    script = textwrap.dedent(f"""
+        import glob
+        import torch.distributed as dist
+        from workbench.parallel.mesh import Mesh
+
+        def gloo_threads():
+            return sum(open(p).read().strip().startswith(("gloo", "pt_gloo"))
+                       for p in glob.glob("/proc/self/task/*/comm"))
+
+        for world in range(2):
+            store = dist.FileStore({str(tmp_path)!r} + f"/store{{world}}", 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            mesh = Mesh(dp=1, tp=1, pp=1)
+            tp = mesh.group("tp")
+            assert dist.get_process_group_ranks(tp) == [0]  # a group of this world, not a destroyed one
+            del mesh, tp
+            dist.destroy_process_group()
+            print("world", world, "gloo threads left:", gloo_threads())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 0 gloo threads left: 0" in proc.stdout and "world 1 gloo threads left: 0" in proc.stdout, proc.stdout

@@ -53,6 +53,7 @@ shards it (see :mod:`workbench.parallel.zero`), plus the replicated norms and po
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -103,17 +104,20 @@ def layout(dp: int = 1, tp: int = 1, pp: int = 1, *, order=DIMS) -> dict[str, An
             "pp": grid.permute(1, 2, 0).reshape(-1, pp).tolist()}    # first axis varies
 
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # made once per set of ranks, shared by meshes
+# the groups made so far, per world (its default group, held weakly): shared by meshes, and let go
+# with the world, so that ``destroy_process_group`` frees them (and a new world makes its own)
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _new_group(ranks: list[int], local: bool) -> dist.ProcessGroup:
     """``torch.distributed.new_group(ranks)``, once per set of ranks. Over the whole world every
     rank creates every group, in the same order (torch's rule); inside a sub-group only the
     members do (``use_local_synchronization``, which names a group by its ranks: hence made once)."""
+    made = _GROUPS.setdefault(dist.group.WORLD, {})
     key = tuple(ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=local) if local else dist.new_group(ranks)
-    return _GROUPS[key]
+    if key not in made:
+        made[key] = dist.new_group(ranks, use_local_synchronization=local) if local else dist.new_group(ranks)
+    return made[key]
 
 
 class Mesh:
