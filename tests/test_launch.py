@@ -330,3 +330,37 @@ def test_destroy_process_group_frees_gloo_after_an_optimizer_was_built(tmp_path)
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gloo threads left: 0" in proc.stdout, proc.stdout
+
+
+def test_leaving_the_group_frees_gloo_after_torch_s_tensor_parallelism_ran(tmp_path):
+    """torch's DTensor caches keyed by a DeviceMesh (its topology, redistribution plans and planners)
+    hold the mesh, and through it the group, for the life of the process: after torch's own tensor
+    parallelism ran (the lessons' reference runs), torch's destroy_process_group left gloo's threads
+    alive into interpreter finalization. workbench's empties those caches first."""
+    script = textwrap.dedent(f"""
+        import glob, sys
+        import torch, torch.distributed as dist
+        from workbench import runtime
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+        parallelize_module(model, mesh, {{"0": ColwiseParallel(), "2": RowwiseParallel()}})
+        model(torch.randn(2, 8)).sum().backward()
+        d = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+        (d @ d).redistribute(mesh, [Replicate()])
+        del model, d, mesh
+        (runtime if sys.argv[1] == "workbench" else dist).destroy_process_group()
+        names = [open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm")]
+        print("gloo threads left:", sum(n.startswith(("gloo", "pt_gloo")) for n in names))
+    """)
+    left = {}
+    for how in ("torch", "workbench"):
+        proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        left[how] = proc.stdout.strip().splitlines()[-1]
+    assert left["workbench"] == "gloo threads left: 0", left
+    assert left["torch"] != "gloo threads left: 0", f"torch no longer keeps its meshes: {left}"

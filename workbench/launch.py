@@ -353,7 +353,7 @@ def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, o
                             f"parent ({e}): return plain Python objects or CPU tensors") from None
         queue.put(("result", rank, payload))
         try:
-            dist.destroy_process_group()
+            runtime.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown after the result is sent is best effort
             pass
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
@@ -716,7 +716,7 @@ def _launch_in_process(fn, world_size, args, kwargs, backend, timeout, topology=
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout + 60))
-            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+            atexit.register(lambda: dist.is_initialized() and runtime.destroy_process_group())
         gloo_threads.demote_loop_threads()
         backend = dist.get_backend()
         local = int(os.environ.get("LOCAL_RANK", 0))

@@ -283,7 +283,7 @@ def _serve(rank, world_size, store_path, backend, requests, control, out_conn, d
         except Exception as e:  # noqa: BLE001 - e.g. a value that cannot be pickled
             requests.send_bytes(pickle.dumps((request_id, "error", _describe(e))))
     try:
-        dist.destroy_process_group()
+        runtime.destroy_process_group()
     except Exception:  # noqa: BLE001 - teardown is best effort
         pass
 
@@ -298,7 +298,7 @@ def _pickle_for_pull(name: str, value) -> bytes:
 
 def _regroup(rank, world_size, store_path, backend, pg_timeout) -> None:
     try:
-        dist.destroy_process_group()
+        runtime.destroy_process_group()
     except Exception:  # noqa: BLE001 - the old group is broken on purpose
         pass
     init_group(rank, world_size, store_path, backend, pg_timeout)

@@ -16,6 +16,13 @@ finalization, where a thread letting go of a tensor aborts the process at exit (
 "terminate called without an active exception"), now and then, after a clean run. The first
 ``torch.optim`` optimizer of a process imports it (through ``torch._dynamo``), so every training
 script would otherwise hit this.
+
+:func:`destroy_process_group` is how a rank leaves its group. torch's DTensor caches what it
+computed for a ``DeviceMesh`` (the mesh's topology, redistribution plans and planners, sharding
+propagation keyed by specs that name the mesh) for the life of the process, and those entries hold
+the mesh and, through it, its groups: a rank that ran torch's tensor parallelism or FSDP (the
+lessons' reference runs) took gloo's threads into finalization the same way. It empties those
+caches first.
 """
 from __future__ import annotations
 
@@ -170,6 +177,49 @@ def rank_device(backend: str, device: str | None, local_rank: int) -> torch.devi
     if device == "cuda":
         return torch.device("cuda", local_rank % gpu_count())
     return torch.device("cpu")
+
+
+def forget_torch_meshes() -> None:
+    """Empty torch's DTensor caches that hold a ``DeviceMesh`` (and so its process groups) for good:
+    ``MeshTopoInfo.build_from_mesh``, ``_gen_transform_infos`` (whose docstring names
+    ``cache_clear``), the redistribution planners', and the sharding propagator's (its tensor
+    metadata's and its op schemas', which name their mesh). Private to torch, so each is looked up and
+    skipped where this torch lacks it; they only cost recomputation if DTensor is used again."""
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:   # DTensor never ran: nothing cached
+        return
+    caches = []
+    utils = sys.modules.get("torch.distributed.tensor._collective_utils")
+    if utils is not None:
+        caches.append(getattr(getattr(utils, "MeshTopoInfo", None), "build_from_mesh", None))
+    plans = sys.modules.get("torch.distributed.tensor._redistribute")
+    if plans is not None:
+        caches.append(getattr(plans, "_gen_transform_infos", None))
+        if callable(getattr(plans, "clear_redistribute_planner_cache", None)):
+            plans.clear_redistribute_planner_cache()   # its planners hold their mesh
+    prop = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    if prop is not None:   # an lru_cache on a method: shared by every propagator, keyed by op schemas
+        caches.append(getattr(getattr(prop, "ShardingPropagator", None), "_propagate_tensor_meta_cached", None))
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
+    except Exception:  # noqa: BLE001 - absent or changed in this torch: the two above are what hold meshes
+        pass
+
+
+def destroy_process_group() -> None:
+    """Leave the default group and free it: torch's caches of meshes emptied first
+    (:func:`forget_torch_meshes`), then ``torch.distributed.destroy_process_group``, then a garbage
+    collection (a module or a mesh in a reference cycle would hold its group until the next one)."""
+    import gc
+
+    forget_torch_meshes()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def limit_threads(threads: int = 1) -> None:
