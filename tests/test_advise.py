@@ -364,6 +364,22 @@ def test_cli_text_json_and_figure(tmp_path, capsys):
     assert doc["model"]["layers"] == 4 and doc["cluster"]["inter"] == "15us@1GB/s"
 
 
+def test_cli_bad_input_is_one_line_naming_the_argument(capsys):
+    """A wrong model, cluster, link or batch: exit status 2 and one line on stderr that names the
+    argument and the way out, as argparse's own errors (no traceback)."""
+    from workbench.cli import main
+
+    for argv, words in ((["--model", "gpt5"], ["ModelShape.preset('gpt5')", "llama-7b"]),
+                        (["--cluster", "h100-16x8"], ["Cluster.preset('h100-16x8')", "dgx-h100"]),
+                        (["--intra", "3us"], ["--intra/--inter", "LATENCY@BANDWIDTH"]),
+                        (["--batch", "0"], ["global_batch=0"]),
+                        (["--model", "tiny", "--heads", "7"], ["heads=7", "pick heads dividing"])):
+        assert main(["advise", *argv]) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith("workbench advise: error: "), captured
+        assert captured.err.count("\n") == 1 and all(w in captured.err for w in words), captured.err
+
+
 def test_cli_delegates_calibrate_and_validate(monkeypatch, capsys):
     calls = {}
     fake_cal = types.ModuleType("workbench.advise.calibrate")

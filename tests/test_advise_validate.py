@@ -682,14 +682,20 @@ def test_calibration_gives_a_cluster_the_timing_uses():
         Calibration("tiny", (2, 2))
 
 
-def test_validate_select_refuses_bad_setting_numbers():
+def test_validate_select_refuses_bad_setting_numbers(capsys):
+    """Out-of-range options: one line naming the option and exit status 2, before anything runs."""
     import argparse
 
     from workbench.advise import validate
 
     for bad in ("0", "x", f"1,{len(validate.SETTINGS) + 1}"):
         with pytest.raises(ValueError, match="--validate-select"):
-            validate.main(argparse.Namespace(validate_select=bad, validate_trials=1, validate_steps=1))
+            validate._chosen(argparse.Namespace(validate_select=bad, validate_trials=1, validate_steps=1))
+        assert validate.main(argparse.Namespace(validate_select=bad, validate_trials=1, validate_steps=1)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("workbench advise --validate: error: --validate-select=") and err.count("\n") == 1
+    assert validate.main(argparse.Namespace(validate_settings=0)) == 2
+    assert "--validate-settings=0 must be between 1 and" in capsys.readouterr().err
 
 
 def test_data_parallel_pays_the_drift_price_once_per_wait_after_compute():

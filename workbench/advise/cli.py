@@ -171,8 +171,12 @@ def main(args: argparse.Namespace) -> int:
         validate.add_arguments(vparser)
         vparser.set_defaults(**vars(args))      # options given before --validate, then those after it
         return int(validate.main(vparser.parse_args(args.validate)) or 0)
-    shape, cluster = build(args)
-    plans = advise(shape, cluster, args.batch, **_space(args))
+    try:   # bad input: one line naming the argument, as argparse's own errors, not a traceback
+        shape, cluster = build(args)
+        plans = advise(shape, cluster, args.batch, **_space(args))
+    except ValueError as e:
+        print(f"workbench advise: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         doc = json.dumps(as_json(shape, cluster, args.batch, plans), indent=1)
         if args.json == "-":

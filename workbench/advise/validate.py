@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -521,8 +522,9 @@ def _save_json(path: str | None, rows: list[dict], s: dict) -> None:
         print(f"wrote {path}")
 
 
-def main(args: argparse.Namespace) -> int:
-    """``workbench advise --validate``: run, print, and return 0 if the issue's figures are met."""
+def _chosen(args: argparse.Namespace) -> tuple[tuple, int, int]:
+    """The settings, trials and steps the ``--validate-*`` options ask for; ValueError naming the
+    option where one is out of range."""
     n = getattr(args, "validate_settings", None)
     trials = getattr(args, "validate_trials", 5)
     steps = getattr(args, "validate_steps", 2)
@@ -542,6 +544,17 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--validate-select={select!r}: give setting numbers between 1 and {len(SETTINGS)} "
                              "separated by commas, e.g. 3,4")
         settings = tuple(SETTINGS[k - 1] for k in picked)
+    return settings, trials, steps
+
+
+def main(args: argparse.Namespace) -> int:
+    """``workbench advise --validate``: run, print, and return 0 if the issue's figures are met (2 for
+    an option out of range, with one line naming it)."""
+    try:
+        settings, trials, steps = _chosen(args)
+    except ValueError as e:
+        print(f"workbench advise --validate: error: {e}", file=sys.stderr)
+        return 2
     start = time.time()
     if getattr(args, "validate_memory", False):
         rows = validate_memory(settings)
