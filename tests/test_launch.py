@@ -345,6 +345,7 @@ def test_leaving_the_group_frees_gloo_after_torch_s_tensor_parallelism_ran(tmp_p
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         dist.init_process_group("gloo", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0, world_size=1)
+        assert runtime.forget_torch_meshes() is False  # DTensor imported, no mesh yet: no collection to pay
         mesh = init_device_mesh("cpu", (1,))
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
         parallelize_module(model, mesh, {{"0": ColwiseParallel(), "2": RowwiseParallel()}})

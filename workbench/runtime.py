@@ -179,23 +179,27 @@ def rank_device(backend: str, device: str | None, local_rank: int) -> torch.devi
     return torch.device("cpu")
 
 
-def forget_torch_meshes() -> None:
+def forget_torch_meshes() -> bool:
     """Empty torch's DTensor caches that hold a ``DeviceMesh`` (and so its process groups) for good:
     ``MeshTopoInfo.build_from_mesh``, ``_gen_transform_infos`` (whose docstring names
     ``cache_clear``), the redistribution planners', and the sharding propagator's (its tensor
     metadata's and its op schemas', which name their mesh). Private to torch, so each is looked up and
-    skipped where this torch lacks it; they only cost recomputation if DTensor is used again."""
+    skipped where this torch lacks it; they only cost recomputation if DTensor is used again.
+    Returns whether any of them held something (DTensor is imported by training code that never
+    makes a mesh, through ``torch._dynamo``: then they are empty)."""
     import sys
 
-    if "torch.distributed.tensor" not in sys.modules:   # DTensor never ran: nothing cached
-        return
+    if "torch.distributed.tensor" not in sys.modules:   # DTensor never imported: nothing cached
+        return False
     caches = []
     utils = sys.modules.get("torch.distributed.tensor._collective_utils")
     if utils is not None:
         caches.append(getattr(getattr(utils, "MeshTopoInfo", None), "build_from_mesh", None))
+    held = 0
     plans = sys.modules.get("torch.distributed.tensor._redistribute")
     if plans is not None:
         caches.append(getattr(plans, "_gen_transform_infos", None))
+        held += len(getattr(plans, "_planner_cache", ()))
         if callable(getattr(plans, "clear_redistribute_planner_cache", None)):
             plans.clear_redistribute_planner_cache()   # its planners hold their mesh
     prop = sys.modules.get("torch.distributed.tensor._sharding_prop")
@@ -203,23 +207,28 @@ def forget_torch_meshes() -> None:
         caches.append(getattr(getattr(prop, "ShardingPropagator", None), "_propagate_tensor_meta_cached", None))
     for cache in caches:
         if hasattr(cache, "cache_clear"):
+            held += cache.cache_info().currsize if hasattr(cache, "cache_info") else 1
             cache.cache_clear()
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
         _clear_sharding_prop_cache()
-    except Exception:  # noqa: BLE001 - absent or changed in this torch: the two above are what hold meshes
+    except Exception:  # noqa: BLE001 - absent or changed in this torch: the ones above are what hold meshes
         pass
+    return held > 0
 
 
 def destroy_process_group() -> None:
     """Leave the default group and free it: torch's caches of meshes emptied first
-    (:func:`forget_torch_meshes`), then ``torch.distributed.destroy_process_group``, then a garbage
-    collection (a module or a mesh in a reference cycle would hold its group until the next one)."""
+    (:func:`forget_torch_meshes`), then ``torch.distributed.destroy_process_group``; where those
+    caches held something, a garbage collection too (the meshes sit in reference cycles, which would
+    hold their groups until the next one; about 0.3 s in a rank that imported torch, so not paid where
+    no mesh was made)."""
     import gc
 
-    forget_torch_meshes()
+    meshes = forget_torch_meshes()
     dist.destroy_process_group()
-    gc.collect()
+    if meshes:
+        gc.collect()
 
 
 def limit_threads(threads: int = 1) -> None:
