@@ -26,7 +26,9 @@ caches first.
 """
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -187,8 +189,6 @@ def forget_torch_meshes() -> bool:
     skipped where this torch lacks it; they only cost recomputation if DTensor is used again.
     Returns whether any of them held something (DTensor is imported by training code that never
     makes a mesh, through ``torch._dynamo``: then they are empty)."""
-    import sys
-
     if "torch.distributed.tensor" not in sys.modules:   # DTensor never imported: nothing cached
         return False
     caches = []
@@ -223,8 +223,6 @@ def destroy_process_group() -> None:
     caches held something, a garbage collection too (the meshes sit in reference cycles, which would
     hold their groups until the next one; about 0.3 s in a rank that imported torch, so not paid where
     no mesh was made)."""
-    import gc
-
     meshes = forget_torch_meshes()
     dist.destroy_process_group()
     if meshes:
