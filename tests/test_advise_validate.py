@@ -656,6 +656,7 @@ def test_calibration_gives_a_cluster_the_timing_uses():
                 "layer_r1_sync_pair", "layer_r1_before_sync_pair", "train_r1", "model_before_train_r1", "exchange:64",
                 "one_way:4096", "message_cpu:65536", "message_cpu:1048576", "gather_cpu", "reduce_scatter_cpu",
                 "split_r1", "split_w_share_r1", "tp1_rows1_all", "tp1_rows2_all", "tp1_rows2_none",
+                "pipeline_action_cpu",
                 "tp2_rows2_all", "tp2_rows2_all_alone"):
         assert result[key] > 0, key
     assert result["time_slice"] >= 0   # 0 where no rank was ever taken off its core
@@ -664,6 +665,9 @@ def test_calibration_gives_a_cluster_the_timing_uses():
     assert cl.time_slice_s == result["time_slice"]
     assert cl.fp32_flops > 0 and cl.flops > 0 and cl.update_s_per_param > 0
     assert 0 < cl.split_w_share < 1
+    # a pipeline action's own CPU: what the probe saw less the action's message end
+    end = timing.message_cpu(cl, 1 * 64 * 64 * 4)
+    assert cl.pipeline_action_s == pytest.approx(max(0.0, result["pipeline_action_cpu"] - end))
     assert set(cl.sync_by_size) == {2, 4}   # pairs and every rank
     assert [n for n, _ in cl.message_cpu] == [65536, 1048576] and all(c > 0 for _, c in cl.message_cpu)
     assert set(cl.collective_cpu) == {"all_gather", "reduce_scatter"} and min(cl.collective_cpu.values()) > 0
@@ -797,6 +801,48 @@ def test_a_pipeline_message_costs_its_ends_cpu_where_ranks_share_cores():
         free = [timing.step_time(shape, _cluster(message_cpu=mc, **machine), config, 16)
                 for mc in (None, ((1 << 10, end),))]
         assert free[0] == free[1]
+
+
+def test_every_pipeline_action_costs_the_schedules_own_cpu_where_ranks_share_cores():
+    """``pipeline_action_s`` is work of every compute action (F, B, W), shared like compute and
+    reported under ``pp``: the busiest rank's 2 m actions (3 m with ZB-H1's W) come back at least
+    once; the step grows by at most the critical path's ``m + p - 1`` micro-batches of actions,
+    ``world / cores`` times over; devices of their own pay nothing."""
+    shape = ModelShape.preset("tiny")
+    loop = 3e-4
+    machine = dict(nodes=1, per_node=4, overlap=0.0, flops=20e9)
+    for config, per_mb in ((Config(dp=2, pp=2, microbatches=4), 2), (Config(pp=4, microbatches=4), 2),
+                           (Config(dp=2, pp=2, schedule="zb-h1", microbatches=4), 3)):
+        plain = timing.step_time(shape, _cluster(cores=2.0, **machine), config, 16)
+        charged = timing.step_time(shape, _cluster(cores=2.0, pipeline_action_s=loop, **machine), config, 16)
+        actions = per_mb * config.microbatches
+        assert loop * actions <= charged["pp"] - plain["pp"] + 1e-12, config
+        path = per_mb * (config.microbatches + config.pp - 1)
+        assert charged["total"] - plain["total"] <= loop * path * config.devices / 2.0 + 1e-9, config
+        assert charged["total"] > plain["total"]
+        free = [timing.step_time(shape, _cluster(pipeline_action_s=x, **machine), config, 16) for x in (0.0, loop)]
+        assert free[0] == free[1]
+    dp = Config(dp=4)   # no pipeline: no schedule
+    assert timing.step_time(shape, _cluster(cores=2.0, pipeline_action_s=loop, **machine), dp, 16) == \
+        timing.step_time(shape, _cluster(cores=2.0, **machine), dp, 16)
+
+
+def test_a_pipelines_line_up_pays_the_drift_after_the_optimizer_not_after_a_stage():
+    """The line-up and the timeline's gather are priced at ``sync_by_size`` after the optimizer's
+    step (a short compute), not after a stage's whole pass: with a price that grows with the compute
+    before it, a slower optimizer makes them dearer, and no compute before them costs the least."""
+    shape = ModelShape.preset("tiny")
+    by = {2: [(1e-4, 1e-4), (1e-2, 1e-2)], 4: [(1e-4, 1e-4), (1e-2, 1e-2)]}
+    machine = dict(nodes=1, per_node=4, overlap=0.0, flops=20e9, sync_by_size=by)
+    config = Config(pp=4, microbatches=4)
+    costs = [timing.step_time(shape, _cluster(cores=2.0, update_s_per_param=u, **machine), config, 16)
+             for u in (0.0, 1e-9, 1e-8)]
+    optimizer = [c["compute"] - costs[0]["compute"] for c in costs]
+    assert 0 < optimizer[1] < optimizer[2]
+    for c, o in zip(costs[1:], optimizer[1:]):   # 2 syncs, each after the optimizer's o seconds
+        assert c["pp"] - costs[0]["pp"] == pytest.approx(2 * (timing._sync(_cluster(**machine), 4, o)
+                                                              - timing._sync(_cluster(**machine), 4, 0.0)))
+    assert 2 * timing._sync(_cluster(**machine), 4, optimizer[2]) < 2 * timing._sync(_cluster(**machine), 4)
 
 
 def test_zero3_traffic_is_bounded_below_by_its_collectives_cpu_on_shared_cores():

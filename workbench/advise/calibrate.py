@@ -74,6 +74,15 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           ``tiny`` 0.20-0.29 and ``small`` 0.43-0.45, where the FLOPs' share
                           (``weights / forward`` per layer) is 0.46 and 0.48: B keeps the attention
                           core's backward, the elementwise work and most of the walk.
+``pipeline_action_s``     each pair of ranks runs the block as a 2-stage 1F1B pipeline
+                          (:mod:`workbench.parallel.pipeline`, ``PIPELINE_PROBE_MICROBATCHES``
+                          micro-batches of ``r1`` rows) and, in turns, the same forwards and backwards
+                          directly: the thread CPU the pipeline spends beyond them, per action, less
+                          the action's message end (``message_cpu``, charged apart) -- the schedule's
+                          own loop (posting, bookkeeping, its timeline, the line-up) and the actions
+                          run slower between messages than back to back. Here, with its message:
+                          GPT ``tiny`` 0.25-0.33 ms per action, ``small`` 0.40-0.56 (against a
+                          message end's 0.11-0.20).
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -130,7 +139,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import torch
@@ -147,6 +156,8 @@ PROBE_SIZES = tuple(16 << (2 * k) for k in range(11))   # 16 B .. 16 MiB
 MESSAGE_CPU_SIZES = (64 << 10, 1 << 20)
 MESSAGE_CPU_CALLS = 8   # block + exchange pairs per size and call of once()
 COLLECTIVE_CPU_CALLS = 4   # block + collective pairs per kind and call of once()
+PIPELINE_PROBE_MICROBATCHES = 4   # the pipeline probe's micro-batches per step (2 stages, 1F1B)
+PIPELINE_CPU_CALLS = 4     # pipeline steps, each beside the same work run directly, per call of once()
 SLICE_SPIN_S = 0.3         # seconds every rank spins to see the scheduler's time slice, per call of once()
 SLICE_GAP_S = 2e-4         # a gap between two clock readings longer than this: the rank was off its core
 
@@ -169,6 +180,8 @@ class CalibratedCluster(Cluster):
     layer_overhead_s: float = 0.0
     split_overhead_s: float = 0.0              # per layer and micro-batch: a zero-bubble B/W split's graph walk
     split_w_share: float | None = None         # W's share of a split backward (None: the FLOPs')
+    pipeline_action_s: float = 0.0             # per pipeline action: the schedule's own CPU beyond the
+                                               # stage's work and the action's message end
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     update_s_per_param: float | None = None
@@ -261,6 +274,19 @@ class Calibration:
             pair = dist.new_group([2 * k, 2 * k + 1])
             if self.rank // 2 == k:
                 self.pair = pair
+        # the block as a 2-stage pipeline over the pair (stage = the rank's place in it), for
+        # _pipeline_action_cpu: the first stage fed a batch that needs no gradient, the last a loss
+        self.pipe = None
+        if self.pair is not None:
+            from workbench.parallel.pipeline import PipelineStage, Schedule1F1B
+
+            m, me = PIPELINE_PROBE_MICROBATCHES, dist.get_rank(self.pair)
+            self.pipe = Schedule1F1B(PipelineStage(self.block, me, 2, group=self.pair), m,
+                                     loss_fn=lambda out, target: out.pow(2).mean())
+            x = self.inputs[r1].detach()
+            self.pipe_batch = torch.cat([x] * m)
+            self.pipe_first = me == 0
+            self.pipe_input = x if me == 0 else self.inputs[r1]   # the last stage's input needs a gradient
         # the model split by tensor parallelism over groups of t adjacent ranks (the mesh's tp groups),
         # with all its layers and with none: per (t, sp), built once and timed at each row count
         self.tp_models: dict[tuple[int, bool], tuple] = {}
@@ -357,6 +383,43 @@ class Calibration:
         t = torch.tensor([spent / (2 * MESSAGE_CPU_CALLS)], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t[0]) / self.world
+
+    def _pipeline_step(self) -> None:
+        if self.pipe_first:
+            self.pipe.step(self.pipe_batch)
+        else:
+            self.pipe.step(target=self.pipe_batch)
+
+    def _pipeline_direct(self) -> None:
+        """The pipeline step's forwards and backwards, run back to back with no schedule around them."""
+        for _ in range(PIPELINE_PROBE_MICROBATCHES):
+            out = self.block(self.pipe_input)
+            if self.pipe_first:
+                out.backward(torch.ones_like(out))
+            else:
+                (out.pow(2).mean() / PIPELINE_PROBE_MICROBATCHES).backward()
+
+    def _pipeline_action_cpu(self) -> float:
+        """CPU seconds of this thread per action that a 2-stage 1F1B pipeline step of the block
+        spends beyond its stage's forwards and backwards run directly (timed in turns), its
+        message end included; the pair's two ranks each hold a stage. The mean over the ranks
+        that have a pair (a rank without one runs the direct loop, to keep the cores as busy)."""
+        import torch.distributed as dist
+
+        spent = torch.zeros(2, dtype=torch.float64)
+        dist.barrier()
+        for _ in range(PIPELINE_CPU_CALLS):
+            if self.pipe is not None:
+                start = time.thread_time()
+                self._pipeline_step()
+                middle = time.thread_time()
+                self._pipeline_direct()
+                spent[0] += (middle - start) - (time.thread_time() - middle)
+                spent[1] += 1
+            else:
+                self._layer(self.rows[0])
+        dist.all_reduce(spent)
+        return float(spent[0] / max(1.0, float(spent[1]))) / (2 * PIPELINE_PROBE_MICROBATCHES)
 
     def _collective_cpu(self, rows: int) -> tuple[float, float]:
         """CPU seconds of this process (every thread: the rank's own, gloo's, the communication
@@ -536,6 +599,7 @@ class Calibration:
             self._add(f"message_cpu:{n}", self._message_cpu(n, r1))
         self._add("time_slice", self._time_slice())
         gather, scatter = self._collective_cpu(r2)
+        self._add("pipeline_action_cpu", self._pipeline_action_cpu())
         self._add("gather_cpu", gather)
         self._add("reduce_scatter_cpu", scatter)
         a, b, c = self._time_paired(layer2, self._gather_alone, lambda: self._gather_beside(r2), key="prefetch",
@@ -629,7 +693,7 @@ def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) ->
 def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_size: int,
                  topology: Topology | None = None, *, load: float = float("nan")) -> CalibratedCluster:
     """The :class:`CalibratedCluster` the probes' medians (``Calibration.result()``) describe."""
-    from workbench.advise.timing import flops_per_token
+    from workbench.advise.timing import flops_per_token, message_cpu
     from workbench.comm import cost
     from workbench.parallel.tensor import activation_bytes_per_layer
 
@@ -684,7 +748,7 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     inter = (links.inter if links is not None and links.inter is not None else own)
     memory = _memory_bytes() / world_size
     prefetch = _prefetch_overlap(result, c, world_size, machine, topology if links is not None else None, sync)
-    return CalibratedCluster(
+    cluster = CalibratedCluster(
         nodes=max(1, world_size // rpn), devices_per_node=rpn, memory_bytes=memory, flops=flops16, fp32_flops=flops,
         intra=intra, inter=inter, name="this machine" + (f" ({topology})" if links is not None else ""),
         source=f"calibrated: {world_size} ranks, load average {load:.2f}",
@@ -699,6 +763,10 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
         overlap=0.0, prefetch_overlap=prefetch,
         machine=machine, links=links,
         load=load, measured=dict(result))
+    if "pipeline_action_cpu" in result:   # less the action's message end, which the timing charges apart
+        end = message_cpu(cluster, r1 * s * h * 4)   # the probe's messages: r1 rows of float32 activations
+        cluster = replace(cluster, pipeline_action_s=max(0.0, result["pipeline_action_cpu"] - end))
+    return cluster
 
 
 def _prefetch_overlap(result: dict, config, world_size: int, machine, topology, sync) -> float:

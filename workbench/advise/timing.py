@@ -89,13 +89,20 @@ by it (``cost._ring_on_links``).
   message's time on the link boundary ``k`` crosses; plus the tied
   embedding's gradient exchanged between the first and the last stage, the loss broadcast, and
   the three small collectives :mod:`workbench.parallel.pipeline` runs per step (it lines the
-  ranks up before the step and gathers the measured timeline after it). A message costs its
+  ranks up before the step and gathers the measured timeline after it; the line-up and the
+  gather each pay ``sync_by_size`` after the optimizer's step, a short compute: before the
+  gather the ranks finish the schedule one after another and wait idle, which frees the cores
+  for the last, a wait the replay's span already holds). A message costs its
   link's time only, not the price of a collective after compute (``sync_by_size`` below): its
   receiver waits idle, its core given to the ranks that compute. Where the ranks share cores (a
   calibrated CPU cluster), each message's two ends also cost their ranks CPU (``message_cpu``:
   posting, a sleeping thread woken, copying; 0.13-0.34 ms per end here, at 64 KiB to 1 MiB): the
   replay charges it to the action that receives its input or sends its output (F: the
-  activations, B: the gradients), as work sharing the cores, and reports it under ``pp``. On a
+  activations, B: the gradients), as work sharing the cores, and reports it under ``pp``; and
+  every action costs the schedule's own loop CPU beyond its work and its message
+  (``pipeline_action_s``: posting, bookkeeping, the timeline; calibrated as a 2-stage pipeline
+  of a block against the same forwards and backwards run directly: GPT ``tiny`` here 0.17-0.22
+  ms, ``small`` 0.14-0.32), charged and reported the same way. On a
   calibrated cluster whose links are all this machine's own, a message that lands while every
   core computes waits half the scheduler's time slice more (``time_slice_s``: 4 ms here, so 2 ms):
   its rank, and gloo's network thread that reads it, get a core when a running rank's slice ends
@@ -500,6 +507,14 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         per_rank[owner]["tp"] += per_stage[k]["tp_f"] + per_stage[k]["tp_b"]
     slowest = max(per_rank, key=lambda r: r["compute"] * crowd + r["tp"])
 
+    # -- the optimizer: its update of this rank's parameters (its shard under ZeRO), every rank at once
+    psi_rank = _parameters_on_rank(shape, t, p)
+    updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
+    update_s = getattr(cluster, "update_s_per_param", None)
+    if update_s is None:
+        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
+    optimizer_s = (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) * crowd
+
     # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
     hops, pp_extra = [0.0], 0.0
     msg_bytes = rows * s * h * e / (t if config.sequence_parallel else 1)   # an activation or its gradient
@@ -520,8 +535,11 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
                                                              topology=topo["pp"])
         # the price of ranks drifted apart is paid by a collective that follows compute: the line-up
         # (after the previous step's optimizer) and the timeline's gather (after the schedule); the
-        # loss broadcast and the other gather follow those back to back and find the ranks lined up
-        pp_extra += 2 * _sync(cluster, p)
+        # loss broadcast and the other gather follow those back to back and find the ranks lined up.
+        # Both at the price after the optimizer's step, a short compute: before the gather the ranks
+        # finish the schedule one after another, idle as they wait, which frees the cores for the
+        # last (the replay's span holds that wait), not all at once as after a stage's whole pass
+        pp_extra += 2 * _sync(cluster, p, optimizer_s)
     critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
 
     if p > 1 and (cores or trace is not None):
@@ -551,6 +569,9 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
         # F receives its input and sends its output, B (or the full backward) the gradients the other way
         end_cpu = message_cpu(cluster, msg_bytes)
+        # and every action costs the schedule's own loop some CPU beyond its work and its message
+        # (calibrated: a 2-stage pipeline against the same work run directly), also shared like compute
+        loop = float(getattr(cluster, "pipeline_action_s", 0.0) or 0.0)
         # a split backward: W's share of it (calibrated: each phase timed; else the FLOPs': W computes
         # the weight-gradient products, B the input gradients and the attention core's backward)
         w_share = getattr(cluster, "split_w_share", None)
@@ -565,10 +586,11 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             w = w_share * back if k > 0 else back
             tf, tb = (st["tp_f"] / crowd, st["tp_b"] / crowd) if shared else (0.0, 0.0)
             ends = sum(1 for j in (k - 1, k + 1) if 0 <= j < num_stages and owner[j] != owner[k]) * end_cpu
-            msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends
-            msg_work[("W", k)] = 0.0
+            msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends + loop
+            msg_work[("W", k)] = loop
             work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = \
-                (f + tf) * speed + ends, (back + tb) * speed + ends, (back - w + tb) * speed + ends, w * speed
+                (f + tf) * speed + ends + loop, (back + tb) * speed + ends + loop, \
+                (back - w + tb) * speed + ends + loop, w * speed + loop
             cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
             comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
             tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
@@ -605,13 +627,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             bubble = (compute + tp_total) * f / (1 - f)
     pp_total += pp_extra
 
-    # -- the optimizer: its update of this rank's parameters (its shard under ZeRO), every rank at once
-    psi_rank = _parameters_on_rank(shape, t, p)
-    updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
-    update_s = getattr(cluster, "update_s_per_param", None)
-    if update_s is None:
-        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
-    compute += (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) * crowd
+    compute += optimizer_s   # the optimizer's update
 
     # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
     dp_total = 0.0
