@@ -289,26 +289,27 @@ if rows:
 # ## 7. Where a prediction misses: the replay beside the run
 #
 # A pipeline's predicted time comes from replaying its schedule: each stage's forwards and
-# backwards at the speed the calibration timed, the machine's cores shared among the ranks
-# computing at each moment, each message taking its link's time (and half a time slice more if
-# it lands while every core computes). The run records when each of those actions really ran
-# (`schedule.timeline`), so the two can be drawn on one time axis (`validate.timeline_figure`):
+# backwards at the speed the calibration timed, plus the CPU the schedule's own loop and each
+# message's two ends cost around them (also measured by the calibration), the machine's cores
+# shared among the ranks computing at each moment, each message taking its link's time (and half
+# a time slice more if it lands while every core computes). The run records when each of those
+# actions really ran (`schedule.timeline`), so the two can be drawn on one time axis
+# (`validate.timeline_figure`):
 # here DDP + 2 stages of GPT `tiny` on one node, 4 ranks (each stage two data-parallel replicas)
 # on this machine's 2 cores; the figure shows the first replica's pipeline, the other one runs
 # beside it on the same cores. The numbers under the figure split the
 # schedule's difference into the actions' own time (summed over the pipeline's ranks) and the
-# time the ranks spent between actions. In the run stored here the forwards and backwards took
-# about what the replay gave them, and the ranks spent longer between them: the first stage
-# starts its last backward well after the second stage sent it the gradient, while neither of
-# this pipeline's ranks computes. On one node a message reaches a waiting rank only once a core
-# is free, because gloo's network thread, which reads it out of its socket, yields to every
-# computing thread (`workbench/gloo_threads.py`: left alone, it spins and stalls every message
-# for a time slice); the other replica's ranks, which the figure does not draw, run the same
-# schedule on the same two cores. The replay charges half the scheduler's time slice (measured by
-# the calibration) to a message that lands while every core computes, but it runs the two
-# replicas in step, where the run lets them drift apart and take turns. This is one of the reasons,
-# measured in the README's "What is known", why GPT `tiny`'s pipelines on one node come out
-# slower than predicted.
+# time the ranks spent between actions. The run records an action from its start to its end only,
+# so the loop's and the messages' CPU fall between its actions, where the replay counts them in
+# the actions: in the run stored here the measured forwards and backwards took less time than the
+# replayed ones, and the ranks spent longer between them. On one node a message reaches a waiting
+# rank only once a core is free, because gloo's network thread, which reads it out of its socket,
+# yields to every computing thread (`workbench/gloo_threads.py`: left alone, it spins and stalls
+# every message for a time slice); the other replica's ranks, which the figure does not draw, run
+# the same schedule on the same two cores. The replay charges half the scheduler's time slice
+# (measured by the calibration) to a message that lands while every core computes, but it runs the
+# two replicas in step, where the run lets them drift apart and take turns. The README's "What is
+# known" measures where GPT `tiny`'s pipelines on one node still differ from their replay.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
