@@ -81,8 +81,8 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           the action's message end (``message_cpu``, charged apart) -- the schedule's
                           own loop (posting, bookkeeping, its timeline, the line-up) and the actions
                           run slower between messages than back to back. Here, with its message:
-                          GPT ``tiny`` 0.25-0.33 ms per action, ``small`` 0.40-0.56 (against a
-                          message end's 0.11-0.20).
+                          GPT ``tiny`` 0.25-0.33 ms per action, ``small`` 0.40-0.56 (run 12's
+                          settings); without it 0.17-0.22 and 0.14-0.32.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
