@@ -30,7 +30,7 @@ demo: install
 	$(BIN)/workbench compare
 
 test: install
-	$(BIN)/python -m pytest -q --nbval tests notebooks
+	$(BIN)/python -m pytest -q --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg tests notebooks
 
 lab: install
 	$(BIN)/jupyter lab notebooks

@@ -111,7 +111,8 @@ def parity(meshes, steps=3):
     return rows
 
 
-# NBVAL_IGNORE_OUTPUT (differences of order 1e-8 may change from run to run; the check cell asserts them)
+# The differences are rounding-level and vary with the CPU: nbval's sanitizer hides them, the check cell
+# asserts their bound, and the meshes and ZeRO stages are compared.
 parity_rows = workbench.launch(parity, world_size=WORLD, args=(MESHES,), timeout=180)[0]
 show.table(parity_rows, formats={"max loss diff": ".1e", "max param diff": ".1e"})
 
