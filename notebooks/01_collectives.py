@@ -174,7 +174,7 @@ plt.show()
 # NBVAL_IGNORE_OUTPUT
 SWEEP = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 SIZES = [1 << k for k in range(10, 23, 2)]  # 1 KiB .. 4 MiB
-TRIALS = 3
+TRIALS = 1 if workbench.smoke_test() else 3  # the test suite's quick run takes one trial
 
 
 def measure_two_ranks():
@@ -274,7 +274,7 @@ show.markdown("\n".join(lines))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-structure = workbench.launch(bench.gloo_structure, args=(FAULT_SIZE,), kwargs={"calls": 20, "trials": 9}, world_size=2)[0]
+structure = workbench.launch(bench.gloo_structure, args=(FAULT_SIZE,), kwargs={"calls": 20, "trials": TRIALS if TRIALS == 1 else 9}, world_size=2)[0]
 show.table([{"collective": r["collective"], "variant": r["variant"], "time / call (ms)": r["time_s"] * 1e3,
              "sent / call (KiB)": r["sent_bytes"] / 1024 if r["sent_bytes"] is not None else None,
              "faults / call": r["faults_per_call"]} for r in structure],

@@ -110,6 +110,8 @@ print(f"DDP (2 processes) matches the big-batch gradient:       {ddp_diff < 1e-6
 MODELS = {"compute-bound": (lambda: MLP(width=512, depth=4), 128, 512),  # (model, batch per replica, width)
           "Python-bound": (lambda: MLP(width=8, depth=64), 32, 8)}
 ROUNDS = 3  # interleaved rounds: every design is timed once per round, and each round is its own baseline
+if workbench.smoke_test():  # the test suite's quick run: one round (no timing claim is asserted then)
+    ROUNDS = 1
 
 
 def seconds_per_step(step, steps=5, repeats=3):
@@ -370,7 +372,7 @@ assert memory["DDP rank 0"] == memory["DDP rank 1"], memory
 # Under torchrun every process runs its own DataParallel threads at the same time as the other's,
 # and every launch has torchrun's 2 ranks: a different experiment, so the timing claims are not
 # asserted there.
-if "TORCHELASTIC_RUN_ID" not in os.environ:
+if "TORCHELASTIC_RUN_ID" not in os.environ and not workbench.smoke_test():
     assert speedup[("DDP", "Python-bound")] >= 1.2 * speedup[("DataParallel", "Python-bound")], speedup
     assert speedup[("DataParallel", "Python-bound")] < 1.5, speedup
     assert one_rank["Python-bound"]["DDP x1"] > one_rank["Python-bound"]["plain (in a rank)"], one_rank

@@ -52,6 +52,8 @@ from workbench.parallel import DistributedDataParallel, ddp_steps
 from workbench.parallel.buckets import FIRST_BUCKET_BYTES
 
 WORLD = 2
+SMOKE = workbench.smoke_test()  # the test suite's quick run: one short trial, no timing claim asserted
+QUICK = {"trials": 1, "steps": 1} if SMOKE else {}
 MIB = 2 ** 20
 
 
@@ -129,7 +131,7 @@ def time_steps(trials=7, steps=3, cap=5):
     return {"ms": {n: [1e3 * s for s in samples[n]] for n in STEP_NAMES}, "messages": messages}
 
 
-step_times = workbench.launch(time_steps, world_size=WORLD, timeout=300)[0]
+step_times = workbench.launch(time_steps, world_size=WORLD, kwargs=QUICK, timeout=300)[0]
 med = {n: _common.median(v) for n, v in step_times["ms"].items()}
 fig, ax = plt.subplots(figsize=(9, 3.8), layout="constrained")
 ax.bar(range(len(STEP_NAMES)), [med[n] for n in STEP_NAMES], color=["0.7"] + [f"C{i}" for i in range(5)])
@@ -224,7 +226,8 @@ def timeline_run(overlap=True, steps=6):
                      "hidden": ddp.hidden_communication_fraction(), "exposed": exposed})
 
 
-runs = {overlap: workbench.launch(timeline_run, world_size=WORLD, kwargs={"overlap": overlap}, timeout=120)[0]
+runs = {overlap: workbench.launch(timeline_run, world_size=WORLD, kwargs={"overlap": overlap, **({"steps": 2} if SMOKE else {})},
+                                  timeout=120)[0]
         for overlap in (True, False)}
 exposed_ms = {overlap: 1e3 * _common.median([max(per_step) for per_step in zip(*(r["exposed"] for r in runs[overlap]))])
               for overlap in runs}
@@ -304,7 +307,7 @@ def on_the_network(trials=9, steps=2):
                      "bucket_bytes": [b.nbytes for b in ddps["overlap=True"].buckets]})
 
 
-net = workbench.launch(on_the_network, world_size=WORLD, timeout=300)[0]
+net = workbench.launch(on_the_network, world_size=WORLD, kwargs=QUICK, timeout=300)[0]
 net_med = {n: _common.median(v) for n, v in net[0]["ms"].items()}
 link_ms = 1e3 * sum(2 * (WORLD - 1) * LINK.latency_s + 2 * (WORLD - 1) / WORLD * n / LINK.bandwidth_Bps
                     for n in net[0]["bucket_bytes"])
@@ -380,7 +383,7 @@ def sweep(trials=7, steps=3):
     return everyone({"ms": {n: [1e3 * s for s in samples[n]] for n in names}, "buckets": buckets})[0]
 
 
-swept = workbench.launch(sweep, world_size=WORLD, timeout=300)[0]
+swept = workbench.launch(sweep, world_size=WORLD, kwargs=QUICK, timeout=300)[0]
 sw_med = {n: _common.median(v) for n, v in swept["ms"].items()}
 print(_common.format_table(
     [{"candidate": n, "buckets": swept["buckets"].get(n), "median": sw_med[n], "min": min(v), "max": max(v)}
@@ -479,11 +482,13 @@ print(f"max |accumulated gradient - big-batch gradient| < 1e-6: {acc['diff'] < 1
 # * `no_sync` accumulation equals big-batch training and communicates once instead of 4 times.
 
 # %%
-assert net_gain >= 0.1 * link_ms, (net_gain, link_ms, net[0]["ms"])
-assert net_hidden["overlap=True"] >= 0.3 and net_hidden["overlap=False"] == 0, net_hidden
-assert net_exposed["overlap=True"] < net_exposed["overlap=False"], net_exposed
-early = [rec["buckets"][0]["run_start"] < rec["backward_end"] for r in runs[True] for rec in r["records"]]
-assert sum(early) >= len(early) / 2, early  # overlap: the first bucket runs under backward (most steps)
+assert net_hidden["overlap=False"] == 0, net_hidden
+if not SMOKE:  # timing claims need the full trials
+    assert net_gain >= 0.1 * link_ms, (net_gain, link_ms, net[0]["ms"])
+    assert net_hidden["overlap=True"] >= 0.3, net_hidden
+    assert net_exposed["overlap=True"] < net_exposed["overlap=False"], net_exposed
+    early = [rec["buckets"][0]["run_start"] < rec["backward_end"] for r in runs[True] for rec in r["records"]]
+    assert sum(early) >= len(early) / 2, early  # overlap: the first bucket runs under backward (most steps)
 for overlap, per_rank in runs.items():
     for record in (rec for r in per_rank for rec in r["records"]):
         bks = record["buckets"]
@@ -495,4 +500,4 @@ assert acc["diff"] < 1e-6, acc
 assert acc["calls_no_sync"] == acc["buckets"] and acc["calls_every_step"] == 4 * acc["buckets"], acc
 print(f"check passed: on a {LINK} link overlapped buckets beat no overlap by over 10% of the all-reduce; "
       "on loopback it runs all-reduces under backward; buckets run in turn; no_sync equals big-batch "
-      "training at 1/4 of the all-reduces")
+      "training at 1/4 of the all-reduces" + (" (smoke test: timings not asserted)" if SMOKE else ""))

@@ -57,6 +57,7 @@ from workbench.parallel import zero
 from workbench.parallel.zero_memory import OPTIMIZER_STATE_BYTES, PRECISIONS, model_state_per_rank
 
 MIB = 2 ** 20
+SMOKE = workbench.smoke_test()  # the test suite's quick run: one short trial, no timing claim asserted
 
 
 # %% [markdown]
@@ -193,6 +194,8 @@ _ = ax.legend()
 CANDIDATES = ["stage0", "stage1", "stage2", "stage3", "torch-fsdp"]
 # (batch, tokens, trials, steps per trial): the short steps get more trials, for a steadier median
 RUNS = {"few tokens (1 x 8 per rank)": (1, 8, 9, 3), "many tokens (4 x 128 per rank)": (4, 128, 5, 2)}
+if SMOKE:
+    RUNS = {label: (b, t, 1, 1) for label, (b, t, _, _) in RUNS.items()}
 bench = {label: workbench.launch(zero_bench.run, world_size=2, args=(CANDIDATES, "small", b, trials, steps, 1, t),
                                  timeout=900)[0] for label, (b, t, trials, steps) in RUNS.items()}
 by = {label: {r["candidate"]: r for r in res["rows"]} for label, res in bench.items()}
@@ -330,8 +333,9 @@ for r in rows:
     assert 1.0 <= r["total"] / r["formula"] <= 1.05, r
     assert abs(r["sent"] / r["sent_formula"] - 1) <= 0.02, r
 assert by[MANY]["stage3"]["peak"] <= 0.9 * by[MANY]["stage0"]["peak"], {c: by[MANY][c]["peak"] for c in CANDIDATES}
-assert best[FEW]["stage3"] >= 1.25, best
-assert best[MANY]["stage3"] < best[FEW]["stage3"], best
+if not SMOKE:  # timing claims need the full trials
+    assert best[FEW]["stage3"] >= 1.25, best
+    assert best[MANY]["stage3"] < best[FEW]["stage3"], best
 for rank_events in timeline:
     blocks = sorted({e["unit"] for e in rank_events if e["unit"] != "root"})
     assert len(blocks) == 4, blocks
@@ -344,4 +348,5 @@ for rank_events in timeline:
             forward = next(e for e in mine if e["name"] == "forward")
             assert gather["end"] <= forward["start"] + 1e-4, (unit, gather, forward)
 print("check passed: memory matches the ZeRO formulas, stage 3 moves 1.5x, peaks lower, is slower than stage 0 "
-      "when communication-bound and relatively cheaper with more compute, every unit gathered twice")
+      "when communication-bound and relatively cheaper with more compute, every unit gathered twice"
+      + (" (smoke test: timings not asserted)" if SMOKE else ""))

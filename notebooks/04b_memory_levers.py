@@ -41,7 +41,8 @@ import workbench
 from workbench.bench import memory as bench_memory
 from workbench.metrics import format_bytes
 
-results = workbench.launch(bench_memory.run, world_size=2, args=("small", 2, 3, 1), timeout=600)[0]
+results = workbench.launch(bench_memory.run, world_size=2, args=("small", 2, 1 if workbench.smoke_test() else 3, 1),
+                          timeout=600)[0]  # the test suite's quick run (smoke test) takes one trial
 psi, n = results["parameters"], results["world_size"]
 print(f"psi = {psi:,} parameters, N = {n} ranks")
 

@@ -57,6 +57,9 @@ torch.set_num_threads(1)
 SCHEDULES = pp.SCHEDULES  # every schedule by name
 P = 4            # stages for the timing runs (under torchrun, the world size decides)
 SLEEP = 0.03     # seconds per forward (and per backward half) of a whole stage
+SMOKE = workbench.smoke_test()  # the test suite's quick run: tiny sleeps, no timing claim asserted
+if SMOKE:
+    SLEEP = 0.002
 
 
 def sleeping_pipeline(name, m, sleep=SLEEP, steps=2):
@@ -358,9 +361,11 @@ draw(schedule_box.value, p_box.value, m_box.value)  # the default state; moving 
 
 # %%
 assert max_diff < 1e-6, max_diff
-for (name, m), value in measured.items():
-    if m == 8:
-        assert -0.02 < value - plans.bubble_formula(name, p, m) < 0.12, (name, m, value)
-assert measured[("zb_h1", 8)] < measured[("gpipe", 8)], measured
+if not SMOKE:  # a 2 ms sleep is of the order of an action's own overhead: no bubble to check
+    for (name, m), value in measured.items():
+        if m == 8:
+            assert -0.02 < value - plans.bubble_formula(name, p, m) < 0.12, (name, m, value)
+    assert measured[("zb_h1", 8)] < measured[("gpipe", 8)], measured
 assert all(1.0 <= r["ratio"] <= 1.10 for r in memory), [(r["schedule"], r["p"], r["rank"], r["ratio"]) for r in memory]
-print("all checks passed: parity with one process, bubbles on the formulas, activation memory on the count")
+print("all checks passed: parity with one process, bubbles on the formulas, activation memory on the count"
+      + (" (smoke test: bubbles not asserted)" if SMOKE else ""))

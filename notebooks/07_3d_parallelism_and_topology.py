@@ -49,6 +49,8 @@ torch.set_num_threads(1)
 # under torchrun the launches run in torchrun's world: the 4-rank parts need 4 ranks
 WORLD = int(os.environ.get("WORLD_SIZE", 4))
 FOUR = WORLD == 4
+SMOKE = workbench.smoke_test()  # the test suite's quick run: one trial, no timing claim asserted
+TRIALS = 1 if SMOKE else 3
 TOPOLOGY = placement.DEFAULT_TOPOLOGY  # 2 ranks per node; inter-node bandwidth 10x below intra
 print(f"world for the launches: {WORLD} ranks; emulated cluster: {TOPOLOGY}")
 
@@ -138,7 +140,7 @@ SIZES = [1 << 20, 4 << 20]
 ALGOS = ("ring", "hierarchical")
 
 
-def time_all_reduce(sizes, trials=3):
+def time_all_reduce(sizes, trials=TRIALS):
     out = {}
     for n in sizes:
         buf = torch.ones(n // 4)
@@ -194,7 +196,7 @@ if ar_rows:
 # %%
 # NBVAL_IGNORE_OUTPUT
 if FOUR:
-    res = placement.run("tiny", 16, TOPOLOGY, trials=3, steps=1, launch_kwargs={"timeout": 240})
+    res = placement.run("tiny", 16, TOPOLOGY, trials=TRIALS, steps=1, launch_kwargs={"timeout": 240})
     print(placement.report(res))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     placement.plot(res)
@@ -231,10 +233,11 @@ if res is not None:
 for r in parity_rows:
     assert r["max loss diff"] <= 1e-5 and r["max param diff"] <= 1e-5, r
 if FOUR:
-    for r in ar_rows:
-        assert r["speed-up"] >= 1.3, r
-    assert res["ratio_measured"] >= 1.05, res["ratio_measured"]
+    if not SMOKE:  # timing claims need the full trials
+        for r in ar_rows:
+            assert r["speed-up"] >= 1.3, r
+        assert res["ratio_measured"] >= 1.05, res["ratio_measured"]
     assert by["across"]["inter_MiB"] > by["inside"]["inter_MiB"], by
 print("check passed: parity with one process" + (", hierarchical beats the ring, TP inside beats TP across"
                                                   if FOUR else " (4-rank sections skipped in a world of "
-                                                  f"{WORLD})"))
+                                                  f"{WORLD})") + (" (smoke test: timings not asserted)" if SMOKE else ""))

@@ -57,7 +57,9 @@ def _free_port() -> int:
 
 def _torchrun_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    # the lessons' smallest sizes (workbench.smoke_test): every code path, in seconds; nbval runs the
+    # notebooks at full size and their check cells assert the timing claims there
+    env.update(MPLBACKEND="Agg", OMP_NUM_THREADS="1", WORKBENCH_SMOKE_TEST="1")
     return env
 
 
@@ -164,3 +166,13 @@ def test_the_sanitizer_hides_rounding_and_timings_and_keeps_counts():
                  "48.97 MiB 48.96 MiB 1.0000", "tensor([10., 12., 14., 16.])", "check passed", "| dp=2 tp=2 pp=1 | 1 |"]:
         assert _sanitize(kept) == kept, kept
     assert _sanitize("2 calls, 65536 B") != _sanitize("3 calls, 65536 B")
+
+
+def test_smoke_test_is_read_from_the_environment(monkeypatch):
+    import workbench
+
+    monkeypatch.delenv("WORKBENCH_SMOKE_TEST", raising=False)
+    assert not workbench.smoke_test()
+    for value, expected in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv("WORKBENCH_SMOKE_TEST", value)
+        assert workbench.smoke_test() is expected

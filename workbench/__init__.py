@@ -11,10 +11,10 @@ Start here::
 """
 from workbench.launch import LaunchResult, LaunchTimeout, RankFailed, launch
 from workbench.live import LiveRanks
-from workbench.runtime import backend, device, everyone, local_rank, rank, report, world_size
+from workbench.runtime import backend, device, everyone, local_rank, rank, report, smoke_test, world_size
 
 __all__ = ["launch", "LaunchResult", "RankFailed", "LaunchTimeout", "LiveRanks",
-           "rank", "world_size", "local_rank", "device", "backend", "report", "everyone"]
+           "rank", "world_size", "local_rank", "device", "backend", "report", "everyone", "smoke_test"]
 __version__ = "0.1.0"
 
 

@@ -253,3 +253,16 @@ def everyone(value: Any) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+SMOKE_TEST_ENV = "WORKBENCH_SMOKE_TEST"
+
+
+def smoke_test() -> bool:
+    """Whether this run is a smoke test (``WORKBENCH_SMOKE_TEST=1``), as the test suite runs every
+    lesson's script under torchrun: the lesson then takes its smallest sizes (one trial, the fewest
+    steps and sleeps) so that every code path runs in seconds, and its check cell asserts what
+    does not depend on sizes (parity, byte and call counts, formulas) but no timing claim, which
+    a single short trial cannot carry. The notebooks run at full size under nbval (the same
+    convention as Ray's and Optuna's ``SMOKE_TEST`` examples)."""
+    return os.environ.get(SMOKE_TEST_ENV, "") not in ("", "0")
