@@ -144,6 +144,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 
 from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
@@ -204,6 +205,25 @@ def _machine(cluster):
     if links is not None:
         return machine, links.intra, links.inter
     return machine, cluster.intra, cluster.inter
+
+
+@lru_cache(maxsize=1 << 16)
+def _remembered_price(collective: str, nbytes: float, group: int, machine, topology) -> float:
+    return cost.predict(collective, "native", nbytes, group, machine, topology=topology)
+
+
+def _price(collective: str, nbytes: float, group: int, machine, topology) -> float:
+    """Seconds of ``collective`` (its native algorithm) of ``nbytes`` among ``group`` ranks on
+    ``topology``: :func:`workbench.comm.cost.predict`, remembered. A search prices the same few
+    collectives for thousands of configurations, and a ring on mixed links is replayed step by step
+    (``cost._ring_on_links``: ``2 (group - 1)`` steps of ``group`` messages each, most of a search's
+    time before), so each distinct call is computed once: the prediction is a pure function of these
+    arguments (the machine and the topology are frozen values, compared by value). A machine with
+    measured curves (a calibrated one: its tables are dicts, not hashable) is priced afresh."""
+    try:
+        return _remembered_price(collective, nbytes, group, machine, topology)
+    except TypeError:
+        return cost.predict(collective, "native", nbytes, group, machine, topology=topology)
 
 
 def _groups(config: Config) -> dict[str, list[int]]:
@@ -269,7 +289,7 @@ def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: b
         counts: dict[tuple[str, int], int] = {}
         for call in calls[phase]:          # price each distinct collective once
             counts[call] = counts.get(call, 0) + 1
-        out.append(sum(n * (cost.predict(c, "native", k * e, t, machine, topology=topo) + sync)
+        out.append(sum(n * (_price(c, k * e, t, machine, topo) + sync)
                        for (c, k), n in counts.items()))
     return out[0], out[1]
 
@@ -288,6 +308,13 @@ def _schedule(config: Config, p: int, m: int):
     if name == "interleaved":
         return plans.interleaved(p, 2, m), 2 * p, "loop"
     return plans.zbv(p, m), 2 * p, "v"
+
+
+def _placement(config: Config, p: int) -> tuple[int, str]:
+    """The schedule's number of stages and their placement style (:func:`_schedule` without
+    building its action lists, which only the replay reads)."""
+    name = SCHEDULE_NAMES[config.schedule] if p > 1 else "1f1b"
+    return (2 * p if name in ("interleaved", "zbv") else p), ("v" if name == "zbv" else "loop")
 
 
 def _work_keys(actions) -> list[list[tuple[str, int]]]:
@@ -475,7 +502,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         head_s = min(head_s, edges_s)
 
     # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
-    actions, num_stages, style = _schedule(config, p, m) if p > 1 else ([[]], 1, "loop")
+    num_stages, style = _placement(config, p)
     per_stage = []
     edge_tp = sum(_tp_time(rows, shape, config, 0, True, True, e, topo["tp"], machine, sync))
     for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
@@ -528,11 +555,10 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         if shape.tied:
             tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
-        pp_extra += cost.predict("broadcast", "native", 4, p, machine, topology=topo["pp"])
+        pp_extra += _price("broadcast", 4, p, machine, topo["pp"])
         # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
         # it (an all-reduce of one float, two small all-gathers): part of what it costs here
-        pp_extra += PIPELINE_STEP_COLLECTIVES * cost.predict("all_reduce", "native", 8, p, machine,
-                                                             topology=topo["pp"])
+        pp_extra += PIPELINE_STEP_COLLECTIVES * _price("all_reduce", 8, p, machine, topo["pp"])
         # the price of ranks drifted apart is paid by a collective that follows compute: the line-up
         # (after the previous step's optimizer) and the timeline's gather (after the schedule); the
         # loss broadcast and the other gather follow those back to back and find the ranks lined up.
@@ -543,6 +569,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
 
     if p > 1 and (cores or trace is not None):
+        actions = _schedule(config, p, m)[0]
         # the schedule replayed with the machine's cores shared among the ranks computing
         # Timed tensor-parallel layers: their collectives' cost beyond the formulas is mostly waiting
         # for a peer to get a core, which shrinks as the cores do when fewer ranks compute (ramp-up,
@@ -641,7 +668,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         sync = _sync(cluster, d) * tail
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd
-        price = lambda c, n: cost.predict(c, "native", n, d, machine, topology=topo["dp"])  # noqa: E731
+        price = lambda c, n: _price(c, n, d, machine, topo["dp"])  # noqa: E731
         if config.zero == 3:
             hides = getattr(cluster, "prefetch_overlap", None)
             hides = overlap if hides is None else float(hides)
@@ -665,7 +692,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             dp_total = last + max(0.0, every - last - hidden) + sync
             if config.zero in (1, 2):   # the updated parameters, all-gathered after the step
                 dp_total += sum(k * price("all_gather", n) for n, k in sizes) + sync
-        dp_total += cost.predict("all_reduce", "native", 4, d, machine, topology=topo["dp"]) + sync  # the loss
+        dp_total += _price("all_reduce", 4, d, machine, topo["dp"]) + sync  # the loss
 
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
