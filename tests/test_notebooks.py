@@ -108,16 +108,39 @@ def test_every_lesson_ends_with_a_check_cell(script):
     assert asserts, f"{script.name}: the last code cell asserts nothing; end the lesson with a check cell"
 
 
+@pytest.fixture(scope="module")
+def lessons_under_torchrun(tmp_path_factory) -> dict[str, list[str]]:
+    """Every lesson's script under one ``torchrun --standalone --nproc-per-node 2`` (as a smoke test,
+    see ``_torchrun_env``), one after another in the same two processes
+    (``tests/lessons_under_torchrun.py``): one interpreter start and one import of torch for all of
+    them. torchrun writes each rank's output to its own file (``--redirects 3``). Returns, for each
+    lesson (the script's stem), its output on each rank, in rank order."""
+    logs = tmp_path_factory.mktemp("torchrun")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--log-dir", str(logs), "--redirects", "3",
+           str(REPO / "tests" / "lessons_under_torchrun.py"), *map(str, SCRIPTS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_torchrun_env(), cwd=REPO)
+    per_rank = {int(f.parent.name): f.read_text() for f in logs.rglob("stdout.log")}
+    errors = "\n".join(f.read_text()[-2000:] for f in logs.rglob("stderr.log"))
+    assert sorted(per_rank) == [0, 1], (sorted(per_rank), proc.stdout[-2000:], proc.stderr[-2000:])
+    out: dict[str, list[str]] = {}
+    for rank in (0, 1):
+        for part in re.split(r"(?m)^=== lesson ", per_rank[rank])[1:]:
+            name = part.split(" ", 1)[0]
+            out.setdefault(name, ["", ""])[rank] += part
+    out["__stderr__"] = [errors, f"torchrun exit status {proc.returncode}"]
+    return out
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_lesson_script_under_torchrun_standalone(script):
+def test_lesson_script_under_torchrun_standalone(script, lessons_under_torchrun):
     """Every lesson's paired script runs unchanged under torchrun (2 processes): each launch() runs
     in torchrun's world, and the script ends by printing that its check passed, on both ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_torchrun_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # each script prints its "check passed" line once per rank; the two ranks share torchrun's stdout,
-    # so their lines may interleave mid-line: count occurrences, not line starts
-    assert len(re.findall(r"checks? passed", proc.stdout)) == 2, proc.stdout[-3000:]
+    ranks = lessons_under_torchrun.get(script.stem)
+    assert ranks is not None, f"{script.stem} did not run: {lessons_under_torchrun['__stderr__']}"
+    for rank, out in enumerate(ranks):
+        assert f"{script.stem} end: ok" in out, (rank, out[-3000:], lessons_under_torchrun["__stderr__"])
+        assert len(re.findall(r"checks? passed", out)) == 1, (rank, out[-3000:])
 
 
 # --- what nbval compares: markers it honours, and the sanitizer for machine-dependent numbers ---
