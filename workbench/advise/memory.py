@@ -400,46 +400,117 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     # and dX = dY W, whole before its all-reduce (or reduce-scatter under sequence parallelism)
     sbh = e * shape.seq * b * shape.hidden
     b_end = sbh + e * shape.seq * b * (shape.hidden + 2 * shape.kv_dim) if config.tp == 1 else 3 * sbh
+    # every count multiplies one of these: where none is negative (always, for a real shape) only the
+    # moments that may be the peak are summed, else every moment of the replay
+    grows = (mb[True]["kept"], mb[False]["kept"], m_w, message, logits)
+    rest = (mb[True]["peak"], mb[False]["peak"], w_grads, b_end)
+    monotone = all(0.0 <= c < math.inf for c in grows) and all(math.isfinite(x) for x in rest)
+    replay = _replay_frontier if monotone else _replay_counts
+    counts = replay(config.schedule, config.pp, config.microbatches, rank, bool(w_grads))
+    return _replay_peak(counts, mb, message, logits, last, m_w, w_grads, b_end)
+
+
+def _replay_peak(counts: tuple, mb: dict, message: float, logits: float, last: bool, m_w: float,
+                 w_grads: float, b_end: float) -> float:
+    """The largest of the replay's moments (:func:`_replay_counts`), each summed in the replay's
+    order of operations; ``0.0`` if none is larger."""
+    held_ops, moments = counts
+    held = [0.0]
+    for op in held_ops:   # the first stage's received gradients, added and let go one by one
+        held.append(held[-1] + message if op > 0 else held[-1] - message)
+    peak = 0.0
+    for moment, first, live, pending, posted, sent, forwarded, h in moments:
+        posted *= message
+        if moment == "F":
+            value = live * mb[True]["kept"] + pending * m_w + posted + held[h] \
+                + (forwarded * logits if last else 0.0)
+        elif moment == "W":
+            one = mb[first]
+            value = (live - 1) * one["kept"] + one["peak"] + posted + held[h]
+        else:
+            one = mb[first]
+            others = pending * m_w + posted + (message if sent else 0.0) + (forwarded * logits if last else 0.0)
+            if moment == "B":
+                value = (live - 1) * one["kept"] + one["peak"] + others
+            else:     # "B end": ``live`` counts the micro-batch whose B just ended
+                value = live * one["kept"] + w_grads + b_end + others
+        peak = max(peak, value)
+    return peak
+
+
+def _replay_counts(schedule: str, p: int, m: int, rank: int, split_w: bool) -> tuple[tuple, tuple]:
+    """Rank ``rank``'s replay (:func:`_pipeline_activations`) as counts, the same for every model and
+    batch: ``(held_ops, moments)``. ``held_ops``: +1 / -1 where the first stage takes in / lets go of
+    a received gradient (``held``); ``moments``: for each moment that may be the peak, ``(kind,
+    first, live, pending, posted, sent, forwarded, held_id)`` -- ``"F"`` (a forward: ``live``
+    micro-batches kept whole), ``"W"`` (the first stage's W: the whole backward), ``"B"`` (a
+    backward at its peak), ``"B end"`` (the end of a split B); ``first``: the rank's first backward
+    (its gradients become ``.grad``); ``pending``: micro-batches between their B and their W;
+    ``posted``: receives posted; ``sent``: the previous backward's input gradient not yet seen
+    delivered; ``forwarded``: micro-batches forwarded so far (their logits, on the last stage);
+    ``held_id``: how many of ``held_ops`` are done. ``split_w``: the stage defers W's products (a
+    zero-bubble schedule fed activations, not under ZeRO-3)."""
+    last = rank == p - 1
     live = forwarded = 0
     pending = 0      # micro-batches between their B and their W, M_W bytes each
-    held = 0.0       # the first stage's output gradients received for a W still to run
+    held_ops: list[int] = []   # the first stage's output gradients received for a W still to run
     first = True
-    peak = 0.0
-    for kind, posted, deferred in _replay_events(config.schedule, config.pp, config.microbatches, rank):
-        posted *= message
+    moments = []
+    for kind, posted, deferred in _replay_events(schedule, p, m, rank):
         if kind == "F":
             live += 1
             forwarded += 1
-            peak = max(peak, live * mb[True]["kept"] + pending * m_w + posted + held
-                       + (forwarded * logits if last else 0.0))
+            moments.append(("F", True, live, pending, posted, False, forwarded if last else 0, len(held_ops)))
         elif kind == "B" and deferred and rank == 0:
-            held += message   # nothing to do yet: W will run the whole backward from this gradient
+            held_ops.append(1)    # nothing to do yet: W will run the whole backward from this gradient
         elif kind == "W" and rank == 0:
-            one = mb[first]
-            held -= message   # its own: the gradient flowing in, inside its backward's peak
-            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + held)
+            held_ops.append(-1)   # its own: the gradient flowing in, inside its backward's peak
+            moments.append(("W", first, live, 0, posted, False, 0, len(held_ops)))
             live -= 1
             first = False
         elif kind == "B":
-            one = mb[first]
             # a stage after the first sent the previous backward's input gradient; the pipeline lets
             # go of a sent tensor only once it sees it delivered, between compute actions
-            sent = message if (rank > 0 and not first) else 0.0
-            others = pending * m_w + posted + sent + (forwarded * logits if last else 0.0)
-            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + others)
+            sent = rank > 0 and not first
+            seen = forwarded if last else 0
+            moments.append(("B", first, live, pending, posted, sent, seen, 0))
             live -= 1
-            if deferred and w_grads:
+            if deferred and split_w:
                 # the end of a split B (the first layer's query, key and value gradients being joined
                 # into its projection's): all it was given, and the gradients W needs; then it keeps
                 # only M_W until its W (none deferred under ZeRO-3)
-                peak = max(peak, (live + 1) * one["kept"] + w_grads + b_end + others)
+                moments.append(("B end", first, live + 1, pending, posted, sent, seen, 0))
                 pending += 1
             first = False
-        elif kind == "W" and w_grads:
+        elif kind == "W" and split_w:
             pending -= 1
         else:
             live -= 1
-    return peak
+    return tuple(held_ops), tuple(moments)
+
+
+@lru_cache(maxsize=1 << 14)
+def _replay_frontier(schedule: str, p: int, m: int, rank: int, split_w: bool) -> tuple[tuple, tuple]:
+    """:func:`_replay_counts` without the moments that cannot be the peak where every count
+    multiplies a finite byte count >= 0 (what :func:`_pipeline_activations` checks): among the
+    moments of one kind, first backward or not and ``held`` state, one whose every count is at most
+    another's sums no more bytes -- floating-point addition and multiplication by a number >= 0
+    never decrease as an operand grows -- so the largest sum, the peak, is the same bit for bit.
+    A rank's thousand events come down to a handful; computed once per schedule, pipeline size,
+    micro-batch count and rank, as :func:`_replay_events`."""
+    held_ops, moments = _replay_counts(schedule, p, m, rank, split_w)
+    groups: dict[tuple, list[tuple]] = {}
+    for moment in sorted(set(moments)):
+        groups.setdefault((moment[0], moment[1], moment[7]), []).append(moment)
+    kept = []
+    for group in groups.values():
+        frontier: list[tuple] = []
+        for moment in sorted(group, key=lambda x: x[2:7], reverse=True):   # a dominating one comes first
+            if not any(all(a <= b for a, b in zip(moment[2:7], other[2:7])) for other in frontier):
+                frontier.append(moment)
+        kept += frontier
+    used = max((x[7] for x in kept), default=0)
+    return held_ops[:used], tuple(kept)
 
 
 @lru_cache(maxsize=4096)
