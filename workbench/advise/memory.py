@@ -148,10 +148,21 @@ def chunks(config: Config) -> int:
 def rank_stages(config: Config, rank: int) -> list[int]:
     """The (virtual) stages pipeline rank ``rank`` holds: ``[r]``; interleaved ``[r, r + p]``;
     ZBV ``[r, 2p - 1 - r]`` (:func:`~workbench.parallel.pipeline_schedules.stage_to_rank`)."""
-    p, v = config.pp, chunks(config)
-    style = "v" if config.schedule == "zbv" else "loop"
+    return list(_stages_by_rank(config.pp, chunks(config), "v" if config.schedule == "zbv" else "loop")[rank])
+
+
+@lru_cache(maxsize=1024)
+def _stages_by_rank(p: int, v: int, style: str) -> tuple[tuple[int, ...], ...]:
+    """:func:`rank_stages` of every rank, per placement (a search asks for each rank of thousands of
+    configurations that share a few placements)."""
     owner = schedules.stage_to_rank(p * v, p, style)
-    return [s for s in range(p * v) if owner[s] == rank]
+    return tuple(tuple(s for s in range(p * v) if owner[s] == rank) for rank in range(p))
+
+
+@lru_cache(maxsize=4096)
+def _layer_counts(shape: ModelShape, n_stages: int) -> tuple[int, ...]:
+    """:meth:`ModelShape.layers_per_stage`, remembered: asked for per rank and micro-batch kind."""
+    return tuple(shape.layers_per_stage(n_stages))
 
 
 def microbatch_size(config: Config, global_batch: int) -> float:
@@ -213,7 +224,20 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
     """``{"kept", "peak"}`` of one micro-batch on (virtual) ``stage``; see the module docstring.
     ``transient_grads``: the weight gradients backward makes are temporaries (not ``.grad``);
     ``unit``: ZeRO-3's ``(elements of a unit, layers in it)``, whose flat gradient backward assembles;
-    ``hold_logits``: the caller holds this micro-batch's logits through backward (counted in kept)."""
+    ``hold_logits``: the caller holds this micro-batch's logits through backward (counted in kept).
+    The returned dict is shared (remembered): read it, do not change it."""
+    n_stages = config.pp * chunks(config)
+    return _stage_microbatch(shape, config, global_batch, _layer_counts(shape, n_stages)[stage], stage == 0,
+                             stage == n_stages - 1, n_stages > 1, transient_grads, hold_logits, unit)
+
+
+@lru_cache(maxsize=4096)
+def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_layers: int, first: bool,
+                      last: bool, piped: bool, transient_grads: bool, hold_logits: bool,
+                      unit: tuple[float, int] | None) -> dict[str, float]:
+    """:func:`_microbatch` on a stage of ``n_layers`` layers, the first and / or the last of a
+    pipeline (``piped``) or not: all it reads of the stage, so the stages of a pipeline that hold
+    as many layers (every one but the first and the last, most often) share one computation."""
     e, t, sp = ELEMENT_SIZE[config.precision], config.tp, config.sequence_parallel
     g = 4 if config.precision == "fp32" else 2      # a gradient made by backward: the compute dtype
     rep = t if sp else 1
@@ -221,9 +245,6 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
     h, ffn = shape.hidden, shape.ffn
     sb = shape.seq * b
     sbh = sb * h
-    n_stages = config.pp * chunks(config)
-    n_layers = shape.layers_per_stage(n_stages)[stage]
-    first, last = stage == 0, stage == n_stages - 1
     layer = _layer_bytes(shape, b, t, sp, e)
     policy = config.recompute
     vt = shape.padded_vocab(t) / t                   # this rank's vocabulary columns
@@ -234,7 +255,7 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
     loss_saved = logits if t == 1 else 4 * sb * vt + 9 * sb
     head = (e * 2 * sbh / rep + stats + loss_saved) if last else 0.0   # final norm's input, output, statistics
     edge = head
-    if n_stages > 1 and not last:
+    if piped and not last:
         edge += e * sbh / rep          # the pipeline keeps the stage's output for its backward
     if first and t > 1:
         edge += 9 * sb                 # the vocabulary-parallel embedding's local ids (int64) and mask (bool)
@@ -285,7 +306,7 @@ def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int
             # reduce-scatter, its flat gradient with it: so also the next unit's moments, one
             # layer fewer kept, plus that gradient.
             u, per_unit, placed = g * unit[0], unit[1], g * unit[2]
-            rest = kept - head - per_unit * layer[policy] + (grad_in if (n_stages > 1 and not first) else 0.0)
+            rest = kept - head - per_unit * layer[policy] + (grad_in if (piped and not first) else 0.0)
             assembly = rest + grad_in + 3 * u + (u - placed) + waiting
             peak = max(peak, assembly)
             if n_layers > per_unit:
@@ -312,9 +333,9 @@ def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_ba
     when they accumulate over micro-batches; without a pipeline the caller's logits are kept."""
     shape = ModelShape.coerce(shape, "shape")
     accumulating = config.microbatches > 1
-    return _microbatch(shape, config, global_batch, stage,
-                       transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1,
-                       unit=_zero3_unit(shape, config))
+    return dict(_microbatch(shape, config, global_batch, stage,
+                            transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1,
+                            unit=_zero3_unit(shape, config)))
 
 
 def _zero3_unit(shape: ModelShape, config: Config) -> tuple[float, int, float] | None:
@@ -341,7 +362,7 @@ def _weight_gradient_inputs(shape: ModelShape, config: Config, global_batch: int
     # (a row-parallel product's output is the full h wide, its gradient all-gathered under sequence parallelism)
     per_layer = e * sb * ((h + 2 * shape.kv_dim) / t + 2 * h + (2 if shape.gated else 1) * shape.ffn / t)
     n_stages = config.pp * chunks(config)
-    out = shape.layers_per_stage(n_stages)[stage] * per_layer
+    out = _layer_counts(shape, n_stages)[stage] * per_layer
     if stage == n_stages - 1:
         out += (4 if t > 1 else e) * sb * shape.padded_vocab(t) / t
     return out
@@ -360,7 +381,7 @@ def _deferred_weight_bytes(shape: ModelShape, config: Config, global_batch: int,
     sb = shape.seq * microbatch_size(config, global_batch)
     h = shape.hidden
     n_stages = config.pp * chunks(config)
-    inputs = shape.layers_per_stage(n_stages)[stage] * e * sb * (2 * h / rep + h / t + shape.ffn / t)
+    inputs = _layer_counts(shape, n_stages)[stage] * e * sb * (2 * h / rep + h / t + shape.ffn / t)
     if stage == n_stages - 1:
         inputs += e * sb * h / rep
     return inputs + _weight_gradient_inputs(shape, config, global_batch, stage)
@@ -544,7 +565,8 @@ def _zero_buckets(tensors: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sum(tensors[i] for i in idx) for idx in assign_buckets(params, ZERO2_BUCKET_BYTES))
 
 
-def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> int:
+@lru_cache(maxsize=4096)
+def _zero2_open_buckets(shape: ModelShape, config: Config, stages: tuple[int, ...], n_stages: int) -> int:
     """Elements of ZeRO-2's flat gradient buffers alive when the last layer's backward begins:
     :class:`~workbench.parallel.zero.ShardedOptimizer` allocates a bucket's buffer (padded to a
     multiple of ``dp``) at its first gradient and frees them all at the end of backward; by then
@@ -561,7 +583,8 @@ def _zero2_open_buckets(shape: ModelShape, config: Config, stages: list[int], n_
                for idx in assign_buckets(params, ZERO2_BUCKET_BYTES) if done & set(idx))
 
 
-def _zero1_step_buffers(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> int:
+@lru_cache(maxsize=4096)
+def _zero1_step_buffers(shape: ModelShape, config: Config, stages: tuple[int, ...], n_stages: int) -> int:
     """Elements of ZeRO-1's flat buffers at the busiest moment of its step
     (:meth:`~workbench.parallel.zero.ShardedOptimizer.reduce_gradients`): each bucket's gradients
     are copied into a flat buffer (padded to a multiple of ``dp``) and reduce-scattered into this
@@ -578,7 +601,8 @@ def _zero1_step_buffers(shape: ModelShape, config: Config, stages: list[int], n_
     return busiest
 
 
-def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: int) -> list[int]:
+@lru_cache(maxsize=4096)
+def _fsdp_units(shape: ModelShape, config: Config, stages: tuple[int, ...], n_stages: int) -> tuple[int, ...]:
     """Sizes of :class:`~workbench.parallel.fsdp.FullyShardedDataParallel`'s units (elements), the
     root first: each block of the wrapped module one unit, the rest (embeddings, final norm, head)
     the root -- 0 on a pipeline stage that holds only blocks, which then has no root unit."""
@@ -586,8 +610,8 @@ def _fsdp_units(shape: ModelShape, config: Config, stages: list[int], n_stages: 
     if config.pp > 1:
         counts = shape.layers_per_stage(n_stages)
         root = sum(sum(shape.stage_tensors(n_stages, s, config.tp)) - counts[s] * layer for s in stages)
-        return [root] + [layer] * sum(counts[s] for s in stages)
-    return [shape.parameters(config.tp) - shape.layers * layer] + [layer] * shape.layers
+        return (root,) + (layer,) * sum(counts[s] for s in stages)
+    return (shape.parameters(config.tp) - shape.layers * layer,) + (layer,) * shape.layers
 
 
 def model_state(shape: ModelShape, config: Config, stages: list[int], optimizer: str = "adam") -> dict[str, float]:
@@ -598,6 +622,24 @@ def model_state(shape: ModelShape, config: Config, stages: list[int], optimizer:
     ``dp`` and Adam's 4-byte step counter per tensor it updates (a module's tensors, or one flat
     chunk per bucket or unit). Otherwise :func:`~workbench.parallel.zero_memory.model_state_per_rank`
     (mixed precision: the paper's ``2 + 2 + 12`` bytes per parameter)."""
+    return dict(_model_state(shape, _state_config(config), tuple(stages), optimizer))
+
+
+def _state_config(config: Config) -> Config:
+    """``config`` as model state and the ZeRO buffers read it (:func:`_model_state`,
+    :func:`_fsdp_units`, :func:`_zero1_step_buffers`, :func:`_zero2_open_buckets`): the data,
+    tensor and pipeline sizes, the ZeRO stage, the precision and how the schedule places stages
+    (one per rank, interleaved or ZBV); micro-batches, sequence parallelism and recomputation at
+    their defaults. Their caches then hold one entry for the configurations that differ only in
+    those, the dozen a search tries for every split and ZeRO stage."""
+    placement = config.schedule if config.schedule in ("interleaved", "zbv") else "1f1b"
+    return Config(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, schedule=placement,
+                  precision=config.precision)
+
+
+@lru_cache(maxsize=4096)
+def _model_state(shape: ModelShape, config: Config, stages: tuple[int, ...], optimizer: str) -> dict[str, float]:
+    """:func:`model_state`, remembered per :func:`_state_config`; the dict is shared: read it only."""
     n_stages = config.pp * chunks(config)
     tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
     psi, n = sum(tensors), config.dp
@@ -641,12 +683,14 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
     m = config.microbatches if config.pp > 1 else 1
     actions = _actions(config.schedule, config.pp, m) if config.pp > 1 and chunks(config) > 1 else None
     piped = config.pp > 1
-    per_stage = [activation_bytes_per_microbatch(shape, config, global_batch, s) for s in range(n_stages)]
+    # each stage's micro-batch, for the schedules that do not replay a rank's own list (one stage per rank)
+    per_stage = [activation_bytes_per_microbatch(shape, config, global_batch, s) for s in range(n_stages)] \
+        if not piped or actions is not None else []
     comms = _communicators(config) * (cluster.communicator_bytes if cluster is not None else 0.0)
+    layout = _state_config(config)
     rows = []
-    for r in range(config.pp):
-        stages = rank_stages(config, r)
-        state = model_state(shape, config, stages, optimizer)
+    for r, stages in enumerate(_stages_by_rank(config.pp, chunks(config), "v" if config.schedule == "zbv" else "loop")):
+        state = _model_state(shape, layout, stages, optimizer)
         if not piped:
             activations = per_stage[0]["peak"]
         elif actions is None:    # one stage per rank: replay its action list
@@ -663,7 +707,7 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
                 activations += e * sbh * (1 if n_stages - 1 in stages else 2)
         buffers = comms
         if config.dp > 1 and config.zero == 3:
-            units = _fsdp_units(shape, config, stages, n_stages)
+            units = _fsdp_units(shape, layout, stages, n_stages)
             root, block = units[0], max(units[1:], default=0)
             # gathered while backward runs: two blocks (the one running and the one prefetched; a
             # stage of one block has one), and the root where it holds the head, whose backward
@@ -673,13 +717,13 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             head_here = n_stages - 1 in stages
             buffers += e * ((root if head_here else 0) + min(2, len(units) - 1) * block)
         elif config.dp > 1 and config.zero == 2:
-            buffers += e * _zero2_open_buckets(shape, config, stages, n_stages)
+            buffers += e * _zero2_open_buckets(shape, layout, stages, n_stages)
         elif config.dp > 1 and config.zero == 1:
             # the step's reduction (flat buffers, reduced chunks) beside what backward left: the
             # caller's logits (no pipeline)
             held = 0.0 if piped else e * shape.seq * microbatch_size(config, global_batch) \
                 * shape.padded_vocab(config.tp) / config.tp
-            step = e * _zero1_step_buffers(shape, config, stages, n_stages)
+            step = e * _zero1_step_buffers(shape, layout, stages, n_stages)
             if held + step > activations + buffers - comms:
                 activations, buffers = held, comms + step
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
