@@ -454,20 +454,26 @@ def _ring_on_links(p: int, per_node: int, m: float, reduce_steps: int, gather_st
     one kind of link this is the textbook ``steps (alpha + m beta) + reduce_steps m gamma``; with a
     slow link in the ring, that link's queue sets the pace. A link that is not emulated costs
     this machine's exchange time.
+
+    Every node's ranks see the same links (its last rank's leads to the next node), and the ring
+    starts with every rank idle, so each step leaves rank ``r`` where it leaves rank ``r + per_node``:
+    one node's ranks are replayed, the ring closing on the node itself -- the same additions and
+    maxima on the same numbers, ``p / per_node`` times fewer.
     """
+    k = per_node if p % per_node == 0 else p   # ranks replayed: one node's, or all of them
     cost = []
-    for r in range(p):
+    for r in range(k):
         link = topology.link("intra" if r // per_node == ((r + 1) % p) // per_node else "inter")
         cost.append((link.latency_s, m / link.bandwidth_Bps) if link is not None else (0.0, model.exchange(m)))
     g = model.reduction(m)
-    ready, free = [0.0] * p, [0.0] * p
+    ready, free = [0.0] * k, [0.0] * k
     for s in range(reduce_steps + gather_steps):
-        arrive = [0.0] * p
-        for r in range(p):
+        arrive = [0.0] * k
+        for r in range(k):
             latency, busy = cost[r]
             start = max(ready[r], free[r])
             free[r] = start + busy
-            arrive[(r + 1) % p] = free[r] + latency
+            arrive[(r + 1) % k] = free[r] + latency
         ready = [t + (g if s < reduce_steps else 0.0) for t in arrive]
     return max(ready)
 
