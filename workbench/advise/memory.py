@@ -187,6 +187,14 @@ def _actions(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
     return tuple(tuple(a) for a in lists)
 
 
+@lru_cache(maxsize=1 << 15)
+def _peak_live(schedule: str, p: int, m: int, rank: int, kept: tuple[tuple[int, float], ...]) -> float:
+    """:func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` of rank ``rank``'s list with
+    ``kept`` bytes per micro-batch on each of its stages (``(stage, bytes)`` pairs), remembered: the
+    configurations that differ only in the ZeRO stage keep the same bytes per micro-batch."""
+    return schedules.peak_live_bytes(list(_actions(schedule, p, m)[rank]), dict(kept))
+
+
 @lru_cache(maxsize=4096)
 def _live(schedule: str, p: int, m: int, rank: int) -> dict[int, int]:
     """Most micro-batches alive at once per stage of ``rank``
@@ -681,11 +689,11 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
     shape.layers_per_stage(n_stages)     # raises when there are more stages than layers
     e = ELEMENT_SIZE[config.precision]
     m = config.microbatches if config.pp > 1 else 1
-    actions = _actions(config.schedule, config.pp, m) if config.pp > 1 and chunks(config) > 1 else None
     piped = config.pp > 1
-    # each stage's micro-batch, for the schedules that do not replay a rank's own list (one stage per rank)
+    several = piped and chunks(config) > 1   # stages per rank
+    # each stage's micro-batch, for all but the schedules of one stage per rank (those replay their own)
     per_stage = [activation_bytes_per_microbatch(shape, config, global_batch, s) for s in range(n_stages)] \
-        if not piped or actions is not None else []
+        if not piped or several else []
     comms = _communicators(config) * (cluster.communicator_bytes if cluster is not None else 0.0)
     layout = _state_config(config)
     rows = []
@@ -693,11 +701,11 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
         state = _model_state(shape, layout, stages, optimizer)
         if not piped:
             activations = per_stage[0]["peak"]
-        elif actions is None:    # one stage per rank: replay its action list
+        elif not several:        # one stage per rank: replay its action list
             activations = _pipeline_activations(shape, config, global_batch, r)
         else:                    # several: their peaks need not coincide, so replay the list
-            kept = {s: per_stage[s]["kept"] for s in stages}
-            activations = schedules.peak_live_bytes(list(actions[r]), kept)
+            kept = tuple((s, per_stage[s]["kept"]) for s in stages)
+            activations = _peak_live(config.schedule, config.pp, m, r, kept)
             activations += max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
             b = microbatch_size(config, global_batch)
             sbh = shape.seq * b * shape.hidden / (config.tp if config.sequence_parallel else 1)

@@ -149,6 +149,7 @@ from functools import lru_cache
 from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
+from workbench.parallel.pipeline_schedules import bubble_formula
 
 __all__ = ["step_time", "flops_per_token", "message_cpu", "zero3_cpu", "stage_layers", "group_topology", "measured_layer",
            "prefetch_wait", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
@@ -310,6 +311,14 @@ def _schedule(config: Config, p: int, m: int):
     return plans.zbv(p, m), 2 * p, "v"
 
 
+@lru_cache(maxsize=4096)
+def _bubble_share(schedule: str, p: int, m: int) -> float:
+    """:func:`~workbench.parallel.pipeline_schedules.bubble_formula`, remembered: for the interleaved
+    and ZBV schedules it replays the schedule's action lists, the same for every configuration
+    that shares ``(schedule, p, m)``."""
+    return bubble_formula(schedule, p, m)
+
+
 def _placement(config: Config, p: int) -> tuple[int, str]:
     """The schedule's number of stages and their placement style (:func:`_schedule` without
     building its action lists, which only the replay reads)."""
@@ -448,7 +457,6 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     the first pipeline (:func:`simulate`'s ``trace``): the replay the time comes from where the
     ranks share cores, else the same actions each on its own device (drawn, not summed: the
     closed forms give the time)."""
-    from workbench.parallel.pipeline_schedules import bubble_formula
     from workbench.parallel.tensor import activation_bytes_per_layer
 
     _check(shape, cluster, config, global_batch)
@@ -650,7 +658,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         compute, tp_total = m * slowest["compute"] * crowd, m * slowest["tp"]
         pp_total, bubble = critical_messages, 0.0
         if p > 1:
-            f = bubble_formula(SCHEDULE_NAMES[config.schedule], p, m)
+            f = _bubble_share(SCHEDULE_NAMES[config.schedule], p, m)
             bubble = (compute + tp_total) * f / (1 - f)
     pp_total += pp_extra
 
