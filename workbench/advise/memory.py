@@ -395,8 +395,8 @@ def _deferred_weight_bytes(shape: ModelShape, config: Config, global_batch: int,
     return inputs + _weight_gradient_inputs(shape, config, global_batch, stage)
 
 
-def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, rank: int) -> float:
-    """Most bytes of activations on pipeline rank ``rank`` of a one-stage-per-rank schedule: the
+def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int) -> list[float]:
+    """Most bytes of activations on each pipeline rank of a one-stage-per-rank schedule: the
     rank's action list (with its messages, :func:`~workbench.parallel.pipeline_schedules.with_comms`)
     replayed. At each backward: the micro-batches still alive (forwarded, not yet backwarded) kept
     whole, the one in backward at its peak (its weight gradients temporaries unless they become
@@ -404,39 +404,50 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int, 
     posted for the next compute action (``e sbh`` each, ``/t`` with sequence parallelism), on a
     stage after the first the input gradient the previous backward sent (held until the pipeline
     sees it delivered, which it checks between compute actions), and on the last stage the logits
-    of every micro-batch forwarded so far (the step returns them)."""
+    of every micro-batch forwarded so far (the step returns them). What a rank keeps per
+    micro-batch depends on its layers and on whether it is the first or the last, so it is
+    computed once for the ranks in between that hold as many layers (most of them)."""
     e = ELEMENT_SIZE[config.precision]
     rep = config.tp if config.sequence_parallel else 1
     b = microbatch_size(config, global_batch)
     message = e * shape.seq * b * shape.hidden / rep
     logits = e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
-    last = rank == config.pp - 1
     transient = _grads_are_transient(config)
-    mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
-                             hold_logits=False, unit=_zero3_unit(shape, config)) for first in (True, False)}
-    # a zero-bubble B on a stage fed activations ends holding every deferred product's output gradient
-    # beside its activations, then M_W until its W (the first stage's B has no input gradient to
-    # compute: its W is the whole backward)
-    w_grads = _weight_gradient_inputs(shape, config, global_batch, rank) if rank > 0 else 0.0
-    if config.zero == 3 and config.dp > 1:
-        # FSDP's parameters are flat 1-D shards, and the split defers only matrices: B does the whole
-        # backward, as in 1F1B
-        w_grads = 0.0
-    m_w = _deferred_weight_bytes(shape, config, global_batch, rank) if w_grads else 0.0
+    unit = _zero3_unit(shape, config)
     # the end of a split B, at the first layer's first product (measured, GPT tiny): beside the kept
     # tensors, the gradient along the residual stream and -- one rank -- the query, key and value
     # gradients before they are joined; with tensor parallelism the gradient flowing into the norm
     # and dX = dY W, whole before its all-reduce (or reduce-scatter under sequence parallelism)
     sbh = e * shape.seq * b * shape.hidden
     b_end = sbh + e * shape.seq * b * (shape.hidden + 2 * shape.kv_dim) if config.tp == 1 else 3 * sbh
-    # every count multiplies one of these: where none is negative (always, for a real shape) only the
-    # moments that may be the peak are summed, else every moment of the replay
-    grows = (mb[True]["kept"], mb[False]["kept"], m_w, message, logits)
-    rest = (mb[True]["peak"], mb[False]["peak"], w_grads, b_end)
-    monotone = all(0.0 <= c < math.inf for c in grows) and all(math.isfinite(x) for x in rest)
-    replay = _replay_frontier if monotone else _replay_counts
-    counts = replay(config.schedule, config.pp, config.microbatches, rank, bool(w_grads))
-    return _replay_peak(counts, mb, message, logits, last, m_w, w_grads, b_end)
+    layers = _layer_counts(shape, config.pp)
+    kinds: dict[tuple[int, bool, bool], tuple] = {}   # (layers, first rank, last rank) -> its sizes
+    out = []
+    for rank in range(config.pp):
+        last = rank == config.pp - 1
+        kind = (layers[rank], rank == 0, last)
+        if kind not in kinds:
+            mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
+                                     hold_logits=False, unit=unit) for first in (True, False)}
+            # a zero-bubble B on a stage fed activations ends holding every deferred product's output
+            # gradient beside its activations, then M_W until its W (the first stage's B has no input
+            # gradient to compute: its W is the whole backward)
+            w_grads = _weight_gradient_inputs(shape, config, global_batch, rank) if rank > 0 else 0.0
+            if config.zero == 3 and config.dp > 1:
+                # FSDP's parameters are flat 1-D shards, and the split defers only matrices: B does the
+                # whole backward, as in 1F1B
+                w_grads = 0.0
+            m_w = _deferred_weight_bytes(shape, config, global_batch, rank) if w_grads else 0.0
+            # every count multiplies one of these: where none is negative (always, for a real shape) only
+            # the moments that may be the peak are summed, else every moment of the replay
+            grows = (mb[True]["kept"], mb[False]["kept"], m_w, message, logits)
+            rest = (mb[True]["peak"], mb[False]["peak"], w_grads, b_end)
+            monotone = all(0.0 <= c < math.inf for c in grows) and all(math.isfinite(x) for x in rest)
+            kinds[kind] = (mb, w_grads, m_w, _replay_frontier if monotone else _replay_counts)
+        mb, w_grads, m_w, replay = kinds[kind]
+        counts = replay(config.schedule, config.pp, config.microbatches, rank, bool(w_grads))
+        out.append(_replay_peak(counts, mb, message, logits, last, m_w, w_grads, b_end))
+    return out
 
 
 def _replay_peak(counts: tuple, mb: dict, message: float, logits: float, last: bool, m_w: float,
@@ -694,6 +705,7 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
     # each stage's micro-batch, for all but the schedules of one stage per rank (those replay their own)
     per_stage = [activation_bytes_per_microbatch(shape, config, global_batch, s) for s in range(n_stages)] \
         if not piped or several else []
+    replayed = _pipeline_activations(shape, config, global_batch) if piped and not several else []
     comms = _communicators(config) * (cluster.communicator_bytes if cluster is not None else 0.0)
     layout = _state_config(config)
     rows = []
@@ -702,7 +714,7 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
         if not piped:
             activations = per_stage[0]["peak"]
         elif not several:        # one stage per rank: replay its action list
-            activations = _pipeline_activations(shape, config, global_batch, r)
+            activations = replayed[r]
         else:                    # several: their peaks need not coincide, so replay the list
             kept = tuple((s, per_stage[s]["kept"]) for s in stages)
             activations = _peak_live(config.schedule, config.pp, m, r, kept)
