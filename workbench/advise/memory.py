@@ -679,6 +679,37 @@ def _model_state(shape: ModelShape, config: Config, stages: tuple[int, ...], opt
 
 
 # ----------------------------------------------------------------------------------- per rank
+@lru_cache(maxsize=1024)
+def _rank_states(shape: ModelShape, layout: Config, optimizer: str) -> tuple[tuple[tuple[int, ...], dict, int], ...]:
+    """Per pipeline rank of ``layout`` (a :func:`_state_config`): ``(its stages, its model state
+    (:func:`model_state`), the elements its ZeRO stage holds in buffers)`` -- ZeRO-3's gathered
+    units, ZeRO-2's open gradient buckets, ZeRO-1's step buffers, 0 for DDP. None of it depends
+    on the micro-batches: one entry per layout, shared by the configurations that differ only in
+    micro-batches, sequence parallelism or recomputation (the dicts too: read them only)."""
+    n_stages = layout.pp * chunks(layout)
+    zero = layout.zero if layout.dp > 1 else 0
+    out = []
+    for stages in _stages_by_rank(layout.pp, chunks(layout), "v" if layout.schedule == "zbv" else "loop"):
+        if zero == 3:
+            units = _fsdp_units(shape, layout, stages, n_stages)
+            root, block = units[0], max(units[1:], default=0)
+            # gathered while backward runs: two blocks (the one running and the one prefetched; a
+            # stage of one block has one), and the root where it holds the head, whose backward
+            # needs the weight (gathered first, it stays until the root's gradient is reduced at
+            # the end); a first pipeline stage's root is its embeddings, whose backward needs only
+            # the token ids, so it stays sharded
+            head_here = n_stages - 1 in stages
+            elements = (root if head_here else 0) + min(2, len(units) - 1) * block
+        elif zero == 2:
+            elements = _zero2_open_buckets(shape, layout, stages, n_stages)
+        elif zero == 1:
+            elements = _zero1_step_buffers(shape, layout, stages, n_stages)
+        else:
+            elements = 0
+        out.append((stages, _model_state(shape, layout, stages, optimizer), elements))
+    return tuple(out)
+
+
 def _communicators(config: Config) -> int:
     world = config.devices
     groups = 1 if world > 1 else 0                                      # the default (world) group
@@ -707,10 +738,8 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
         if not piped or several else []
     replayed = _pipeline_activations(shape, config, global_batch) if piped and not several else []
     comms = _communicators(config) * (cluster.communicator_bytes if cluster is not None else 0.0)
-    layout = _state_config(config)
     rows = []
-    for r, stages in enumerate(_stages_by_rank(config.pp, chunks(config), "v" if config.schedule == "zbv" else "loop")):
-        state = _model_state(shape, layout, stages, optimizer)
+    for r, (stages, state, zero_elements) in enumerate(_rank_states(shape, _state_config(config), optimizer)):
         if not piped:
             activations = per_stage[0]["peak"]
         elif not several:        # one stage per rank: replay its action list
@@ -726,24 +755,14 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             if r > 0:                    # the receives posted ahead: the next input, the next output gradient
                 activations += e * sbh * (1 if n_stages - 1 in stages else 2)
         buffers = comms
-        if config.dp > 1 and config.zero == 3:
-            units = _fsdp_units(shape, layout, stages, n_stages)
-            root, block = units[0], max(units[1:], default=0)
-            # gathered while backward runs: two blocks (the one running and the one prefetched; a
-            # stage of one block has one), and the root where it holds the head, whose backward
-            # needs the weight (gathered first, it stays until the root's gradient is reduced at
-            # the end); a first pipeline stage's root is its embeddings, whose backward needs only
-            # the token ids, so it stays sharded
-            head_here = n_stages - 1 in stages
-            buffers += e * ((root if head_here else 0) + min(2, len(units) - 1) * block)
-        elif config.dp > 1 and config.zero == 2:
-            buffers += e * _zero2_open_buckets(shape, layout, stages, n_stages)
+        if config.dp > 1 and config.zero in (2, 3):   # ZeRO-3's gathered units, ZeRO-2's open buckets
+            buffers += e * zero_elements
         elif config.dp > 1 and config.zero == 1:
             # the step's reduction (flat buffers, reduced chunks) beside what backward left: the
             # caller's logits (no pipeline)
             held = 0.0 if piped else e * shape.seq * microbatch_size(config, global_batch) \
                 * shape.padded_vocab(config.tp) / config.tp
-            step = e * _zero1_step_buffers(shape, layout, stages, n_stages)
+            step = e * zero_elements
             if held + step > activations + buffers - comms:
                 activations, buffers = held, comms + step
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],

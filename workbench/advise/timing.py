@@ -513,6 +513,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     num_stages, style = _placement(config, p)
     per_stage = []
     edge_tp = sum(_tp_time(rows, shape, config, 0, True, True, e, topo["tp"], machine, sync))
+    stage_tp: dict[tuple[int, bool, bool], tuple[float, float]] = {}   # the stages in between share theirs
     for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
         first, last = k == 0, k == num_stages - 1
         # the head's FLOPs on the last stage; the per-micro-batch overheads on every stage
@@ -523,7 +524,10 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             # (the first stage has no input gradient: its W is a plain backward)
             split = n_layers * float(getattr(cluster, "split_overhead_s", 0.0))
             compute += split
-        tp_f, tp_b = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"], machine, sync)
+        if (n_layers, first, last) not in stage_tp:
+            stage_tp[n_layers, first, last] = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"],
+                                                       machine, sync)
+        tp_f, tp_b = stage_tp[n_layers, first, last]
         if tp_layer is not None:   # the measured collectives, split forward/backward as the formulas split them
             layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo["tp"], machine, sync)
             ef, eb = tp_f - layers_f, tp_b - layers_b
