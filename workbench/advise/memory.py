@@ -352,7 +352,13 @@ def _zero3_unit(shape: ModelShape, config: Config) -> tuple[float, int, float] |
     (see :func:`_fsdp_units`)."""
     if config.zero != 3 or config.dp == 1:
         return None
-    tensors = shape.layer_tensors(config.tp)
+    return _block_unit(shape, config.tp)
+
+
+@lru_cache(maxsize=1024)
+def _block_unit(shape: ModelShape, tp: int) -> tuple[float, int, float]:
+    """:func:`_zero3_unit` of a block on one of ``tp`` ranks, remembered (asked for per stage)."""
+    tensors = shape.layer_tensors(tp)
     return float(sum(tensors)), 1, float(sum(tensors[-2:]))
 
 

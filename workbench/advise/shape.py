@@ -120,10 +120,10 @@ class ModelShape:
     @classmethod
     def coerce(cls, model, argument: str = "model") -> "ModelShape":
         """A :class:`ModelShape` from what a user passes: itself, a ``GPTConfig`` or a preset name."""
+        if isinstance(model, ModelShape):   # first: a search coerces the same shape for every configuration
+            return model
         from workbench.models import GPTConfig
 
-        if isinstance(model, ModelShape):
-            return model
         if isinstance(model, GPTConfig):
             return cls.from_gpt(model)
         if isinstance(model, str):
