@@ -21,6 +21,8 @@ import torch
 from workbench.advise import Cluster, Config, ModelShape, advise, configurations, infeasible_reason, \
     memory_per_device, predict
 from workbench.advise.cluster import GiB
+from workbench.advise import memory as advise_memory
+from workbench.advise import timing as advise_timing
 from workbench.advise.memory import activation_bytes_per_microbatch, memory_by_rank
 from workbench.comm import Link
 from workbench.metrics import MemoryMeter, model_state_bytes
@@ -337,6 +339,146 @@ def test_predict_marks_what_does_not_fit_and_keeps_its_numbers():
     assert not plan.feasible and plan.reason.startswith("needs") and plan.memory["optimizer"] > 80e9
     assert plan.time["total"] > 0 and "infeasible" in plan.explain()
     json.dumps(plan.as_dict())
+
+
+# ----------------------------------------------------------------------------------- the search's shortcuts
+def _forget() -> None:
+    """Empty every result the advisor remembers (its functools caches and the collectives' prices)."""
+    for module in (advise_memory, advise_timing):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
+
+
+_GQA = ModelShape(layers=6, hidden=256, heads=8, kv_heads=2, vocab=1000, seq=128, ffn=688, gated=True, tied=False,
+                  bias=False, positions="rope", norm="rmsnorm", name="gqa")
+
+
+@pytest.mark.parametrize("model,cluster,batch,every", [("tiny", _cluster(4, 2, memory_gib=0.0025), 32, 7),
+                                                       (_GQA, _cluster(4, 2, memory_gib=0.05), 64, 11)])
+def test_what_a_search_remembers_is_what_each_plan_computes_alone(model, cluster, batch, every):
+    """advise() remembers what its configurations share (model state and ZeRO buffers per layout, a
+    micro-batch per kind of stage, a pipeline replay's peak moments per schedule and rank, each
+    collective's price): every plan is what predict() gives it with nothing remembered, bit for bit."""
+    plans = advise(model, cluster, batch)
+    assert {True, False} <= {p.feasible for p in plans if p.memory}
+    shape = ModelShape.coerce(model)
+    for plan in [p for p in plans if p.memory][::every]:
+        _forget()
+        alone = predict(model, cluster, batch, plan.config, time_infeasible=False)
+        assert (alone.memory, alone.time, alone.feasible, alone.reason, alone.notes) == \
+            (plan.memory, plan.time, plan.feasible, plan.reason, plan.notes)
+        # model state and the ZeRO buffers are remembered per layout (the fields they read): the same
+        # as computed from the whole configuration
+        config, layout = plan.config, advise_memory._state_config(plan.config)
+        n_stages = config.pp * advise_memory.chunks(config)
+        for rank in range(config.pp):
+            stages = tuple(advise_memory.rank_stages(config, rank))
+            assert advise_memory._model_state(shape, layout, stages, "adam") == \
+                advise_memory._model_state.__wrapped__(shape, config, stages, "adam")
+            for elements in (advise_memory._fsdp_units, advise_memory._zero1_step_buffers,
+                             advise_memory._zero2_open_buckets):
+                assert elements(shape, layout, stages, n_stages) == elements.__wrapped__(shape, config, stages, n_stages)
+
+
+def _replay_each_event(events, rank: int, mb: dict, message: float, logits: float, last: bool, m_w: float,
+                       w_grads: float, b_end: float) -> float:
+    """A one-stage-per-rank pipeline's memory replay event by event (advise.memory's loop before it
+    counted the moments that can be the peak)."""
+    live = forwarded = pending = 0
+    held, first, peak = 0.0, True, 0.0
+    for kind, posted, deferred in events:
+        posted *= message
+        if kind == "F":
+            live += 1
+            forwarded += 1
+            peak = max(peak, live * mb[True]["kept"] + pending * m_w + posted + held
+                       + (forwarded * logits if last else 0.0))
+        elif kind == "B" and deferred and rank == 0:
+            held += message
+        elif kind == "W" and rank == 0:
+            one = mb[first]
+            held -= message
+            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + posted + held)
+            live -= 1
+            first = False
+        elif kind == "B":
+            one = mb[first]
+            sent = message if (rank > 0 and not first) else 0.0
+            others = pending * m_w + posted + sent + (forwarded * logits if last else 0.0)
+            peak = max(peak, (live - 1) * one["kept"] + one["peak"] + others)
+            live -= 1
+            if deferred and w_grads:
+                peak = max(peak, (live + 1) * one["kept"] + w_grads + b_end + others)
+                pending += 1
+            first = False
+        elif kind == "W" and w_grads:
+            pending -= 1
+        else:
+            live -= 1
+    return peak
+
+
+def test_pipeline_replay_counts_and_its_peak_moments_give_the_event_by_event_peak():
+    import random
+
+    rng = random.Random(0)
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        for p in (2, 3, 4):
+            for m in (p, 2 * p, 4 * p, 8 * p):
+                for rank in range(p):
+                    events = advise_memory._replay_events(schedule, p, m, rank)
+                    for split_w in (False, True):
+                        for trial in range(4):
+                            size = lambda: rng.choice([0.0, 1.0, rng.uniform(0, 1e7), rng.uniform(0, 1) / 3])  # noqa: E731
+                            mb = {f: {"kept": size(), "peak": size() + rng.uniform(-1e6, 1e6)} for f in (True, False)}
+                            w_grads = rng.uniform(1.0, 1e7) if split_w else 0.0    # split_w: bool(w_grads)
+                            args = (mb, size(), size(), rank == p - 1, size(), w_grads, size())
+                            want = _replay_each_event(events, rank, *args)
+                            counts = advise_memory._replay_counts(schedule, p, m, rank, split_w)
+                            frontier = advise_memory._replay_frontier(schedule, p, m, rank, split_w)
+                            assert advise_memory._replay_peak(counts, *args) == want
+                            assert advise_memory._replay_peak(frontier, *args) == want
+                            assert len(frontier[1]) <= len(counts[1])
+                    # a negative size (no real shape has one) falls back on every moment: still the same
+                    mb = {True: {"kept": -5.0, "peak": 1.0}, False: {"kept": 3.0, "peak": 2.0}}
+                    args = (mb, 0.7, 1.3, rank == p - 1, 0.2, 0.0, 0.4)
+                    assert advise_memory._replay_peak(advise_memory._replay_counts(schedule, p, m, rank, False),
+                                                      *args) == _replay_each_event(events, rank, *args)
+
+
+def _whole_ring(p: int, per_node: int, m: float, reduce_steps: int, gather_steps: int, topology, model) -> float:
+    """comm.cost's ring on the topology's links, every rank replayed (before it replayed one node's)."""
+    cost = []
+    for r in range(p):
+        link = topology.link("intra" if r // per_node == ((r + 1) % p) // per_node else "inter")
+        cost.append((link.latency_s, m / link.bandwidth_Bps) if link is not None else (0.0, model.exchange(m)))
+    g = model.reduction(m)
+    ready, free = [0.0] * p, [0.0] * p
+    for s in range(reduce_steps + gather_steps):
+        arrive = [0.0] * p
+        for r in range(p):
+            latency, busy = cost[r]
+            free[r] = max(ready[r], free[r]) + busy
+            arrive[(r + 1) % p] = free[r] + latency
+        ready = [t + (g if s < reduce_steps else 0.0) for t in arrive]
+    return max(ready)
+
+
+def test_a_ring_on_mixed_links_is_one_node_replayed_bit_for_bit():
+    from workbench.comm import cost
+    from workbench.comm.topology import Topology
+
+    model = cost.CostModel(alpha=3e-5, beta=7e-10, gamma=2e-10)
+    for per_node, nodes in ((1, 5), (2, 3), (4, 4), (8, 12), (3, 1)):
+        p = per_node * nodes
+        for intra, inter in ((Link(2e-6, 450e9), Link(5e-6, 50e9)), (None, Link(3e-5, 1.56e9)),
+                             (Link(1e-6, 3e9), None)):
+            topology = Topology(per_node, intra=intra, inter=inter)
+            for steps in ((p - 1, p - 1), (0, p - 1), (p - 1, 0)):
+                for m in (1.0, 1e6 / 3, 123456.789):
+                    assert cost._ring_on_links(p, per_node, m, *steps, topology, model) == \
+                        _whole_ring(p, per_node, m, *steps, topology, model)
 
 
 # ----------------------------------------------------------------------------------- the command
