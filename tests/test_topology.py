@@ -295,8 +295,25 @@ def _idle():
 
 def test_links_faster_than_the_machine_are_refused():
     fast = Topology(1, inter=Link(1e-9, 1e15))
-    with pytest.raises(workbench.RankFailed, match="faster than this machine"):
+    with pytest.raises(workbench.RankFailed, match=r"faster than this machine.*best of 4 measurements"):
         workbench.launch(_idle, world_size=2, topology=fast, timeout=60)
+
+
+def _emulate_after_a_busy_first_measurement():
+    """The first floor measured as on a loaded machine (4 ms, 90 MB/s: slower than the link asked
+    for), the next as the machine can go: emulate() measures again before refusing, and keeps the best."""
+    from workbench.comm import emulation
+
+    floors = iter([Link(4e-3, 90e6), Link(40e-6, 2e9)])
+    emulation.measure_floor = lambda repeats=20: next(floors)  # this rank's process only
+    floor = comm.emulate(Topology(1, inter=Link(500e-6, 200e6)))
+    comm.emulate(None)
+    return floor
+
+
+def test_a_link_is_refused_only_after_the_floor_is_measured_again():
+    floors = workbench.launch(_emulate_after_a_busy_first_measurement, world_size=2, timeout=60)
+    assert floors == [Link(40e-6, 2e9)] * 2
 
 
 # ---------------------------------------------------------------------------------------- HSDP
