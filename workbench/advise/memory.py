@@ -112,6 +112,15 @@ one rank, and a pair per pipeline neighbour for send/recv.
 The worst device is reported: every pipeline rank is evaluated (the first stage holds the
 embedding and the most live micro-batches, the last the head and the logits, which win for a large
 vocabulary) and the one with the largest total returned.
+
+**A search** (:func:`~workbench.advise.choose.advise`) asks this of tens of thousands of
+configurations that share most of their parts, so the parts are remembered by what they read:
+model state and the ZeRO buffers per rank of a layout (:func:`_state_config`: not the
+micro-batches, sequence parallelism or recomputation), a micro-batch per kind of stage (its layers,
+first, last), and a pipeline replay's counts per schedule, size, micro-batches and rank, of which
+only the moments that can be the peak are summed (:func:`_replay_frontier`). Each is a pure
+function of its key, and every sum keeps its order of operations: the figures are the same, bit
+for bit, as computing each configuration alone (tests/test_advise.py checks both).
 """
 from __future__ import annotations
 
