@@ -544,6 +544,11 @@ def _replay_counts(schedule: str, p: int, m: int, rank: int, split_w: bool) -> t
     return tuple(held_ops), tuple(moments)
 
 
+def _counts_at_most(a: tuple, b: tuple) -> bool:
+    """Whether every count of moment ``a`` (live, pending, posted, sent, forwarded) is at most ``b``'s."""
+    return a[2] <= b[2] and a[3] <= b[3] and a[4] <= b[4] and a[5] <= b[5] and a[6] <= b[6]
+
+
 @lru_cache(maxsize=1 << 14)
 def _replay_frontier(schedule: str, p: int, m: int, rank: int, split_w: bool) -> tuple[tuple, tuple]:
     """:func:`_replay_counts` without the moments that cannot be the peak where every count
@@ -561,7 +566,7 @@ def _replay_frontier(schedule: str, p: int, m: int, rank: int, split_w: bool) ->
     for group in groups.values():
         frontier: list[tuple] = []
         for moment in sorted(group, key=lambda x: x[2:7], reverse=True):   # a dominating one comes first
-            if not any(all(a <= b for a, b in zip(moment[2:7], other[2:7])) for other in frontier):
+            if not any(_counts_at_most(moment, other) for other in frontier):
                 frontier.append(moment)
         kept += frontier
     used = max((x[7] for x in kept), default=0)
