@@ -188,6 +188,19 @@ def _check_group(group, members: list[int], tag: str, full: bool) -> list[str]:
                         if not torch.equal(lst[i], ins[i]):
                             fail(f"gather {alg} root={root} {dtype} {shape} contiguous={c}: "
                                  f"slot {i} got {lst[i]} want {ins[i]}")
+
+    for alg in comm.ALGORITHMS["all_to_all_single"]:
+        for k, dtype, shape, c in cases_move():
+            row = tuple(shape[1:])  # dimension 0 is split; each row travels whole
+            even = k % 2 == 0  # even: no split sizes (torch cuts dimension 0 into p blocks)
+            rows = [[1 if even else (i + 2 * j + k) % 3 for j in range(p)] for i in range(p)]  # rows i sends j
+            ins = [_data(k, r, (sum(rows[i]),) + row, dtype) for i, r in enumerate(members)]
+            out = _like((sum(rows[i][gr] for i in range(p)),) + row, dtype, c)
+            splits = (None, None) if even else ([rows[i][gr] for i in range(p)], rows[gr])
+            comm.all_to_all_single(out, _put(_like(ins[gr].shape, dtype, c), ins[gr]), *splits, algorithm=alg, **kw)
+            want = torch.cat([ins[i].split(rows[i])[gr] for i in range(p)])
+            if not torch.equal(out, want):
+                fail(f"all_to_all_single {alg} {dtype} rows {rows} x {row} contiguous={c}: got {out} want {want}")
     return bad
 
 

@@ -65,6 +65,10 @@ def _every_collective() -> dict[str, str]:
                 outs = [torch.empty(n, device=dev) for _ in range(w)] if r == 0 else None
                 comm.gather(full(r + 1), outs, dst=0, algorithm=a)
                 got = [(o, i + 1) for i, o in enumerate(outs)] if r == 0 else []
+            elif coll == "all_to_all_single":
+                o = torch.empty(w * n, device=dev)
+                comm.all_to_all_single(o, torch.cat([full(10 * r + j) for j in range(w)]), algorithm=a)
+                got = [(b, 10 * i + r) for i, b in enumerate(o.split(n))]
             else:
                 raise AssertionError(f"no check written for {coll}")
             wrong = [f"{t.device}:{t[:3].tolist()} != {v}" for t, v in got

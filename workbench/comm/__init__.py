@@ -19,6 +19,7 @@ all_reduce         native, reduce_broadcast, ring, recursive_doubling, rabenseif
 scatter, gather    native, flat, binomial
 all_gather         native, ring, recursive_doubling, bruck, hierarchical
 reduce_scatter     native, ring, recursive_halving, hierarchical
+all_to_all_single  native, pairwise
 =================  ========================================================================
 
 ``hierarchical`` needs to know which ranks share a node (``comm.ALGORITHMS`` lists the algorithms
@@ -46,16 +47,15 @@ alpha-beta cost and draws its messages.
 communication thread per process.
 
 Where things are: one module per collective (``broadcast.py``, ``reduce.py``, ``all_reduce.py``,
-``scatter_gather.py``, ``all_gather.py``, ``reduce_scatter.py``) holds its algorithms and its public
-function; ``group.py`` the point-to-point layer (group numbering, counted ``isend``/``irecv``,
-block and segment splits, power-of-two folding), ``ops.py`` the reduction operators,
-``checks.py`` the argument checks, ``work.py`` the async handles and the communication thread,
-``counters.py`` the counters, ``dispatch.py`` what runs one call, ``topology.py`` the emulated
-cluster's description (nodes, links, presets) and ``emulation.py`` how its messages are held
-back. As in ``torch.distributed``, ``workbench.comm.all_reduce`` is the *function*; reach a
-module's algorithms with
-``from workbench.comm.all_reduce import ring`` (``import workbench.comm.all_reduce as m`` would
-give the function).
+``scatter_gather.py``, ``all_gather.py``, ``reduce_scatter.py``, ``all_to_all.py``) holds its
+algorithms and its public function; ``group.py`` the point-to-point layer (group numbering,
+counted ``isend``/``irecv``, block and segment splits, power-of-two folding), ``ops.py`` the
+reduction operators, ``checks.py`` the argument checks, ``work.py`` the async handles and the
+communication thread, ``counters.py`` the counters, ``dispatch.py`` what runs one call,
+``topology.py`` the emulated cluster's description (nodes, links, presets) and ``emulation.py``
+how its messages are held back. As in ``torch.distributed``, ``workbench.comm.all_reduce`` is the
+*function*; reach a module's algorithms with ``from workbench.comm.all_reduce import ring``
+(``import workbench.comm.all_reduce as m`` would give the function).
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ from __future__ import annotations
 # the modules stay reachable as workbench.comm.<name> in sys.modules and through `from ... import`.
 from workbench.comm.all_gather import ALGORITHMS as _ALL_GATHER, all_gather
 from workbench.comm.all_reduce import ALGORITHMS as _ALL_REDUCE, all_reduce
+from workbench.comm.all_to_all import ALGORITHMS as _ALL_TO_ALL, all_to_all_single
 from workbench.comm.broadcast import ALGORITHMS as _BROADCAST, broadcast
 from workbench.comm.counters import Counters, LinkStat, Stat, counters
 from workbench.comm.emulation import emulate
@@ -93,6 +94,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "gather": _any_group(_GATHER),
     "all_gather": _any_group(_ALL_GATHER),
     "reduce_scatter": _any_group(_REDUCE_SCATTER),
+    "all_to_all_single": _any_group(_ALL_TO_ALL),
 }
 # the algorithms that need a topology: {"all_reduce": ("hierarchical",), ...}
 TOPOLOGY_ALGORITHMS: dict[str, tuple[str, ...]] = {
@@ -101,5 +103,5 @@ TOPOLOGY_ALGORITHMS: dict[str, tuple[str, ...]] = {
 }
 
 __all__ = ["send", "recv", "isend", "irecv", "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
-           "reduce_scatter", "ALGORITHMS", "TOPOLOGY_ALGORITHMS", "NEEDS_TOPOLOGY", "ReduceOp", "counters", "Counters",
-           "Stat", "LinkStat", "Work", "Link", "Topology", "emulate", "node_groups"]
+           "reduce_scatter", "all_to_all_single", "ALGORITHMS", "TOPOLOGY_ALGORITHMS", "NEEDS_TOPOLOGY", "ReduceOp",
+           "counters", "Counters", "Stat", "LinkStat", "Work", "Link", "Topology", "emulate", "node_groups"]

@@ -23,9 +23,11 @@ is a sum of such terms; with ``n`` bytes and ``p`` ranks (``lg p`` rounded up)::
                 binomial            lg p (a + n b + n g)
     scatter, gather  flat           (p-1) a + (p-1)/p n b
                 binomial            lg p a + (p-1)/p n b
+    all_to_all_single  pairwise     (p-1) a + (p-1)/p n b
 
 ``n`` is the size nccl-tests reports: the whole vector for all-reduce, broadcast and reduce,
-the whole *gathered* (or scattered) buffer for all-gather, reduce-scatter, gather and scatter.
+the whole *gathered* (or scattered) buffer for all-gather, reduce-scatter, gather and scatter,
+one rank's whole input for all-to-all (even splits).
 Recursive doubling/halving and Rabenseifner on a world size that is not a power of two first
 fold the ``p - 2^k`` extra ranks into partners (one message of the vector and a reduction) and
 unfold at the end (one more message): those terms are added. ``native`` is predicted as the
@@ -137,7 +139,7 @@ import torch
 
 # the algorithm gloo runs for ``algorithm="native"`` (on CPU); see the module docstring
 NATIVE_AS = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "ring", "broadcast": "binomial",
-             "reduce": "binomial", "gather": "flat", "scatter": "flat"}
+             "reduce": "binomial", "gather": "flat", "scatter": "flat", "all_to_all_single": "pairwise"}
 
 # the textbook formula of each algorithm, as shown in tables and the lesson
 FORMULAS = {
@@ -159,6 +161,7 @@ FORMULAS = {
     ("scatter", "binomial"): "lg p a + (p-1)/p n b",
     ("gather", "flat"): "(p-1) a + (p-1)/p n b",
     ("gather", "binomial"): "lg p a + (p-1)/p n b",
+    ("all_to_all_single", "pairwise"): "(p-1) a + (p-1)/p n b",
     # needs a topology: N nodes of L ranks, a_i/b_i and a_e/b_e the intra- and inter-node links
     ("all_reduce", "hierarchical"): "2(L-1)(a_i + n/L b_i) + 2(N-1)(a_e + n/p b_e) + ((L-1)/L + (N-1)/p) n g",
     ("all_gather", "hierarchical"): "(N-1)(a_e + n/p b_e) + (L-1)(a_i + n/L b_i)",
@@ -180,6 +183,7 @@ COPIES = {
     ("gather", "flat"): lambda n, p: n / p,
     ("scatter", "binomial"): lambda n, p: (1 + _runs_of_several(p)) * n / p,
     ("scatter", "flat"): lambda n, p: n / p,
+    ("all_to_all_single", "pairwise"): lambda n, p: n / p,  # this rank's own block, input to output
     ("all_gather", "hierarchical"): lambda n, p: n,  # this rank's column in, the other columns out
     ("reduce_scatter", "hierarchical"): lambda n, p: n,  # the inputs laid out by node and local index
 }
@@ -431,6 +435,8 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
         if algorithm == "flat":
             return (p - 1) * (one(n) + g(n))
         return lg * (one(n) + g(n))
+    if collective == "all_to_all_single":  # pairwise: p-1 exchanges of one block each
+        return (p - 1) * ex(n / p)
     # scatter, gather
     if algorithm == "flat":
         return (p - 1) * one(n / p)
@@ -725,6 +731,7 @@ def call_overheads(*, calls: int = 100, repeats: int = 5, group=None) -> dict[st
         "reduce": lambda a: wcomm.reduce(e, root, group=group, algorithm=a),
         "scatter": lambda a: wcomm.scatter(e, lst if is_root else None, src=root, group=group, algorithm=a),
         "gather": lambda a: wcomm.gather(e, lst if is_root else None, dst=root, group=group, algorithm=a),
+        "all_to_all_single": lambda a: wcomm.all_to_all_single(e, e, group=group, algorithm=a),
     }
     keys, times = [], []
     for collective, algorithms in wcomm.ALGORITHMS.items():
