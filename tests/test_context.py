@@ -1,0 +1,253 @@
+"""Context parallelism (workbench.parallel.context) and comm.all_to_all_single.
+
+Against single-process ``F.scaled_dot_product_attention`` on the unsharded tensors: ring and
+Ulysses attention, both layouts, causal and not, P = 2 and 4, float32: the output and the
+gradients of q, k and v within 1e-5; the bytes each rank sends, counted by ``comm.counters()``,
+equal to the module docstring's formulas exactly. ``all_to_all_single`` (native and pairwise,
+even and uneven splits, P = 2 and 3) against torch's own. Bad input is a ValueError naming the
+argument, raised before any message.
+
+Each world size runs every case inside ONE launch (ranks loop over the cases and return what
+they measured); the tests then assert on those results.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import workbench
+from workbench import comm
+from workbench.parallel import context as cp
+
+B, H, D = 1, 4, 8
+S = 16  # zigzag over P = 4 needs S % 8 == 0
+TOL = 1e-5
+METHODS = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention}
+
+
+def _full(seed: int, heads: int = H):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, heads, S, D, generator=g) for _ in range(4)]  # q, k, v and the loss weights
+
+
+def _attention_cases() -> dict:
+    """Every (method, layout, causal) on this rank: max |difference| from SDPA, bytes sent."""
+    p = dist.get_world_size()
+    out: dict = {"diff": {}, "bytes": {}, "calls": {}}
+    cases = [(m, lay, c, None, "native") for m in METHODS for lay in cp.LAYOUTS for c in (True, False)]
+    cases += [("ring", "zigzag", True, 0.3, "native"), ("ulysses", "contiguous", True, 0.3, "pairwise")]
+    for n, (method, layout, causal, scale, algorithm) in enumerate(cases):
+        q, k, v, w = _full(seed=n)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        o_ref = F.scaled_dot_product_attention(*ref, is_causal=causal, scale=scale)
+        (o_ref * w).sum().backward()
+
+        def shard(t):
+            return cp.shard_sequence(t, layout=layout)
+
+        mine = [shard(t).requires_grad_() for t in (q, k, v)]
+        kw = {"algorithm": algorithm} if method == "ulysses" else {}
+        with comm.counters() as fwd:
+            o = METHODS[method](*mine, is_causal=causal, scale=scale, layout=layout, **kw)
+        with comm.counters() as bwd:
+            (o * shard(w)).sum().backward()
+        key = f"{method}/{layout}/{'causal' if causal else 'full'}" + (f"/scale={scale}/{algorithm}" if scale else "")
+        pairs = [(o, o_ref)] + [(m.grad, r.grad) for m, r in zip(mine, ref)]
+        out["diff"][key] = [(a.detach() - shard(b.detach())).abs().max().item() for a, b in pairs]
+        out["bytes"][key] = (fwd.total_bytes_sent, bwd.total_bytes_sent)
+        out["calls"][key] = ({f"{c}/{a}": s.calls for (c, a), s in fwd.stats.items()},
+                             {f"{c}/{a}": s.calls for (c, a), s in bwd.stats.items()})
+        if n == 0:  # the shards put back together are the full output
+            out["unshard"] = (cp.unshard_sequence(o.detach(), layout=layout) - o_ref.detach()).abs().max().item()
+    out["positions"] = {lay: cp.sequence_positions(S, layout=lay).tolist() for lay in cp.LAYOUTS}
+    out["p"] = p
+    return out
+
+
+def _all_to_all_cases() -> dict:
+    """all_to_all_single, ours against torch's, even and uneven splits; bytes and calls counted."""
+    r, p = dist.get_rank(), dist.get_world_size()
+    res: dict = {"bad": [], "counted": {}}
+    uneven = [[(i + 2 * j) % 3 for j in range(p)] for i in range(p)]  # rows rank i sends rank j (some 0)
+    for splits in ("even", "uneven"):
+        for dtype in (torch.float32, torch.int64):
+            rows = [[2] * p for _ in range(p)] if splits == "even" else uneven
+            send, recv = rows[r], [rows[i][r] for i in range(p)]
+            x = (torch.arange(sum(send) * 3).view(-1, 3) + 1000 * r).to(dtype)
+            want = torch.empty(sum(recv), 3, dtype=dtype)
+            sizes = (None, None) if splits == "even" else (recv, send)
+            dist.all_to_all_single(want, x, *sizes)
+            for alg in comm.ALGORITHMS["all_to_all_single"]:
+                for async_op in (False, True):
+                    got = torch.full((sum(recv), 3), -1, dtype=dtype)
+                    with comm.counters() as c:
+                        h = comm.all_to_all_single(got, x, *sizes, algorithm=alg, async_op=async_op)
+                        if async_op:
+                            h.wait()
+                    if (h is None) == async_op:
+                        res["bad"].append(f"{alg} async_op={async_op} returned {h!r}")
+                    if not torch.equal(got, want):
+                        res["bad"].append(f"{alg} {splits} {dtype} async={async_op}: got {got.tolist()} "
+                                          f"want {want.tolist()}")
+                    stat = c.stats[("all_to_all_single", alg)]
+                    row = 3 * x.element_size()
+                    expect = (1, (sum(send) - send[r]) * row, (sum(recv) - recv[r]) * row)
+                    if (stat.calls, stat.bytes_sent, stat.bytes_received) != expect:
+                        res["bad"].append(f"{alg} {splits} counted {(stat.calls, stat.bytes_sent, stat.bytes_received)}"
+                                          f" want {expect}")
+    # a non-contiguous output (a transposed view) is written in place
+    x = torch.arange(4 * p, dtype=torch.float32).view(2 * p, 2) + 100 * r
+    want = torch.empty(2 * p, 2)
+    dist.all_to_all_single(want, x)
+    for alg in comm.ALGORITHMS["all_to_all_single"]:
+        got = torch.empty(2, 2 * p).t()
+        comm.all_to_all_single(got, x, algorithm=alg)
+        if not torch.equal(got, want):
+            res["bad"].append(f"{alg} non-contiguous output: got {got.tolist()} want {want.tolist()}")
+    return res
+
+
+def _bad_input_cases() -> dict:
+    """Each bad call raises a ValueError naming the argument; nothing is sent by any of them."""
+    q = torch.randn(B, H, S // 2, D)
+    odd = torch.randn(B, H, 3, D)
+    three_heads = torch.randn(B, 3, S // 2, D)
+    x = torch.arange(8.0)
+    calls = {
+        "sequence length": lambda: cp.ring_attention(odd, odd, odd),  # 3 x 2 = 6, not a multiple of 4
+        "heads": lambda: cp.ulysses_attention(three_heads, three_heads, three_heads),
+        "layout='spiral'": lambda: cp.ring_attention(q, q, q, layout="spiral"),
+        "k has shape": lambda: cp.ring_attention(q, q[..., :4], q),
+        "v has shape": lambda: cp.ulysses_attention(q, q, q[:, :2]),
+        "is_causal='yes'": lambda: cp.ring_attention(q, q, q, is_causal="yes"),
+        "scale=-1": lambda: cp.ulysses_attention(q, q, q, scale=-1),
+        "algorithm='bogus'": lambda: cp.ulysses_attention(q, q, q, algorithm="bogus"),
+        "x.shape[2]=10": lambda: cp.shard_sequence(torch.zeros(1, 1, 10, 2)),
+        "seq_len=10": lambda: cp.sequence_positions(10, layout="zigzag"),
+        "dim=5": lambda: cp.shard_sequence(q, dim=5),
+        "input_split_sizes": lambda: comm.all_to_all_single(torch.empty(8), x, input_split_sizes=[1, 2]),
+        "output_split_sizes": lambda: comm.all_to_all_single(torch.empty(8), x, [4, 4, 0]),
+        "input has 7 rows": lambda: comm.all_to_all_single(torch.empty(8), torch.arange(7.0)),
+        "dtype": lambda: comm.all_to_all_single(torch.empty(8, dtype=torch.int64), x),
+        "algorithm='tree'": lambda: comm.all_to_all_single(torch.empty(8), x, algorithm="tree"),
+    }
+    res: dict = {}
+    with comm.counters() as c:
+        for name, call in calls.items():
+            try:
+                call()
+                res[name] = "no error"
+            except ValueError as e:
+                res[name] = "ok" if name in str(e) else f"message does not name it: {e}"
+            except Exception as e:  # noqa: BLE001 -- reported to the test
+                res[name] = f"{type(e).__name__}: {e}"
+    res["messages"] = c.total_calls
+    t = torch.ones(1)
+    comm.all_reduce(t)  # nothing left in flight: the group still works
+    res["after"] = t.item()
+    return res
+
+
+def _rank_p2() -> dict:
+    return {"attention": _attention_cases(), "a2a": _all_to_all_cases(), "bad": _bad_input_cases()}
+
+
+def _rank_p3() -> dict:
+    return {"a2a": _all_to_all_cases()}
+
+
+def _rank_p4() -> dict:
+    return {"attention": _attention_cases()}
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(p: int) -> list[dict]:
+    fn = {2: _rank_p2, 3: _rank_p3, 4: _rank_p4}[p]
+    return workbench.launch(fn, world_size=p, timeout=120)
+
+
+def _block_bytes(p: int) -> int:
+    return B * (S // p) * H * D * 4  # one rank's K (or V, or q, ...) block of float32
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_attention_matches_sdpa(p):
+    for rank, res in enumerate(_launch(p)):
+        diff = res["attention"]["diff"]
+        assert len(diff) == 10
+        worst = {k: max(v) for k, v in diff.items()}
+        assert max(worst.values()) <= TOL, (rank, worst)
+        assert res["attention"]["unshard"] <= TOL
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_bytes_and_calls_match_the_formulas(p):
+    block = _block_bytes(p)
+    ring_fwd, ring_bwd = 2 * (p - 1) * block, 2 * (p - 1) * block + 2 * p * block
+    ulysses = 4 * block * (p - 1) // p
+    assert 4 * block * (p - 1) % p == 0
+    for res in _launch(p):
+        for key, (fwd, bwd) in res["attention"]["bytes"].items():
+            want = (ring_fwd, ring_bwd) if key.startswith("ring") else (ulysses, ulysses)
+            assert (fwd, bwd) == want, key
+        for key, (fwd, bwd) in res["attention"]["calls"].items():
+            if key.startswith("ring"):  # one K/V message per step, and P dK/dV hops
+                assert fwd == {"isend/native": p - 1, "irecv/native": p - 1}, key
+                assert bwd == {"isend/native": 2 * p - 1, "irecv/native": 2 * p - 1}, key
+            else:  # three all-to-alls in (q, k, v), one out; the same backward
+                alg = "pairwise" if key.endswith("pairwise") else "native"
+                assert fwd == bwd == {f"all_to_all_single/{alg}": 4}, key
+
+
+def test_layouts_positions():
+    for p in (2, 4):
+        res = _launch(p)
+        for lay in cp.LAYOUTS:
+            held = [r["attention"]["positions"][lay] for r in res]
+            assert sorted(sum(held, [])) == list(range(S)), lay
+        c = S // (2 * p)
+        for r, out in enumerate(res):
+            assert out["attention"]["positions"]["contiguous"] == list(range(r * S // p, (r + 1) * S // p))
+            assert out["attention"]["positions"]["zigzag"] == (list(range(r * c, (r + 1) * c))
+                                                                + list(range((2 * p - 1 - r) * c, (2 * p - r) * c)))
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_all_to_all_single_matches_torch(p):
+    for rank, res in enumerate(_launch(p)):
+        assert not res["a2a"]["bad"], (rank, res["a2a"]["bad"])
+
+
+def test_bad_input_raises_before_any_message():
+    for res in _launch(2):
+        bad = res["bad"]
+        assert bad.pop("messages") == 0
+        assert bad.pop("after") == 2.0
+        assert all(v == "ok" for v in bad.values()), {k: v for k, v in bad.items() if v != "ok"}
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_causal_work_per_rank_matches_the_docstring(p):
+    """Unmasked pairs and blocks computed per rank, from the ring's own masks (no launch needed)."""
+    seq = 16 * p
+    for layout in cp.LAYOUTS:
+        pairs, computed = [], []
+        for r in range(p):
+            q_pos = cp._positions(seq, p, r, layout)
+            k_pos = [cp._positions(seq, p, j, layout) for j in range(p)]
+            computed.append(sum(cp._block_mask(q_pos, kp, True) is not cp.SKIP for kp in k_pos))
+            pairs.append(sum(int((kp[None, :] <= q_pos[:, None]).sum()) for kp in k_pos))
+        if layout == "contiguous":  # rank r: r whole blocks and a triangle; r + 1 blocks computed
+            c = seq // p
+            assert pairs == [r * c * c + c * (c + 1) // 2 for r in range(p)]
+            assert computed == [r + 1 for r in range(p)]
+            # max/min = 1 + 2(P-1) c/(c+1): the docstring's 2P-1 once a chunk is long
+            assert max(pairs) / min(pairs) == pytest.approx(1 + 2 * (p - 1) * c / (c + 1))
+        else:  # zigzag: 2P-1 whole chunk pairs and two triangles on every rank; every block computed
+            c = seq // (2 * p)
+            assert pairs == [(2 * p - 1) * c * c + c * (c + 1)] * p
+            assert computed == [p] * p
