@@ -34,12 +34,15 @@ def _full(seed: int, heads: int = H):
     return [torch.randn(B, heads, S, D, generator=g) for _ in range(4)]  # q, k, v and the loss weights
 
 
-def _attention_cases() -> dict:
-    """Every (method, layout, causal) on this rank: max |difference| from SDPA, bytes sent."""
-    p = dist.get_world_size()
+def _attention_cases(group=None) -> dict:
+    """Every (method, layout, causal) on this rank: max |difference| from SDPA, bytes sent.
+    On a sub-group (``group``) a few cases: the ring and the all-to-all in group numbering."""
+    p = dist.get_world_size(group)
     out: dict = {"diff": {}, "bytes": {}, "calls": {}}
     cases = [(m, lay, c, None, "native") for m in METHODS for lay in cp.LAYOUTS for c in (True, False)]
     cases += [("ring", "zigzag", True, 0.3, "native"), ("ulysses", "contiguous", True, 0.3, "pairwise")]
+    if group is not None:
+        cases = [(m, "zigzag", True, None, "native") for m in METHODS]
     for n, (method, layout, causal, scale, algorithm) in enumerate(cases):
         q, k, v, w = _full(seed=n)
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -47,12 +50,12 @@ def _attention_cases() -> dict:
         (o_ref * w).sum().backward()
 
         def shard(t):
-            return cp.shard_sequence(t, layout=layout)
+            return cp.shard_sequence(t, group=group, layout=layout)
 
         mine = [shard(t).requires_grad_() for t in (q, k, v)]
         kw = {"algorithm": algorithm} if method == "ulysses" else {}
         with comm.counters() as fwd:
-            o = METHODS[method](*mine, is_causal=causal, scale=scale, layout=layout, **kw)
+            o = METHODS[method](*mine, group=group, is_causal=causal, scale=scale, layout=layout, **kw)
         with comm.counters() as bwd:
             (o * shard(w)).sum().backward()
         key = f"{method}/{layout}/{'causal' if causal else 'full'}" + (f"/scale={scale}/{algorithm}" if scale else "")
@@ -62,8 +65,9 @@ def _attention_cases() -> dict:
         out["calls"][key] = ({f"{c}/{a}": s.calls for (c, a), s in fwd.stats.items()},
                              {f"{c}/{a}": s.calls for (c, a), s in bwd.stats.items()})
         if n == 0:  # the shards put back together are the full output
-            out["unshard"] = (cp.unshard_sequence(o.detach(), layout=layout) - o_ref.detach()).abs().max().item()
-    out["positions"] = {lay: cp.sequence_positions(S, layout=lay).tolist() for lay in cp.LAYOUTS}
+            full = cp.unshard_sequence(o.detach(), group=group, layout=layout)
+            out["unshard"] = (full - o_ref.detach()).abs().max().item()
+    out["positions"] = {lay: cp.sequence_positions(S, group=group, layout=lay).tolist() for lay in cp.LAYOUTS}
     out["p"] = p
     return out
 
@@ -161,7 +165,8 @@ def _rank_p3() -> dict:
 
 
 def _rank_p4() -> dict:
-    return {"attention": _attention_cases()}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    return {"attention": _attention_cases(), "subgroup": _attention_cases(pairs[dist.get_rank() // 2])}
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,3 +256,14 @@ def test_causal_work_per_rank_matches_the_docstring(p):
             c = seq // (2 * p)
             assert pairs == [(2 * p - 1) * c * c + c * (c + 1)] * p
             assert computed == [p] * p
+
+
+def test_on_a_sub_group():
+    """P = 4 split into two groups of 2 (ranks 0-1 and 2-3): each runs its own ring and all-to-all."""
+    block = _block_bytes(2)
+    for res in _launch(4):
+        sub = res["subgroup"]
+        assert sub["p"] == 2 and len(sub["diff"]) == 2
+        assert max(max(v) for v in sub["diff"].values()) <= TOL and sub["unshard"] <= TOL
+        assert sub["bytes"]["ring/zigzag/causal"] == (2 * block, 2 * block + 4 * block)
+        assert sub["bytes"]["ulysses/zigzag/causal"] == (2 * block, 2 * block)

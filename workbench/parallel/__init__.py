@@ -1,4 +1,6 @@
 """Parallel training strategies, one file each (see DESIGN.md)."""
+from workbench.parallel.context import (ring_attention, sequence_positions, shard_sequence, ulysses_attention,
+                                        unshard_sequence)
 from workbench.parallel.dp import DataParallel
 from workbench.parallel.ddp import DistributedDataParallel
 from workbench.parallel.fsdp import FullyShardedDataParallel
