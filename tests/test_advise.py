@@ -12,6 +12,7 @@ tests/test_advise_validate.py.
 from __future__ import annotations
 
 import json
+import random
 import sys
 import types
 
@@ -24,7 +25,8 @@ from workbench.advise.cluster import GiB
 from workbench.advise import memory as advise_memory
 from workbench.advise import timing as advise_timing
 from workbench.advise.memory import activation_bytes_per_microbatch, memory_by_rank
-from workbench.comm import Link
+from workbench.comm import Link, cost
+from workbench.comm.topology import Topology
 from workbench.metrics import MemoryMeter, model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.pipeline import partition
@@ -378,7 +380,8 @@ def test_what_a_search_remembers_is_what_each_plan_computes_alone(model, cluster
                 advise_memory._model_state.__wrapped__(shape, config, stages, "adam")
             for elements in (advise_memory._fsdp_units, advise_memory._zero1_step_buffers,
                              advise_memory._zero2_open_buckets):
-                assert elements(shape, layout, stages, n_stages) == elements.__wrapped__(shape, config, stages, n_stages)
+                assert elements(shape, layout, stages, n_stages) == \
+                    elements.__wrapped__(shape, config, stages, n_stages)
 
 
 def _replay_each_event(events, rank: int, mb: dict, message: float, logits: float, last: bool, m_w: float,
@@ -420,9 +423,14 @@ def _replay_each_event(events, rank: int, mb: dict, message: float, logits: floa
 
 
 def test_pipeline_replay_counts_and_its_peak_moments_give_the_event_by_event_peak():
-    import random
-
+    """The memory replay sums each counted moment in the event loop's order of operations, and its
+    frontier drops only moments whose counts another's all exceed: both give the loop's peak bit for
+    bit, with sizes that are not whole numbers too (their sums round differently in another order)."""
     rng = random.Random(0)
+
+    def size() -> float:   # bytes, whole or not (a sum's rounding then depends on its order)
+        return rng.choice([0.0, 1.0, rng.uniform(0, 1e7), rng.uniform(0, 1) / 3])
+
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         for p in (2, 3, 4):
             for m in (p, 2 * p, 4 * p, 8 * p):
@@ -430,7 +438,6 @@ def test_pipeline_replay_counts_and_its_peak_moments_give_the_event_by_event_pea
                     events = advise_memory._replay_events(schedule, p, m, rank)
                     for split_w in (False, True):
                         for trial in range(4):
-                            size = lambda: rng.choice([0.0, 1.0, rng.uniform(0, 1e7), rng.uniform(0, 1) / 3])  # noqa: E731
                             mb = {f: {"kept": size(), "peak": size() + rng.uniform(-1e6, 1e6)} for f in (True, False)}
                             w_grads = rng.uniform(1.0, 1e7) if split_w else 0.0    # split_w: bool(w_grads)
                             args = (mb, size(), size(), rank == p - 1, size(), w_grads, size())
@@ -449,16 +456,16 @@ def test_pipeline_replay_counts_and_its_peak_moments_give_the_event_by_event_pea
 
 def _whole_ring(p: int, per_node: int, m: float, reduce_steps: int, gather_steps: int, topology, model) -> float:
     """comm.cost's ring on the topology's links, every rank replayed (before it replayed one node's)."""
-    cost = []
+    per_rank = []
     for r in range(p):
         link = topology.link("intra" if r // per_node == ((r + 1) % p) // per_node else "inter")
-        cost.append((link.latency_s, m / link.bandwidth_Bps) if link is not None else (0.0, model.exchange(m)))
+        per_rank.append((link.latency_s, m / link.bandwidth_Bps) if link is not None else (0.0, model.exchange(m)))
     g = model.reduction(m)
     ready, free = [0.0] * p, [0.0] * p
     for s in range(reduce_steps + gather_steps):
         arrive = [0.0] * p
         for r in range(p):
-            latency, busy = cost[r]
+            latency, busy = per_rank[r]
             free[r] = max(ready[r], free[r]) + busy
             arrive[(r + 1) % p] = free[r] + latency
         ready = [t + (g if s < reduce_steps else 0.0) for t in arrive]
@@ -466,9 +473,6 @@ def _whole_ring(p: int, per_node: int, m: float, reduce_steps: int, gather_steps
 
 
 def test_a_ring_on_mixed_links_is_one_node_replayed_bit_for_bit():
-    from workbench.comm import cost
-    from workbench.comm.topology import Topology
-
     model = cost.CostModel(alpha=3e-5, beta=7e-10, gamma=2e-10)
     for per_node, nodes in ((1, 5), (2, 3), (4, 4), (8, 12), (3, 1)):
         p = per_node * nodes
