@@ -37,7 +37,9 @@ the same memory, which is exactly what lets the lesson measure the GIL.
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
@@ -212,6 +214,24 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
 
 # ------------------------------------------------------------------------------ parallel_apply
 
+def _wait_until_gone(threads: Sequence[threading.Thread], timeout: float = 1.0) -> None:
+    """Return once the operating system has ended each joined thread (``/proc/self/task/<tid>`` is
+    gone), or after ``timeout``.
+
+    ``Thread.join`` returns when the thread's Python work is done, before the thread itself has
+    ended: its C++ thread-local state (torch's per-thread caches) is destroyed after that, and
+    can hold a process-wide lock for a moment. A process forked in that moment -- a
+    ``workbench.launch`` right after a DataParallel step -- copies the lock held, and its rank
+    hangs in its first matrix multiply. Where there is no ``/proc`` this returns at once.
+    """
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        while t.native_id is not None and os.path.exists(f"/proc/self/task/{t.native_id}"):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(1e-4)
+
+
 def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[tuple], kwargs: Sequence[dict],
                    devices: Sequence[torch.device]) -> list:
     """Run ``replicas[i](*inputs[i], **kwargs[i])`` in one thread each; return the outputs in order.
@@ -242,6 +262,7 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[tuple], kwarg
             t.start()
         for t in threads:
             t.join()
+        _wait_until_gone(threads)
     for i, e in enumerate(errors):
         if e is not None:
             raise RuntimeError(f"DataParallel replica {i} on {devices[i]} raised {type(e).__name__}: {e}") from e
