@@ -199,8 +199,11 @@ def _check_group(group, members: list[int], tag: str, full: bool) -> list[str]:
             splits = (None, None) if even else ([rows[i][gr] for i in range(p)], rows[gr])
             comm.all_to_all_single(out, _put(_like(ins[gr].shape, dtype, c), ins[gr]), *splits, algorithm=alg, **kw)
             want = torch.cat([ins[i].split(rows[i])[gr] for i in range(p)])
-            if not torch.equal(out, want):
-                fail(f"all_to_all_single {alg} {dtype} rows {rows} x {row} contiguous={c}: got {out} want {want}")
+            theirs = torch.empty_like(want)  # torch's own, called directly
+            dist.all_to_all_single(theirs, ins[gr], *splits, **kw)
+            if not (torch.equal(out, want) and torch.equal(theirs, want)):
+                fail(f"all_to_all_single {alg} {dtype} rows {rows} x {row} contiguous={c}: got {out} want {want} "
+                     f"(torch.distributed: {theirs})")
     return bad
 
 

@@ -72,6 +72,21 @@ def _attention_cases(group=None) -> dict:
     return out
 
 
+def _bruck_bytes(rows, r: int, row_bytes: int, headers: bool) -> tuple[int, int]:
+    """Bytes rank r sends and receives in Bruck's all-to-all, ``rows[i][j]`` the rows i sends j: in
+    the round of distance d = 2^k, slot i (bit k set) of rank s holds the block from
+    ``s - (i mod d)`` for ``s - (i mod d) + i``; a header of one int64 per moving slot goes first
+    when the sizes are uneven. Rank r receives in that round what rank r - d sends."""
+    p = len(rows)
+
+    def sent(s: int, d: int) -> int:
+        srcs = [((s - i % d) % p, i) for i in range(p) if i & d]
+        return sum(rows[src][(src + i) % p] * row_bytes + (8 if headers else 0) for src, i in srcs)
+
+    ds = [1 << k for k in range((p - 1).bit_length())]
+    return sum(sent(r, d) for d in ds), sum(sent((r - d) % p, d) for d in ds)
+
+
 def _all_to_all_cases() -> dict:
     """all_to_all_single, ours against torch's, even and uneven splits; bytes and calls counted."""
     r, p = dist.get_rank(), dist.get_world_size()
@@ -100,6 +115,8 @@ def _all_to_all_cases() -> dict:
                     stat = c.stats[("all_to_all_single", alg)]
                     row = 3 * x.element_size()
                     expect = (1, (sum(send) - send[r]) * row, (sum(recv) - recv[r]) * row)
+                    if alg == "bruck":  # forwarded blocks and (uneven) size headers travel too
+                        expect = (1,) + _bruck_bytes(rows, r, row, headers=splits == "uneven")
                     if (stat.calls, stat.bytes_sent, stat.bytes_received) != expect:
                         res["bad"].append(f"{alg} {splits} counted {(stat.calls, stat.bytes_sent, stat.bytes_received)}"
                                           f" want {expect}")

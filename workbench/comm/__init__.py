@@ -19,7 +19,7 @@ all_reduce         native, reduce_broadcast, ring, recursive_doubling, rabenseif
 scatter, gather    native, flat, binomial
 all_gather         native, ring, recursive_doubling, bruck, hierarchical
 reduce_scatter     native, ring, recursive_halving, hierarchical
-all_to_all_single  native, pairwise
+all_to_all_single  native, pairwise, bruck
 =================  ========================================================================
 
 ``hierarchical`` needs to know which ranks share a node (``comm.ALGORITHMS`` lists the algorithms

@@ -32,10 +32,30 @@ Algorithms (n = bytes of one rank's whole input, p ranks):
   at once. ``(p-1) alpha + ((p-1)/p) n beta`` (even splits): every byte but this rank's own block
   leaves once, the bandwidth lower bound; unlike all-gather there is no way to fewer rounds
   without sending some bytes more than once (Bruck's all-to-all does that trade).
+* ``bruck`` (Bruck, Ho, Kipnis, Upfal and Weathersby 1997): ``ceil(lg p)`` rounds for any p, for
+  small messages. Rotate locally so that slot i holds the block for rank ``r + i``; in round k
+  (d = 2^k) send every slot whose index has bit k set to rank ``r + d`` and receive the same slots
+  from ``r - d``; a block for ``r + i`` thus hops the binary digits of i and lands in slot i of
+  its destination, which holds the block *from* rank ``r - i`` there (the final inverse
+  rotation)::
+
+      p = 4, slots 0 1 2 3:  round 0 (d=1) sends slots 1, 3 to r+1
+                             round 1 (d=2) sends slots 2, 3 to r+2   (slot 3 hops twice)
+
+  ``ceil(lg p) alpha + (lg p / 2) n beta`` for a power of two (half the slots move each round),
+  ``sum_i popcount(i) n/p`` bytes sent in general: fewer messages than pairwise, more bytes.
+  Uneven splits: a rank forwards blocks between *other* ranks, whose sizes only their source and
+  destination know, so each round first sends a header of the moving slots' row counts (one
+  int64 each) and then their rows packed in one message: ``2 ceil(lg p)`` messages and
+  ``8 sum_i popcount(i)`` header bytes per rank more. Whether the headers are sent follows from
+  the arguments: split sizes given -> headers. Ranks must therefore agree on passing split
+  sizes (all of them, or none: all-None means every block has the same size, known to everyone).
+  Copies: the slots packed into each round's message, and the final rotation into the output.
 * ``native``: ``torch.distributed.all_to_all_single`` (gloo's alltoallv on CPU).
 
 Counted (see :mod:`workbench.comm.counters`) as ``("all_to_all_single", algorithm)``, bytes sent
-= every input block but this rank's own, bytes received = every output block but its own.
+= every input block but this rank's own, bytes received = every output block but its own (for
+``bruck``: every byte of every message, forwarded blocks and headers included).
 Memory: nothing beyond the caller's two tensors (a non-contiguous one is copied).
 """
 from __future__ import annotations
@@ -60,7 +80,43 @@ def pairwise(c: Comm, out_blocks: list[torch.Tensor], in_blocks: list[torch.Tens
         c.sendrecv(in_blocks[to], to, out_blocks[frm], frm)
 
 
-ALGORITHMS = {"native": None, "pairwise": pairwise}
+def bruck_rounds(p: int) -> list[tuple[int, list[int]]]:
+    """Bruck's schedule: per round, the distance ``d = 2^k`` and the slots (indices with bit k set)
+    that move, the same on every rank. ``p = 4``: ``[(1, [1, 3]), (2, [2, 3])]``."""
+    rounds, d = [], 1
+    while d < p:
+        rounds.append((d, [i for i in range(p) if i & d]))
+        d <<= 1
+    return rounds
+
+
+def bruck(c: Comm, out_blocks: list[torch.Tensor], in_blocks: list[torch.Tensor],
+          per_row: int = 1, sized: bool = False) -> None:
+    """Bruck's all-to-all (see the module docstring): ``ceil(lg p)`` rounds; in round k the slots
+    with bit k set go to ``r + 2^k``, packed in one message. ``sized``: the blocks' sizes are not
+    known to every rank (uneven splits), so a header of row counts goes first in each round."""
+    p, r = c.size, c.rank
+    slots = [in_blocks[(r + i) % p] for i in range(p)]  # local rotation: slot i is for rank r + i
+    for d, moving in bruck_rounds(p):
+        to, frm = (r + d) % p, (r - d) % p
+        pack = torch.cat([slots[i] for i in moving])  # one message per round
+        if sized:
+            rows = torch.tensor([slots[i].numel() // per_row for i in moving], dtype=torch.int64,
+                                device=pack.device)
+            got_rows = torch.empty_like(rows)
+            c.sendrecv(rows, to, got_rows, frm)
+            sizes = [int(n) * per_row for n in got_rows.tolist()]
+        else:  # every block has the same size, the one of this rank's own
+            sizes = [slots[0].numel()] * len(moving)
+        got = pack.new_empty(sum(sizes))
+        c.sendrecv(pack, to, got, frm)
+        for i, block in zip(moving, got.split(sizes)):
+            slots[i] = block  # now the block from rank r - i (for the bits seen so far) for r + i
+    for i in range(p):  # inverse rotation: slot i holds the block from rank r - i
+        out_blocks[(r - i) % p].copy_(slots[i])
+
+
+ALGORITHMS = {"native": None, "pairwise": pairwise, "bruck": bruck}
 
 
 def _splits(sizes, name: str, rows: int, p: int, tensor_name: str) -> list[int]:
@@ -119,7 +175,11 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         inp = input.contiguous().view(-1)
         in_blocks = list(inp.split([n * per_row for n in in_rows]))  # block j: the rows for rank j
         out_blocks = list(out.split([n * per_row for n in out_rows]))  # block i: the rows from rank i
-        algo(c, out_blocks, in_blocks)
+        if algorithm == "bruck":
+            sized = input_split_sizes is not None or output_split_sizes is not None
+            algo(c, out_blocks, in_blocks, per_row, sized)
+        else:
+            algo(c, out_blocks, in_blocks)
         write_back()
 
     return run_algorithm("all_to_all_single", algorithm, view, body, async_op)

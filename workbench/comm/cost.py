@@ -24,6 +24,7 @@ is a sum of such terms; with ``n`` bytes and ``p`` ranks (``lg p`` rounded up)::
     scatter, gather  flat           (p-1) a + (p-1)/p n b
                 binomial            lg p a + (p-1)/p n b
     all_to_all_single  pairwise     (p-1) a + (p-1)/p n b
+                bruck               lg p a + (lg p/2) n b           (power of two; even splits)
 
 ``n`` is the size nccl-tests reports: the whole vector for all-reduce, broadcast and reduce,
 the whole *gathered* (or scattered) buffer for all-gather, reduce-scatter, gather and scatter,
@@ -162,6 +163,7 @@ FORMULAS = {
     ("gather", "flat"): "(p-1) a + (p-1)/p n b",
     ("gather", "binomial"): "lg p a + (p-1)/p n b",
     ("all_to_all_single", "pairwise"): "(p-1) a + (p-1)/p n b",
+    ("all_to_all_single", "bruck"): "lg p a + (lg p/2) n b",
     # needs a topology: N nodes of L ranks, a_i/b_i and a_e/b_e the intra- and inter-node links
     ("all_reduce", "hierarchical"): "2(L-1)(a_i + n/L b_i) + 2(N-1)(a_e + n/p b_e) + ((L-1)/L + (N-1)/p) n g",
     ("all_gather", "hierarchical"): "(N-1)(a_e + n/p b_e) + (L-1)(a_i + n/L b_i)",
@@ -184,9 +186,17 @@ COPIES = {
     ("scatter", "binomial"): lambda n, p: (1 + _runs_of_several(p)) * n / p,
     ("scatter", "flat"): lambda n, p: n / p,
     ("all_to_all_single", "pairwise"): lambda n, p: n / p,  # this rank's own block, input to output
+    # every round's slots packed into one message, and every slot rotated into the output
+    ("all_to_all_single", "bruck"): lambda n, p: n + _bruck_blocks(p) * n / p,
     ("all_gather", "hierarchical"): lambda n, p: n,  # this rank's column in, the other columns out
     ("reduce_scatter", "hierarchical"): lambda n, p: n,  # the inputs laid out by node and local index
 }
+
+
+def _bruck_blocks(p: int) -> int:
+    """Blocks Bruck's all-to-all sends per rank, ``sum_i popcount(i)`` over slots i < p: slot i hops
+    once per bit set. p = 2: 1, 3: 2, 4: 4, 8: 12 (``p lg p / 2`` for a power of two)."""
+    return sum(bin(i).count("1") for i in range(p))
 
 
 def _runs_of_several(p: int) -> int:
@@ -435,8 +445,10 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
         if algorithm == "flat":
             return (p - 1) * (one(n) + g(n))
         return lg * (one(n) + g(n))
-    if collective == "all_to_all_single":  # pairwise: p-1 exchanges of one block each
-        return (p - 1) * ex(n / p)
+    if collective == "all_to_all_single":
+        if algorithm == "bruck":  # lg p exchanges of the slots with bit k set (half of them for 2^k ranks)
+            return sum(ex(sum(1 for i in range(p) if i & (1 << k)) * n / p) for k in range(lg))
+        return (p - 1) * ex(n / p)  # pairwise: p-1 exchanges of one block each
     # scatter, gather
     if algorithm == "flat":
         return (p - 1) * one(n / p)
