@@ -20,6 +20,11 @@ plus ``V C`` (token embedding, shared with the head), ``T_max C`` (positions) an
 (``ln_f``). Training FLOPs per token are about ``6 x parameters`` (forward 2, backward 4) plus
 the attention scores, ``12 n_layer T C`` -- the numbers the throughput plots are read against.
 
+Mixture of experts (``n_experts > 0``): each block's MLP is a :class:`~workbench.models.moe.MoE` of
+``n_experts`` such MLPs behind a top-k router, and the loss adds the layers' load-balancing losses
+(``aux_loss_coeff E sum_i f_i P_i`` each) to the cross-entropy. ``n_experts=0`` (the default) is the
+dense model above, unchanged.
+
 The names (``c_attn``, ``c_proj``, ``c_fc``) follow GPT-2 and nanoGPT, so a reader can match
 this file against either, and tensor-parallel code can find the column- and row-parallel layers
 by name: ``c_attn``/``c_fc`` split by output columns, ``c_proj`` by input rows.
@@ -32,6 +37,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from workbench.models.moe import MoE, check_moe_args
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "FeedForward"]
 
@@ -48,6 +55,10 @@ class GPTConfig:
     dropout: float = 0.0  # 0 keeps every run deterministic, which the parity tests rely on
     bias: bool = True
     tie_weights: bool = True  # lm_head.weight is wte.weight
+    n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (workbench.models.moe)
+    top_k: int = 2  # experts per token
+    capacity_factor: float | None = None  # None: dropless; else each expert keeps ceil(T k c / E) tokens
+    aux_loss_coeff: float = 0.01  # the load-balancing loss's alpha
 
     # name -> (n_layer, n_head, n_embd, block_size); parameter counts with vocab_size=65
     PRESETS = {
@@ -66,6 +77,10 @@ class GPTConfig:
                              f"each head gets n_embd / n_head channels, so pick n_embd a multiple of n_head")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout!r} must be in [0, 1)")
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"GPTConfig.n_experts={self.n_experts!r} must be a whole number >= 0 (0: dense MLPs)")
+        if self.n_experts:
+            check_moe_args(self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_coeff, "GPTConfig")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -132,7 +147,11 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = FeedForward(config)
+        if config.n_experts:
+            self.mlp = MoE(config.n_embd, config.n_experts, lambda: FeedForward(config), top_k=config.top_k,
+                           capacity_factor=config.capacity_factor, aux_loss_coeff=config.aux_loss_coeff)
+        else:
+            self.mlp = FeedForward(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -143,7 +162,8 @@ class GPT(nn.Module):
     """A character-level GPT. ``forward(idx, targets=None) -> (logits, loss)``.
 
     ``idx`` and ``targets`` are ``(B, T)`` integer tensors with ``T <= config.block_size``;
-    ``loss`` is the mean cross-entropy over all ``B x T`` positions (None without targets).
+    ``loss`` is the mean cross-entropy over all ``B x T`` positions (None without targets), plus
+    with experts the sum of the layers' load-balancing losses.
     Initialisation follows GPT-2: normal(0, 0.02) weights, zero biases, and the residual
     projections (``c_proj``) scaled by ``1/sqrt(2 n_layer)`` so the residual stream's variance
     does not grow with depth. Seed with ``torch.manual_seed`` before building for identical
@@ -210,4 +230,6 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+            if self.config.n_experts:
+                loss = loss + sum(block.mlp.aux_loss for block in self.blocks)
         return logits, loss
