@@ -3,6 +3,7 @@ from workbench.parallel.context import (ring_attention, sequence_positions, shar
                                         unshard_sequence)
 from workbench.parallel.dp import DataParallel
 from workbench.parallel.ddp import DistributedDataParallel
+from workbench.parallel.expert import expert_parallel
 from workbench.parallel.fsdp import FullyShardedDataParallel
 from workbench.parallel.mixed_precision import DynamicLossScaler, MixedPrecision
 from workbench.parallel.recompute import recompute

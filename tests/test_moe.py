@@ -1,0 +1,215 @@
+"""Mixture of experts (workbench.models.moe) and expert parallelism (workbench.parallel.expert).
+
+One process: the router's weights, dropless routing, capacity drops by weight, the load-balancing
+loss by hand, the GPT's loss, bad configurations. Two ranks, ONE launch running every check:
+3 AdamW steps of an expert-parallel tiny GPT (4 experts, 2 per rank) on the global batch split
+over the ranks, every step's loss and the full state against one process on the whole batch; the
+all-to-all bytes counted against the docstring's formula for the routing that happened; the
+hand-written all-to-alls give the same forward; bad input refused before any message.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import workbench
+from workbench import comm
+from workbench.models import GPT, FeedForward, GPTConfig
+from workbench.models.moe import MoE, capacity
+from workbench.parallel.expert import all_to_all_bytes, expert_parallel, full_state_dict
+
+E, K = 4, 2
+STEPS, B, T = 3, 4, 16  # global batch B sequences of T tokens
+
+
+def _tiny(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny", n_experts=E, top_k=K, **kw))
+
+
+def _by_hand(moe: MoE, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t] = sum over t's kept assignments of weight * expert(x[t]), one token at a time."""
+    _, weights, experts = moe.route(x)
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(moe.top_k):
+            if keep is None or keep[t, j]:
+                y[t] += weights[t, j] * moe.experts[str(int(experts[t, j]))](x[t:t + 1])[0]
+    return y
+
+
+# ----------------------------------------------------------------------------------- one process
+
+def test_router_dropless_output_and_aux_loss_by_hand():
+    model = _tiny()
+    moe = model.blocks[0].mlp
+    assert isinstance(moe, MoE) and sorted(moe.experts) == ["0", "1", "2", "3"]
+    assert moe.experts["0"].c_fc.weight.shape == model.blocks[0].mlp.experts["3"].c_fc.weight.shape == (256, 64)
+    torch.manual_seed(1)
+    x = torch.randn(24, 64)
+    probs, weights, experts = moe.route(x)
+    assert torch.allclose(weights.sum(-1), torch.ones(24), atol=1e-6)  # renormalised over the k
+    assert torch.equal(experts, probs.topk(K, dim=-1).indices)
+    assert all(len(set(row.tolist())) == K for row in experts)
+    y = moe(x)
+    assert moe.dropped == 0 and int(moe.tokens_per_expert.sum()) == 24 * K  # dropless keeps every assignment
+    assert torch.equal(moe.tokens_per_expert, torch.bincount(experts.flatten(), minlength=E))
+    assert (y - _by_hand(moe, x)).abs().max() < 1e-6
+    f = torch.tensor([(experts == i).sum().item() / (24 * K) for i in range(E)])
+    P = probs.detach().mean(0)
+    assert abs(moe.aux_loss.detach().item() - 0.01 * E * float((f * P).sum())) < 1e-7
+    # the GPT's loss: cross-entropy + the layers' auxiliary losses
+    idx = torch.randint(0, 65, (2, 16))
+    logits, loss = model(idx, idx)
+    ce = F.cross_entropy(logits.reshape(-1, 65), idx.reshape(-1))
+    aux = sum(b.mlp.aux_loss for b in model.blocks)
+    assert 0.01 * 0.99 < aux.item() / 4 < 0.01 * 1.5  # near-uniform routing at init: about alpha per layer
+    assert torch.allclose(loss, ce + aux)
+    loss.backward()
+    assert all(q.grad is not None for q in model.parameters())
+
+
+def test_capacity_drops_the_smallest_weights_and_counts_them():
+    torch.manual_seed(2)
+    cfg = GPTConfig.preset("tiny", n_experts=E, top_k=K)
+    moe = MoE(64, E, lambda: FeedForward(cfg), top_k=K, capacity_factor=0.5)
+    with torch.no_grad():
+        moe.router.weight[0] += 0.5  # skew the router: expert 0 is popular
+    x = torch.randn(32, 64)
+    cap = capacity(32, K, 0.5, E)
+    assert cap == math.ceil(32 * K * 0.5 / E) == 8
+    _, weights, experts = moe.route(x)
+    keep = moe.keep_within_capacity(weights, experts)
+    y = moe(x)
+    routed = torch.bincount(experts.flatten(), minlength=E)
+    assert routed.max() > cap  # the test drops something
+    assert moe.dropped == int(sum(max(0, int(n) - cap) for n in routed)) == int((~keep).sum())
+    assert torch.equal(moe.tokens_per_expert, torch.clamp(routed, max=cap))
+    for e in range(E):
+        mine = experts == e
+        kept, dropped = weights[mine & keep], weights[mine & ~keep]
+        if dropped.numel():
+            assert kept.min() >= dropped.max()  # the lowest-probability assignments go
+    assert (y - _by_hand(moe, x, keep)).abs().max() < 1e-6
+    assert moe(x).shape == x.shape
+    # the loss counts the router's choice, before the drops
+    probs = moe.route(x)[0].detach()
+    by_choice = 0.01 * E * float((routed / (32 * K) * probs.mean(0)).sum())
+    assert abs(moe.aux_loss.detach().item() - by_choice) < 1e-7
+
+
+def test_dense_default_unchanged_and_bad_configurations():
+    c = GPTConfig.preset("tiny")
+    assert (c.n_experts, c.top_k, c.capacity_factor, c.aux_loss_coeff) == (0, 2, None, 0.01)
+    assert type(GPT(c).blocks[0].mlp) is FeedForward
+    for kw, name in [(dict(n_experts=2, top_k=3), "top_k=3"), (dict(n_experts=4, capacity_factor=0), "capacity_factor=0"),
+                     (dict(n_experts=4, capacity_factor=-1.0), "capacity_factor=-1.0"), (dict(n_experts=-1), "n_experts=-1"),
+                     (dict(n_experts=4, top_k=0), "top_k=0"), (dict(n_experts=4, aux_loss_coeff=-0.1), "aux_loss_coeff")]:
+        with pytest.raises(ValueError, match=name):
+            GPTConfig.preset("tiny", **kw)
+    with pytest.raises(ValueError, match="top_k=5"):
+        MoE(8, 4, lambda: torch.nn.Linear(8, 8), top_k=5)
+
+
+# ------------------------------------------------------------------------ expert parallelism, P = 2
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 65, (B, T), generator=g), torch.randint(0, 65, (B, T), generator=g)
+
+
+def _single_process() -> tuple[list[float], dict]:
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, y = _batch()
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _ep_rank() -> dict:
+    p, r = dist.get_world_size(), dist.get_rank()
+    out: dict = {"bad": {}}
+    # bad input first: each refused with a ValueError naming the argument, before any message
+    with comm.counters() as before:
+        for text, call in [("n_experts=3", lambda: expert_parallel(GPT(GPTConfig.preset("tiny", n_experts=3)))),
+                           ("algorithm='tree'", lambda: expert_parallel(_tiny(), algorithm="tree")),
+                           ("no mixture-of-experts", lambda: expert_parallel(GPT(GPTConfig.preset("tiny"))))]:
+            try:
+                call()
+                out["bad"][text] = "no error"
+            except ValueError as e:
+                out["bad"][text] = "ok" if text in str(e) else str(e)
+    out["messages_before"] = sum(s.calls for s in before.stats.values())
+
+    model = expert_parallel(_tiny())
+    out["experts"] = sorted(model.blocks[0].mlp.experts)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, y = _batch()
+    share = B // p
+    xs, ys = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        with comm.counters() as fwd:
+            _, loss = model(xs, ys)
+        with comm.counters() as bwd:
+            loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # the global batch's mean loss: the mean of the ranks' (equal shares)
+        losses.append(total.item() / p)
+        if step == 0:
+            out["counts"] = [b.mlp.tokens_per_expert.tolist() for b in model.blocks]
+            out["fwd"], out["bwd"] = fwd.as_dict(), bwd.as_dict()
+    out["losses"] = losses
+    out["state"] = full_state_dict(model)
+    # the hand-written all-to-alls route the same tokens to the same experts: the same forward
+    with torch.no_grad():
+        want = model(xs)[0]
+        for alg in ("pairwise", "bruck"):
+            for b in model.blocks:
+                b.mlp.algorithm = alg
+            out[f"max_diff_{alg}"] = (model(xs)[0] - want).abs().max().item()
+    return out
+
+
+def test_expert_parallel_matches_one_process_and_counts_its_bytes():
+    p, D, L = 2, 64, 4  # ranks, n_embd, layers
+    res = workbench.launch(_ep_rank, world_size=p, timeout=120)
+    losses, state = _single_process()
+    for r, out in enumerate(res):
+        assert all(v == "ok" for v in out["bad"].values()), out["bad"]
+        assert out["messages_before"] == 0
+        assert out["experts"] == [str(2 * r), str(2 * r + 1)]
+        assert max(abs(a - b) for a, b in zip(out["losses"], losses)) < 1e-5, (out["losses"], losses)
+        assert set(out["state"]) == set(state)
+        worst = max((out["state"][k] - v).abs().max().item() for k, v in state.items())
+        assert worst < 1e-5, worst
+        assert out["max_diff_pairwise"] < 1e-6 and out["max_diff_bruck"] < 1e-6
+    # bytes: from the routing that happened (rows[i][j]: rows rank i sent rank j's experts, per layer)
+    for r, out in enumerate(res):
+        sent = received = 0
+        for layer in range(L):
+            rows = [[sum(res[i]["counts"][layer][2 * j:2 * j + 2]) for j in range(p)] for i in range(p)]
+            want = all_to_all_bytes(rows, r, D, E)
+            assert want["dispatch"][0] == sum(rows[r][j] for j in range(p) if j != r) * D * 4
+            sent += sum(s for s, _ in want.values())
+            received += sum(v for _, v in want.values())
+        fwd, bwd = out["fwd"]["all_to_all_single/native"], out["bwd"]["all_to_all_single/native"]
+        assert (fwd["calls"], fwd["bytes_sent"], fwd["bytes_received"]) == (3 * L, sent, received)
+        counts = (E - E // p) * 8 * L  # no count exchange backward, and the dispatch/combine reversed
+        assert (bwd["calls"], bwd["bytes_sent"], bwd["bytes_received"]) == (2 * L, received - counts,
+                                                                            sent - counts)
+        assert out["fwd"]["all_reduce/native"]["calls"] == L  # the load-balancing statistics
+        assert out["bwd"]["all_reduce/native"]["calls"] == L + 1  # their gradients, then the replicas' average

@@ -1,0 +1,240 @@
+"""Expert parallelism: each rank holds E/P of a mixture-of-experts layer's experts, and tokens travel
+to their expert's rank and back by all-to-all (GShard, Lepikhin et al. 2020; Switch; DeepSpeed-MoE).
+
+The layer is :class:`~workbench.models.moe.MoE`; this file replaces only the middle of its forward,
+``run_experts`` (the rows sorted by expert -> the experts' outputs in the same order). Rank r holds
+experts ``[r E/P, (r+1) E/P)``; the router, the attention, the norms and the embeddings stay
+replicated, and every rank feeds its own share of the batch (expert parallelism over the
+data-parallel ranks, ep = dp, as torchtitan and DeepSpeed place it)::
+
+    route      every rank: its N tokens -> k experts each, rows sorted by expert (as one process)
+    counts     all-to-all of the per-expert counts (E int64 per rank): rank j learns how many rows
+               each rank sends to each of its experts, hence its receive sizes
+    dispatch   all_to_all_single(rows, input_split_sizes = rows for rank 0's experts, rank 1's, ...)
+    experts    the rows that arrived (grouped by source rank, then expert) regrouped by expert; each
+               local expert runs once on all its rows, from every rank; then back in arrival order
+    combine    the reverse all-to-all (the splits swapped): every row returns to its token's rank,
+               where the router's weights add them up exactly as on one process
+
+Backward: the all-to-all is linear and moves row i of block j to rank j, so its gradient moves the
+gradient of that row back, the reverse all-to-all with the splits swapped (:class:`_AllToAll`).
+The count exchange carries integers and has no gradient.
+
+Gradients and loss scaling (P ranks, each with B/P of a global batch B, loss_r = its mean
+cross-entropy + the load-balancing loss of the global counts, equal on every rank):
+
+* the objective is the mean over ranks, ``(1/P) sum_r loss_r`` = one process's loss on B;
+* replicated (non-expert) parameters: rank r's gradient is ``d loss_r``, so they are averaged over
+  the group as in data parallelism (one all-reduce of all of them at the end of backward, then
+  ``/ P``). Not the package's DistributedDataParallel: it would broadcast rank 0's experts over the
+  others' (same shapes, different experts) and average the expert gradients, and it has no way to
+  leave parameters out. The explicit all-reduce is a few lines and composes with the rest;
+* an expert's parameters live on one rank and see the rows of every rank: the backward all-to-all
+  brings ``d loss_s / d expert`` from every rank s, so their gradient is already the SUM over
+  ranks, ``P`` times the objective's. No all-reduce (no other rank holds that expert: with ep = dp
+  there are no replicas to agree with), only the ``1 / P`` (a gradient hook), the same factor the
+  averaged parameters get. With ep < dp (replicas of each expert) those would add an all-reduce over
+  the ranks holding the same expert; not built here.
+
+Communication per rank, per MoE layer, per direction (rows_{r->j}: the rows r sends to rank j's
+experts, D = n_embd, b bytes per element)::
+
+    dispatch   sent  sum_{j != r} rows_{r->j} D b      received  sum_{j != r} rows_{j->r} D b
+    combine    the same with sent and received swapped
+    counts     (E - E/P) 8 bytes each way (all-to-all of int64), forward only
+    backward   the dispatch's and combine's bytes again (each the other's reverse)
+    aux loss   an all-reduce of 2E + 1 numbers forward, and its gradient backward
+
+Dropless, ``rows`` = the rank's N tokens x k; under uniform routing a row stays home with probability
+1/P, so ``N k D b (P-1)/P`` is sent per direction in expectation. With a capacity, rows_{r->j} <= E/P
+``C`` with ``C = ceil(N k c / E)`` per expert per source rank (this file sends only the kept rows;
+a padded implementation would send exactly ``E/P C`` rows per destination).
+
+Memory per rank (psi_e parameters per expert, psi_r the rest, Adam in float32: 16 bytes per
+parameter with its gradient and moments): ``16 (psi_r + (E/P) psi_e)`` instead of
+``16 (psi_r + E psi_e)``; the activations of the experts scale with the rows that arrive (about
+N k on average, more on a rank whose experts are popular).
+
+Usage::
+
+    torch.manual_seed(0); model = GPT(GPTConfig.preset("tiny", n_experts=4))   # same on every rank
+    model = expert_parallel(model)                  # rank r keeps experts 2r, 2r+1 (P = 2)
+    logits, loss = model(x_shard, y_shard)          # this rank's share of the batch
+    loss.backward(); optimizer.step()               # gradients already averaged / scaled
+    full_state_dict(model)                          # the single model's names and tensors
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from workbench import comm
+from workbench.models.moe import MoE
+
+__all__ = ["expert_parallel", "full_state_dict", "is_expert_parallel", "ExpertParallelMoE", "all_to_all_bytes"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``comm.all_to_all_single`` of rows with the given splits; backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group, algorithm):
+        ctx.splits, ctx.group, ctx.algorithm = (output_split_sizes, input_split_sizes), group, algorithm
+        return _all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group, ctx.algorithm), None, None, None, None
+
+
+def _all_to_all(x, output_split_sizes, input_split_sizes, group, algorithm):
+    out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+    comm.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group=group,
+                           algorithm=algorithm)
+    return out
+
+
+class ExpertParallelMoE(MoE):
+    """An :class:`MoE` whose ``experts`` hold only this rank's ``E/P``; ``run_experts`` sends the
+    rows to their experts' ranks and back (see the module docstring). After each forward:
+    ``send_rows`` / ``recv_rows`` (rows to / from each rank in the dispatch)."""
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        group, p, local, alg = self.group, self.ep_size, self.experts_per_rank, self.algorithm
+        first = self.ep_rank * local
+        # 1. counts: rank j receives, from each rank, how many rows it sends to each of j's experts
+        recv_counts = torch.empty(p, local, dtype=torch.int64, device=counts.device)
+        comm.all_to_all_single(recv_counts, counts.view(p, local).contiguous(), group=group, algorithm=alg)
+        self.send_rows = counts.view(p, local).sum(dim=1).tolist()
+        self.recv_rows = recv_counts.sum(dim=1).tolist()
+        # 2. dispatch
+        got = _AllToAll.apply(rows, self.recv_rows, self.send_rows, group, alg)
+        # 3. regroup by local expert (arrival order is by source rank, then expert), run, restore the order
+        expert_of_row = torch.arange(local, device=rows.device).repeat(p).repeat_interleave(recv_counts.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        chunks = got[order].split(recv_counts.sum(dim=0).tolist())
+        out = torch.cat([self.experts[str(first + e)](chunk) for e, chunk in enumerate(chunks)])
+        out = out[torch.argsort(order)]
+        # 4. combine: the reverse all-to-all
+        return _AllToAll.apply(out, self.send_rows, self.recv_rows, group, alg)
+
+
+def is_expert_parallel(model: nn.Module) -> bool:
+    return any(isinstance(m, ExpertParallelMoE) for m in model.modules())
+
+
+def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def expert_parallel(model: nn.Module, group=None, *, algorithm: str = "native") -> nn.Module:
+    """Spread every MoE layer's experts over the ranks of ``group`` (default: all) in place; return
+    ``model``. Call it on every rank with identical models (same seed). Rank r keeps experts
+    ``[r E/P, (r+1) E/P)``; the other parameters are made equal to group rank 0's (a broadcast) and
+    their gradients are averaged over the group at the end of each backward; the experts' are
+    divided by P. ``algorithm``: the all-to-all's (``comm.ALGORITHMS["all_to_all_single"]``).
+    Every check runs before the first message."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={model!r} must be an nn.Module")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("expert_parallel needs a process group: call it inside workbench.launch(...) or torchrun")
+    layers = _moe_layers(model)
+    if not layers:
+        raise ValueError("expert_parallel: model has no mixture-of-experts layer: build it with experts, "
+                         "e.g. GPT(GPTConfig.preset('tiny', n_experts=4))")
+    if is_expert_parallel(model):
+        raise ValueError("expert_parallel: model is already expert-parallel: call it once, on the whole model")
+    if algorithm not in comm.ALGORITHMS["all_to_all_single"]:
+        raise ValueError(f"expert_parallel: algorithm={algorithm!r} is not an all-to-all algorithm: use one of "
+                         f"{comm.ALGORITHMS['all_to_all_single']}")
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    if r < 0:
+        raise ValueError("expert_parallel: this rank is not in group: call it only on the group's ranks")
+    for name, moe in layers:
+        if moe.n_experts % p:
+            raise ValueError(f"expert_parallel: {name} has n_experts={moe.n_experts}, which does not split over "
+                             f"the group's {p} ranks: use a multiple of {p} experts (or a group of a divisor "
+                             f"of {moe.n_experts} ranks)")
+
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    expert_ids = {id(q) for _, moe in layers for q in moe.experts.parameters()}
+    replicated = [q for q in model.parameters() if id(q) not in expert_ids]
+    with torch.no_grad():  # replicas start equal: group rank 0's values
+        for q in replicated + list(model.buffers()):
+            comm.broadcast(q.data, src=src, group=group)
+
+    for _, moe in layers:
+        local = moe.n_experts // p
+        keep = {str(e) for e in range(r * local, (r + 1) * local)}
+        for key in [k for k in moe.experts if k not in keep]:
+            del moe.experts[key]
+        moe.__class__ = ExpertParallelMoE
+        # the load-balancing loss counts every rank's tokens (MoE's group=None would mean this rank's only)
+        moe.group, moe.algorithm = group if group is not None else dist.group.WORLD, algorithm
+        moe.ep_size, moe.ep_rank, moe.experts_per_rank = p, r, local
+        moe.send_rows, moe.recv_rows = None, None
+        for q in moe.experts.parameters():  # the backward all-to-all summed every rank's gradient
+            q.register_hook(lambda g, p=p: g / p)
+
+    _average_after_backward(replicated, group, p)
+    model._expert_parallel = {"group": group, "size": p, "rank": r, "algorithm": algorithm}
+    return model
+
+
+def _average_after_backward(params: list[torch.Tensor], group, p: int) -> None:
+    """At the end of every backward, all-reduce the gradients of ``params`` (one flat message) and
+    divide by ``p``: data parallelism's average, for the parameters every rank holds."""
+    params = [q for q in params if q.requires_grad]
+    state = {"queued": False}
+
+    def average() -> None:
+        state["queued"] = False
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group=group)
+        flat /= p
+        for q, g in zip(params, flat.split([q.numel() for q in params])):
+            q.grad = g.view_as(q).clone()
+
+    def hook(_param) -> None:
+        if not state["queued"]:
+            state["queued"] = True
+            torch.autograd.Variable._execution_engine.queue_callback(average)
+
+    for q in params:
+        q.register_post_accumulate_grad_hook(hook)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The single model's state dict (its keys and tensors; this rank's experts listed first), on
+    every rank: the experts gathered from their ranks (one all-gather per expert tensor and layer)."""
+    info = getattr(model, "_expert_parallel", None)
+    if info is None:
+        raise ValueError("full_state_dict: model is not expert-parallel: call expert_parallel(model) first")
+    group, p = info["group"], info["size"]
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name, moe in _moe_layers(model):
+        local = moe.experts_per_rank
+        mine = [moe.experts[str(moe.ep_rank * local + e)].state_dict() for e in range(local)]
+        for key in mine[0]:
+            stacked = torch.stack([m[key] for m in mine]).contiguous()
+            gathered = [torch.empty_like(stacked) for _ in range(p)]
+            comm.all_gather(gathered, stacked, group=group)
+            for rank, block in enumerate(gathered):
+                for e in range(local):
+                    state[f"{name}.experts.{rank * local + e}.{key}"] = block[e].clone()
+    return state
+
+
+def all_to_all_bytes(rows: list[list[int]], rank: int, n_embd: int, n_experts: int,
+                     element_size: int = 4) -> dict[str, tuple[int, int]]:
+    """The docstring's bytes for one MoE layer's forward on ``rank``, from ``rows[i][j]`` (the rows rank
+    i sends rank j's experts), ``n_experts`` for the count exchange: each direction's bytes sent and
+    received (the backward moves the dispatch's and combine's again, reversed)."""
+    p = len(rows)
+    out = sum(rows[rank][j] for j in range(p) if j != rank) * n_embd * element_size
+    back = sum(rows[j][rank] for j in range(p) if j != rank) * n_embd * element_size
+    counts = (n_experts - n_experts // p) * 8
+    return {"counts": (counts, counts), "dispatch": (out, back), "combine": (back, out)}
