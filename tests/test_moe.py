@@ -25,6 +25,9 @@ from workbench.parallel.expert import all_to_all_bytes, expert_parallel, full_st
 
 E, K = 4, 2
 STEPS, B, T = 3, 4, 16  # global batch B sequences of T tokens
+# eps 1e-6: a gradient that is zero but for rounding (the key bias of attention) is not blown up to
+# lr-sized updates in random directions, as Adam's default 1e-8 would (as in test_ddp.py)
+ADAMW = dict(lr=3e-3, eps=1e-6)
 
 
 def _tiny(**kw) -> GPT:
@@ -125,7 +128,7 @@ def _batch():
 
 def _single_process() -> tuple[list[float], dict]:
     model = _tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     x, y = _batch()
     losses = []
     for _ in range(STEPS):
@@ -154,7 +157,7 @@ def _ep_rank() -> dict:
 
     model = expert_parallel(_tiny())
     out["experts"] = sorted(model.blocks[0].mlp.experts)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     x, y = _batch()
     share = B // p
     xs, ys = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
