@@ -91,6 +91,9 @@ def test_cluster_presets_validation_and_changes():
     assert dgx.link_ratio == 9 and dgx.source and dgx.flops_for("fp32") < dgx.flops_for("bf16")
     assert Cluster.preset("p4d-a100").link_ratio == 48
     assert Cluster.preset("a2-ultra-100g").link_ratio > 100
+    dgx_a100 = Cluster.preset("dgx-a100", nodes=2)   # NVSwitch 300 GB/s each way; 8 x 200 Gb/s HDR per node
+    assert (dgx_a100.devices, dgx_a100.memory_bytes, dgx_a100.intra.bandwidth_Bps, dgx_a100.inter.bandwidth_Bps) \
+        == (16, 80e9, 300e9, 25e9)
     with pytest.raises(ValueError, match="nodes=0"):
         dgx.with_(nodes=0)
     with pytest.raises(ValueError, match="memory_bytes"):

@@ -24,13 +24,17 @@ preset            devices, memory        inside a node             between nodes
 ``a2-ultra-100g`` 8 x A100 80 GB [3][5]  NVLink 3, 300 GB/s, 2 us  100 Gb/s per node (cloud     218 / 14 TFLOP/s
                                                                    Ethernet): 1.56 GB/s, 30 us
                                                                    [5]
+``dgx-a100``      8 x A100 SXM 80 GB     NVLink 3 + NVSwitch,      8 x 200 Gb/s HDR IB:         218 / 14 TFLOP/s
+                  [3][6]                 300 GB/s, 2 us [3][6]     25 GB/s, 5 us [6]            (of 312 / 19.5) [3]
 ================  =====================  ========================  ===========================  =================
 
 [1] NVIDIA H100 Tensor Core GPU datasheet (SXM: 80 GB, NVLink 900 GB/s both ways, BF16 989 TFLOP/s
 dense, FP32 67 TFLOP/s). [2] NVIDIA DGX H100 user guide (8 x ConnectX-7, 400 Gb/s each).
 [3] NVIDIA A100 Tensor Core GPU datasheet (NVLink 600 GB/s both ways, BF16 312 TFLOP/s dense, FP32
 19.5). [4] AWS, "Amazon EC2 P4d instances" (8 x A100 40 GB, 400 Gbps EFA). [5] Google Cloud,
-"GPU machine types": a2-ultragpu-8g, 8 x A100 80 GB, 100 Gbps network bandwidth.
+"GPU machine types": a2-ultragpu-8g, 8 x A100 80 GB, 100 Gbps network bandwidth. [6] NVIDIA DGX A100
+user guide and system architecture white paper (8 x A100 SXM4 80 GB on 6 NVSwitches, 600 GB/s of
+NVLink per GPU both ways; 8 x ConnectX-6 200 Gb/s HDR InfiniBand for the compute fabric, one per GPU).
 Latencies are typical one-way small-message figures (orders of magnitude, as in
 :mod:`workbench.comm.topology`).
 
@@ -157,4 +161,8 @@ PRESETS: dict[str, Cluster] = {
                              Link(30e-6, 100e9 / 8 / 8), name="a2-ultra-100g",
                              source=_A100.format("Google Cloud a2-ultragpu-8g (100 Gbps network)"),
                              fp32_flops=_ACHIEVED * 19.5e12, communicator_bytes=_NCCL_COMM),
+    "dgx-a100": Cluster(1, 8, 80e9, _ACHIEVED * 312e12, TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
+                        Link(5e-6, 200e9 / 8), name="dgx-a100",
+                        source=_A100.format("DGX A100 user guide (8 x 200 Gb/s HDR InfiniBand)"),
+                        fp32_flops=_ACHIEVED * 19.5e12, communicator_bytes=_NCCL_COMM),
 }
