@@ -21,13 +21,23 @@ import workbench
 from workbench import comm
 from workbench.models import GPT, FeedForward, GPTConfig
 from workbench.models.moe import MoE, capacity
-from workbench.parallel.expert import all_to_all_bytes, expert_parallel, full_state_dict
+from workbench.parallel.expert import all_to_all_bytes, expert_parallel, full_state_dict, parameters_per_rank
 
 E, K = 4, 2
 STEPS, B, T = 3, 4, 16  # global batch B sequences of T tokens
 # eps 1e-6: a gradient that is zero but for rounding (the key bias of attention) is not blown up to
 # lr-sized updates in random directions, as Adam's default 1e-8 would (as in test_ddp.py)
 ADAMW = dict(lr=3e-3, eps=1e-6)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread, as every rank runs (DESIGN.md): tiny matrices gain nothing from two, and on
+    a loaded 2-core machine two threads spinning for each other made the reference 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _tiny(**kw) -> GPT:
@@ -157,6 +167,7 @@ def _ep_rank() -> dict:
 
     model = expert_parallel(_tiny())
     out["experts"] = sorted(model.blocks[0].mlp.experts)
+    out["parameters"] = sum(q.numel() for q in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     x, y = _batch()
     share = B // p
@@ -195,6 +206,8 @@ def test_expert_parallel_matches_one_process_and_counts_its_bytes():
         assert all(v == "ok" for v in out["bad"].values()), out["bad"]
         assert out["messages_before"] == 0
         assert out["experts"] == [str(2 * r), str(2 * r + 1)]
+        cfg = GPTConfig.preset("tiny", n_experts=E, top_k=K)
+        assert out["parameters"] == parameters_per_rank(cfg, p) == _tiny().num_parameters() - 4 * 2 * (8 * D * D + 5 * D)
         assert max(abs(a - b) for a, b in zip(out["losses"], losses)) < 1e-5, (out["losses"], losses)
         assert set(out["state"]) == set(state)
         worst = max((out["state"][k] - v).abs().max().item() for k, v in state.items())

@@ -51,8 +51,9 @@ Dropless, ``rows`` = the rank's N tokens x k; under uniform routing a row stays 
 a padded implementation would send exactly ``E/P C`` rows per destination).
 
 Memory per rank (psi_e parameters per expert, psi_r the rest, Adam in float32: 16 bytes per
-parameter with its gradient and moments): ``16 (psi_r + (E/P) psi_e)`` instead of
-``16 (psi_r + E psi_e)``; the activations of the experts scale with the rows that arrive (about
+parameter with its gradient and moments): ``16 (psi_r + (E/P) psi_e)`` per MoE layer's experts
+instead of ``16 (psi_r + E psi_e)`` (:func:`parameters_per_rank`; a GPT expert has
+``psi_e = 8 C^2 + 5 C`` with biases, the router ``C E``); the activations of the experts scale with the rows that arrive (about
 N k on average, more on a rank whose experts are popular).
 
 Usage::
@@ -65,14 +66,18 @@ Usage::
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from workbench import comm
+from workbench.models.gpt import GPT
 from workbench.models.moe import MoE
 
-__all__ = ["expert_parallel", "full_state_dict", "is_expert_parallel", "ExpertParallelMoE", "all_to_all_bytes"]
+__all__ = ["expert_parallel", "full_state_dict", "is_expert_parallel", "ExpertParallelMoE", "all_to_all_bytes",
+           "parameters_per_rank"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -238,3 +243,16 @@ def all_to_all_bytes(rows: list[list[int]], rank: int, n_embd: int, n_experts: i
     back = sum(rows[j][rank] for j in range(p) if j != rank) * n_embd * element_size
     counts = (n_experts - n_experts // p) * 8
     return {"counts": (counts, counts), "dispatch": (out, back), "combine": (back, out)}
+
+
+def parameters_per_rank(config, p: int) -> int:
+    """Parameters one rank holds when a GPT of ``config`` (``n_experts > 0``) is spread over ``p``
+    ranks: everything but the experts, plus ``E/P`` experts of ``8 C^2 + 5 C`` (``4 C^2 + 4 C`` +
+    ``4 C^2 + C``; ``8 C^2`` without biases) in each of the ``n_layer`` blocks."""
+    C, E, L = config.n_embd, config.n_experts, config.n_layer
+    if E < 1 or E % p:
+        raise ValueError(f"parameters_per_rank: n_experts={E} must be a positive multiple of p={p}")
+    expert = 8 * C * C + (5 * C if config.bias else 0)
+    dense = replace(config, n_experts=0)  # the same model with one dense MLP per block
+    everything_else = GPT(dense).num_parameters() - L * expert + L * C * E  # minus the MLPs, plus the routers
+    return everything_else + L * (E // p) * expert
