@@ -50,11 +50,12 @@ Dropless, ``rows`` = the rank's N tokens x k; under uniform routing a row stays 
 ``C`` with ``C = ceil(N k c / E)`` per expert per source rank (this file sends only the kept rows;
 a padded implementation would send exactly ``E/P C`` rows per destination).
 
-Memory per rank (psi_e parameters per expert, psi_r the rest, Adam in float32: 16 bytes per
-parameter with its gradient and moments): ``16 (psi_r + (E/P) psi_e)`` per MoE layer's experts
-instead of ``16 (psi_r + E psi_e)`` (:func:`parameters_per_rank`; a GPT expert has
-``psi_e = 8 C^2 + 5 C`` with biases, the router ``C E``); the activations of the experts scale with the rows that arrive (about
-N k on average, more on a rank whose experts are popular).
+Memory per rank (psi_e parameters per expert, psi_r everything else, L MoE layers; float32 Adam
+keeps 16 bytes per parameter with its gradient and moments): ``16 (psi_r + L (E/P) psi_e)`` instead
+of one process's ``16 (psi_r + L E psi_e)`` (:func:`parameters_per_rank`; a GPT expert has
+``psi_e = 8 C^2 + 5 C`` with biases, and psi_r includes each layer's ``C E`` router). The experts'
+activations scale with the rows that arrive: about N k on average, more on a rank whose experts
+are popular (what the load-balancing loss evens out).
 
 Usage::
 
