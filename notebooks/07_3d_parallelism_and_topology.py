@@ -41,6 +41,7 @@ import workbench
 from workbench import comm, plots, show
 from workbench.bench import _common
 from workbench.bench import placement
+from workbench.busy import busy_fraction
 from workbench.comm import cost
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.mesh import Mesh, layout, parallelize
@@ -156,7 +157,9 @@ def time_all_reduce(sizes, trials=TRIALS):
 topo = comm.Topology.parse(TOPOLOGY)
 links_only = cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)
 if FOUR:
+    ar_other_work = [busy_fraction()]  # the cores' busy fraction from other work, before and after (see the check)
     ar = workbench.launch(time_all_reduce, world_size=4, args=(SIZES,), topology=topo, timeout=180)[0]
+    ar_other_work.append(busy_fraction())
     ar_rows = []
     for n, t in ar.items():
         pred = {a: cost.predict("all_reduce", a, n, 4, links_only, topology=topo) for a in ALGOS}
@@ -196,7 +199,9 @@ if ar_rows:
 # %%
 # NBVAL_IGNORE_OUTPUT
 if FOUR:
+    placement_other_work = [busy_fraction()]
     res = placement.run("tiny", 16, TOPOLOGY, trials=TRIALS, steps=1, launch_kwargs={"timeout": 240})
+    placement_other_work.append(busy_fraction())
     print(placement.report(res))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     placement.plot(res)
@@ -228,16 +233,28 @@ if res is not None:
 # * with 4 ranks: the hierarchical all-reduce beats the flat ring at 1 MiB and up on the
 #   emulated slow network (by at least 1.3x, the model predicts about 2.4x), and TP across nodes
 #   is slower than TP inside (by at least 1.05x) while sending its TP bytes over inter-node links.
+#   The two timings are asserted where they ran on free cores (other work used at most a quarter
+#   of the cores' time just before and just after each, `workbench.busy`): on a machine busy with
+#   other work the 4 ranks wait for cores longer than the emulated links hold their messages, and
+#   the comparison measures the waits, not the links.
 
 # %%
 for r in parity_rows:
     assert r["max loss diff"] <= 1e-5 and r["max param diff"] <= 1e-5, r
+unasserted = []
 if FOUR:
-    if not SMOKE:  # timing claims need the full trials
-        for r in ar_rows:
-            assert r["speed-up"] >= 1.3, r
-        assert res["ratio_measured"] >= 1.05, res["ratio_measured"]
+    if SMOKE:  # timing claims need the full trials
+        unasserted.append("smoke test: timings not asserted")
+    else:
+        for name, other_work in (("all-reduce", ar_other_work), ("placement", placement_other_work)):
+            if not all(b is None or b <= 0.25 for b in other_work):
+                unasserted.append(f"{name} timings not asserted: other work kept the cores {max(other_work):.0%} busy")
+        if "all-reduce" not in " ".join(unasserted):
+            for r in ar_rows:
+                assert r["speed-up"] >= 1.3, r
+        if "placement" not in " ".join(unasserted):
+            assert res["ratio_measured"] >= 1.05, res["ratio_measured"]
     assert by["across"]["inter_MiB"] > by["inside"]["inter_MiB"], by
 print("check passed: parity with one process" + (", hierarchical beats the ring, TP inside beats TP across"
                                                   if FOUR else " (4-rank sections skipped in a world of "
-                                                  f"{WORLD})") + (" (smoke test: timings not asserted)" if SMOKE else ""))
+                                                  f"{WORLD})") + "".join(f" ({u})" for u in unasserted))

@@ -1,0 +1,29 @@
+"""workbench.busy: how much of the cores' time other work takes (the test for asserting a timing)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workbench.busy import busy_fraction, cores_free
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+def test_a_busy_process_shows_as_its_share_of_the_cores():
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        busy = busy_fraction(0.4)
+        free = cores_free(threshold=0.25, seconds=0.3)
+    finally:
+        spin.kill()
+        spin.wait()
+    cores = os.cpu_count() or 1
+    assert 0.8 / cores <= busy <= 1.0, busy   # one core of `cores` spinning (a little more: the machine's own)
+    assert free is (1 / cores <= 0.25) or cores > 4, (free, cores)   # on up to 3 cores one spinner is > 25%
+
+
+def test_bad_window_is_refused():
+    with pytest.raises(ValueError, match="seconds=0"):
+        busy_fraction(0)
