@@ -301,8 +301,8 @@ if rows:
 # schedule's difference into the actions' own time (summed over the pipeline's ranks) and the
 # time the ranks spent between actions. The run records an action from its start to its end only,
 # so the loop's and the messages' CPU fall between its actions, where the replay counts them in
-# the actions: in the run stored here the measured forwards and backwards took less time than the
-# replayed ones, and the ranks spent longer between them. On one node a message reaches a waiting
+# the actions: the split under the figure says, for the run stored here, how the two differ in
+# the actions' own time and in the time between them. On one node a message reaches a waiting
 # rank only once a core is free, because gloo's network thread, which reads it out of its socket,
 # yields to every computing thread (`workbench/gloo_threads.py`: left alone, it spins and stalls
 # every message for a time slice); the other replica's ranks, which the figure does not draw, run
