@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["busy_fraction", "cores_free"]
+__all__ = ["busy_fraction", "were_free", "FREE"]
+
+FREE = 0.25  # at most this fraction of the cores' time taken by other work: the cores count as free
 
 _IDLE_FIELDS = (3, 4)  # idle, iowait in /proc/stat's "cpu" line (user nice system idle iowait irq softirq steal)
 
@@ -47,8 +49,8 @@ def busy_fraction(seconds: float = 0.5) -> float | None:
     return 0.0 if total <= 0 else max(0.0, 1.0 - idle / total)
 
 
-def cores_free(threshold: float = 0.25, seconds: float = 0.5) -> bool:
-    """Whether other work left the cores free: :func:`busy_fraction` at most ``threshold`` (True
-    where it cannot be read: nothing is known to be running)."""
-    busy = busy_fraction(seconds)
-    return busy is None or busy <= threshold
+def were_free(fractions, threshold: float = FREE) -> bool:
+    """Whether other work left the cores free in every window of ``fractions`` (values of
+    :func:`busy_fraction`, e.g. just before and just after a timed run): each at most
+    ``threshold``. A window that could not be read (None) counts as free: nothing is known to run."""
+    return all(b is None or b <= threshold for b in fractions)
