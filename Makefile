@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine with Python 3.11:
 #   make demo   -> creates .venv, installs, runs the main job (workbench compare)
-#   make test   -> creates .venv if missing, runs the unit tests and every notebook under nbval
+#   make test   -> creates .venv if missing, runs the unit tests (2 workers) and every notebook under nbval
 #
 # TORCH is installed before the package: an open range ("torch") pulls a multi-GB CUDA build
 # on a CPU-only machine. Override it on a GPU box: make demo TORCH=torch
@@ -29,8 +29,14 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/workbench compare
 
+# The unit tests run on TEST_WORKERS pytest-xdist workers (a test file stays on one worker: the
+# lessons' torchrun fixture is shared by its file); the lessons run one after another afterwards, on
+# cores nothing else is using, so their timing claims are asserted. Both parts always run.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg tests notebooks
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests; unit=$$?; \
+	$(BIN)/python -m pytest -q --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks; lessons=$$?; \
+	test $$unit -eq 0 -a $$lessons -eq 0
 
 lab: install
 	$(BIN)/jupyter lab notebooks

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -24,6 +25,7 @@ def main(scripts: list[str]) -> int:
     for script in scripts:
         name = Path(script).stem
         print(f"=== lesson {name} start (rank {rank})", flush=True)
+        start = time.perf_counter()
         try:
             runpy.run_path(script, run_name="__main__")
         except BaseException:  # noqa: BLE001 -- report any failure, SystemExit included, with its lesson
@@ -31,7 +33,7 @@ def main(scripts: list[str]) -> int:
             return 1
         finally:
             plt.close("all")
-        print(f"=== lesson {name} end: ok (rank {rank})", flush=True)
+        print(f"=== lesson {name} end: ok (rank {rank}, {time.perf_counter() - start:.1f} s)", flush=True)
     return 0
 
 

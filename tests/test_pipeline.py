@@ -19,6 +19,7 @@ import workbench
 from workbench import comm
 from workbench.models.gpt import GPT, GPTConfig
 from workbench.bench.pipeline import sleeping_pipeline
+from workbench.busy import busy_fraction, were_free
 from workbench.parallel import pipeline as pp
 from workbench.parallel import pipeline_schedules as plans
 
@@ -268,12 +269,16 @@ def _sleep_rank(name, m, t) -> float:
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_sleeping_stages_show_the_formula_bubble(name):
     p, m = 4, 8
+    other_work = [busy_fraction()]
     bubble = workbench.launch(_sleep_rank, world_size=p, args=(name, m, 0.03), timeout=60)[0]
+    other_work.append(busy_fraction())
     want = plans.bubble_formula(name, p, m)
-    # Overheads (a Python step per action, a message, a rank waiting for a core on a loaded
-    # machine) can only add idle time: measured 1F1B 0.29, ZB-H1 0.14 at load 13 on 2 cores
-    # (formulas 0.27 and 0.11). The margin still tells ZB-H1 from 1F1B.
-    assert want - 0.02 < bubble < want + 0.08, (name, bubble, want)
+    # Overheads (a Python step per action, a message) can only add idle time: the lower bound holds
+    # on any machine. A rank that waits for a core after its sleep adds idle time the schedule did
+    # not cause, so the upper bound (whose margin still tells ZB-H1 from 1F1B) is asserted only
+    # when other work (another test worker, say) left the cores free around the run.
+    assert bubble > want - 0.02, (name, bubble, want)
+    assert bubble < want + 0.08 or not were_free(other_work), (name, bubble, want, other_work)
 
 
 # ------------------------------------------------------------------------------ activation memory
