@@ -472,7 +472,9 @@ class FullyShardedDataParallel(nn.Module):
             end = time.perf_counter()
             event = {"rank": self.rank, "lane": lane, "name": name, "unit": unit.name, "start": start, "end": end}
             if getattr(work, "started", None) is not None and getattr(work, "ended", None) is not None:
-                event.update(start=work.started, end=work.ended, issued=start)
+                # issued: the handle's own stamp, taken before the task was queued (a stamp the caller
+                # takes after the call returns can fall after the thread already began it)
+                event.update(start=work.started, end=work.ended, issued=getattr(work, "issued", None) or start)
             self.events.append(event)
 
     def extra_repr(self) -> str:

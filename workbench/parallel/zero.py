@@ -468,7 +468,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             event = {"rank": self.rank, "lane": "comm", "name": name, "bucket": bucket,
                      "start": start, "end": time.perf_counter()}
             if getattr(work, "started", None) is not None and getattr(work, "ended", None) is not None:
-                event.update(start=work.started, end=work.ended, issued=start)
+                event.update(start=work.started, end=work.ended, issued=getattr(work, "issued", None) or start)
             self.events.append(event)
 
     def __repr__(self) -> str:
