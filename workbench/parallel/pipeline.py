@@ -110,38 +110,24 @@ class GPTStage(nn.Module):
         return x
 
 
-def partition(model: nn.Module, num_stages: int, *, layers_per_stage: Sequence[int] | None = None
-              ) -> list[GPTStage]:
-    """Cut a GPT into ``num_stages`` :class:`GPTStage` s (blocks balanced, or ``layers_per_stage``).
+def partition(model: nn.Module, num_stages: int, split=None, *, layers_per_stage: Sequence[int] | None = None
+              ) -> list[nn.Module]:
+    """Cut a model into ``num_stages`` stages (blocks balanced, or as ``split`` says).
+
+    ``split``: None (the built-in split of our GPT, Hugging Face GPT-2 or Llama, blocks
+    balanced), a list of module names before which a stage begins (``["model.layers.2"]``), or
+    a callable ``split(model, num_stages)`` returning the stages. ``layers_per_stage``: blocks
+    per stage instead of names. See :mod:`workbench.parallel.pipeline_split` for what each
+    stage holds and rebuilds (positions, rotary tables, masks).
 
     The stages share their modules with ``model``: build the same model on every rank (same
     seed), partition it, and keep the stage(s) this rank runs. With tied embeddings the first
-    and last stages both hold ``wte.weight`` (see the module docstring for how its gradient is
+    and last stages both hold the embedding (see the module docstring for how its gradient is
     summed).
     """
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
-        raise TypeError(f"partition() cuts a workbench GPT (wte, blocks, ln_f, lm_head), got "
-                        f"{type(model).__name__}: for another model, write its stages as modules and "
-                        "wrap each in PipelineStage")
-    n = len(blocks)
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= n:
-        raise ValueError(f"partition: num_stages={num_stages!r} must be between 1 and the model's "
-                         f"{n} blocks (each stage needs at least one block): use fewer stages or a "
-                         "deeper model (GPTConfig(n_layer=...))")
-    if layers_per_stage is None:
-        layers_per_stage = [n // num_stages + (1 if k < n % num_stages else 0) for k in range(num_stages)]
-    layers_per_stage = list(layers_per_stage)
-    if (len(layers_per_stage) != num_stages or sum(layers_per_stage) != n
-            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in layers_per_stage)):
-        raise ValueError(f"partition: layers_per_stage={layers_per_stage} must be {num_stages} whole "
-                         f"numbers >= 1 adding up to the model's {n} blocks")
-    stages, start = [], 0
-    for k, count in enumerate(layers_per_stage):
-        stages.append(GPTStage(model, range(start, start + count), k == 0, k == num_stages - 1,
-                               k, num_stages))
-        start += count
-    return stages
+    from workbench.parallel import pipeline_split
+
+    return pipeline_split.build(model, num_stages, split, layers_per_stage)
 
 
 # ----------------------------------------------------------------------------- a stage

@@ -50,33 +50,49 @@ Memory and communication per rank (``psi`` parameters per layer ``12 h^2 + 13 h`
   :func:`communication_per_layer`, :func:`communication_per_step`; activation memory:
   :func:`activation_bytes_per_layer`.
 
+Any model: a plan. Which layer is split how is data, a dict of module globs to styles
+(``{"model.layers.*.self_attn.q_proj": "colwise", ...}``, what torch's ``parallelize_module``
+takes), and :func:`tensor_parallel` swaps each matched layer for its split twin in place. Plans
+ship for our GPT (the default), Hugging Face GPT-2 (its ``Conv1D`` weights are stored
+``(in, out)``: split as the equivalent linear, stored back transposed by :func:`full_state_dict`)
+and Llama (grouped-query attention: ``t`` must divide the key/value heads); see
+:mod:`~workbench.parallel.tensor_plans`. A Hugging Face model keeps its own forward and loss: its
+head all-gathers the logits (one all-gather forward, ``b s V`` floats on every rank), where our
+GPT's loss is computed from the shards.
+
 Usage::
 
     model = tensor_parallel(GPT(cfg), sequence_parallel=True)     # in every rank, same seed/weights
     logits, loss = model(idx, targets)                             # every rank: the same idx
     loss.backward(); optimizer.step()
     full_state_dict(model)                                          # the single-process names and shapes
+    hf = tensor_parallel(LlamaForCausalLM(config), plan="llama")   # or detected; its forward unchanged
+    hf(input_ids=idx, labels=targets).loss.backward()
 
 Where things are: :mod:`~workbench.parallel.tp_ops` the f/g and sequence operators (every
-message), :mod:`~workbench.parallel.tp_layers` the layers and the loss, this module the GPT's
-transformation (attention by heads, sequence-parallel norms, the model's forward), the gathered
-state dict and the formulas the tests and lesson 06 check.
+message), :mod:`~workbench.parallel.tp_layers` the layers and the loss,
+:mod:`~workbench.parallel.tensor_plans` the plans and their matching, this module the
+transformation (layers swapped by the plan, attention by heads, sequence-parallel norms, our
+GPT's forward), the gathered state dict and the formulas the tests and lesson 06 check.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from workbench.parallel import tensor_plans as plans
 from workbench.parallel import tp_ops
 from workbench.parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                           _check_algorithm, _skip_init, vocab_parallel_cross_entropy)
 from workbench.parallel.tp_ops import copy_to_parallel, group_rank, group_size, scatter_to_parallel
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "ParallelSelfAttention", "SequenceParallelLayerNorm", "tensor_parallel", "full_state_dict",
+           "GatheredColumnParallelLinear", "ParallelSelfAttention", "SequenceParallelLayerNorm", "tensor_parallel",
+           "full_state_dict",
            "is_tensor_parallel", "activation_bytes_per_layer", "parameters_per_rank", "communication_per_layer",
            "communication_per_step"]
 
@@ -142,6 +158,8 @@ class TensorParallelInfo:
     algorithm: str
     vocab_size: int
     padded_vocab_size: int
+    plan: str = "gpt"
+    loss_parallel: bool = True  # the loss is ours: computed from the head's vocabulary shards
 
 
 _REQUIRED = ("wte", "wpe", "blocks", "ln_f", "lm_head")
@@ -193,18 +211,29 @@ def _validate(model: nn.Module, t: int, algorithm: str) -> tuple[list, list]:
     return attns, mlps
 
 
-def tensor_parallel(model: nn.Module, *, group=None, sequence_parallel: bool = False,
+def tensor_parallel(model: nn.Module, group=None, plan=None, sequence_parallel: bool = False, *,
                     algorithm: str = "native") -> nn.Module:
-    """Split a GPT over the ranks of ``group`` (default: all) in place, Megatron-style; return it.
+    """Split ``model`` over the ranks of ``group`` (default: all) in place, by ``plan``; return it.
 
-    Call it in every rank of the group on identical models (same seed). Each attention module
-    (``c_attn``, ``c_proj``, ``n_head``) splits by heads, each MLP (``c_fc``, ``c_proj``) by its
-    hidden units, the token embedding and the head (tied or not) by vocabulary (padded to a
-    multiple of ``t``), and the loss is :func:`vocab_parallel_cross_entropy`. ``model(idx, targets)``
-    keeps its signature; every rank passes the same ``idx``; ``logits`` is this rank's vocabulary
-    slice ``(B, T, V_padded/t)``. ``sequence_parallel=True`` splits norms, dropouts and residuals by
-    sequence (``T`` must then be divisible by ``t``). ``algorithm``: the :mod:`workbench.comm`
-    algorithm of every collective ("native", "ring", ...).
+    Call it in every rank of the group on identical models (same seed). ``plan``: None (the
+    shipped plan of the detected family: our GPT, Hugging Face GPT-2 or Llama), a name
+    (``"gpt"``, ``"gpt2"``, ``"llama"``), a dict of module globs to styles (``"colwise"``,
+    ``"rowwise"``, ``"vocab"``, ``"colwise_gather"``, ``"sequence"``; see
+    :mod:`~workbench.parallel.tensor_plans`) or a :class:`~workbench.parallel.tensor_plans.TensorParallelPlan`.
+    Each matched layer is swapped for its split twin (GPT-2's ``Conv1D`` weights transposed on
+    the way), tied weights stay tied, attention head counts are divided where the family needs it,
+    and the model's own forward runs on the result: every rank passes the same input and gets the
+    same output (a ``colwise_gather`` head all-gathers the logits).
+
+    Our GPT (``plan=None``) is Megatron's split: each attention module splits by heads, each MLP
+    by its hidden units, the token embedding and the head (tied or not) by vocabulary (padded to
+    a multiple of ``t``), and its loss is ours, so it becomes :func:`vocab_parallel_cross_entropy`
+    on the head's shards: ``model(idx, targets)`` keeps its signature; ``logits`` is this rank's
+    vocabulary slice ``(B, T, V_padded/t)``. ``sequence_parallel=True`` splits norms, dropouts
+    and residuals by sequence (``T`` must then be divisible by ``t``); in a Hugging Face model,
+    whose forward derives positions and masks from the embedding's length, the blocks' region
+    only (the hidden states split entering the first block, gathered leaving the last).
+    ``algorithm``: the :mod:`workbench.comm` algorithm of every collective ("native", "ring", ...).
 
     Dropout: the ranks' random generators run in step (same seed), so a dropout on a replicated
     tensor draws the same mask on every rank, as it must. Inside the split regions (attention
@@ -213,34 +242,244 @@ def tensor_parallel(model: nn.Module, *, group=None, sequence_parallel: bool = F
     ``dropout > 0`` those masks repeat across ranks. Parity with one process holds for
     ``dropout=0`` (``GPTConfig``'s default).
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"tensor_parallel(model={type(model).__name__}): pass an nn.Module such as workbench's GPT")
+    if is_tensor_parallel(model):
+        raise ValueError("tensor_parallel(model): this model is already tensor-parallel "
+                         f"(t={model._tensor_parallel.size}); build a fresh model to split it again")
+    _check_algorithm(algorithm, "tensor_parallel")
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"tensor_parallel: sequence_parallel={sequence_parallel!r} must be True or False")
     t, r = group_size(group), group_rank(group)
-    attns, mlps = _validate(model, t, algorithm)
+    plan = plans.plan_for(model, plan)
+    if plan.loss_parallel:
+        _validate(model, t, algorithm)
+    elif sequence_parallel and plan.sequence_blocks is None:
+        raise ValueError(f"tensor_parallel(plan={plan.name!r}, sequence_parallel=True): the plan names no block list "
+                         "to split by sequence; pass a TensorParallelPlan(..., sequence_blocks='model.layers') or "
+                         "sequence_parallel=False")
+    layers = plans.match(model, plan)
+    if sequence_parallel and plan.loss_parallel and "vocab" not in {s.kind for s in layers.values()}:
+        raise ValueError(f"tensor_parallel(plan={plan.name!r}, sequence_parallel=True): our GPT's forward takes the "
+                         "sequence shard from a vocabulary-parallel embedding, and the plan splits none; add "
+                         "'wte': 'vocab' to the plan or pass sequence_parallel=False")
+    heads = plans.head_modules(model, plan)
+    _check_divisible(model, plan, layers, heads, t)
     sp, kw = sequence_parallel, dict(group=group, algorithm=algorithm)
-    tied = model.lm_head.weight is model.wte.weight
-    vocab = model.wte.num_embeddings
+    ties = _ties(model, layers)
 
-    for name, attn in attns:
-        new = ParallelSelfAttention(
-            ColumnParallelLinear.from_linear(attn.c_attn, chunks=3, sequence_parallel=sp, **kw),
-            RowParallelLinear.from_linear(attn.c_proj, sequence_parallel=sp, **kw),
-            attn.n_head, t, float(getattr(attn, "dropout", 0.0)), getattr(attn, "resid_dropout", None))
+    vocab = padded = None
+    head_vocab = 0
+    for name, style in layers.items():
+        module = model.get_submodule(name)
+        if style.kind == "colwise_gather":
+            head_vocab = _features(module)[0]
+        if style.kind == "colwise":  # (a model whose forward we leave alone gathers before the module)
+            new = _transposed(module, lambda lin: ColumnParallelLinear.from_linear(
+                lin, chunks=style.chunks, sequence_parallel=sp and plan.loss_parallel, **kw))
+        elif style.kind == "rowwise":
+            new = _transposed(module, lambda lin: RowParallelLinear.from_linear(lin, sequence_parallel=sp, **kw))
+        elif style.kind == "vocab":
+            # our GPT's forward takes a sequence shard from the embedding; a model whose forward is left
+            # alone takes the whole sequence there (its positions and mask follow the embedding's length)
+            new = VocabParallelEmbedding.from_embedding(module, sequence_parallel=sp and plan.loss_parallel, **kw)
+            vocab, padded = module.num_embeddings, new.padded_num_embeddings
+        elif style.kind == "colwise_gather" and plan.loss_parallel:
+            new = _vocab_parallel_head(module, -(-module.out_features // t) * t, sp, **kw)
+        elif style.kind == "colwise_gather":
+            new = _transposed(module, lambda lin: GatheredColumnParallelLinear.from_linear(lin, **kw))
+        elif sp and isinstance(module, nn.LayerNorm):
+            new = SequenceParallelLayerNorm(module, **kw)
+        elif sp and style.kind == "sequence" and not isinstance(module, nn.Dropout):  # another norm (RMSNorm)
+            _sum_gradients_over_group(module, **kw)
+            continue
+        else:  # "sequence" without sequence parallelism, or a dropout: nothing to split
+            continue
         _set_submodule(model, name, new)
-    for _, mlp in mlps:
-        mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, sequence_parallel=sp, **kw)
-        mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, sequence_parallel=sp, **kw)
-    if sp:
-        for name, m in list(model.named_modules()):
-            if type(m) is nn.LayerNorm:
-                _set_submodule(model, name, SequenceParallelLayerNorm(m, **kw))
+    for first, second in ties:  # both halves are split the same way over the padded vocabulary
+        model.get_submodule(second).weight = model.get_submodule(first).weight
 
-    model.wte = VocabParallelEmbedding.from_embedding(model.wte, sequence_parallel=sp, **kw)
-    model.lm_head = _vocab_parallel_head(model.lm_head, model.wte.padded_num_embeddings, sp, **kw)
-    if tied:
-        model.lm_head.weight = model.wte.weight
+    for name, module, what in heads:
+        if callable(what):
+            _set_submodule(model, name, what(module, t))
+        else:
+            for attr in what:
+                if isinstance(getattr(module, attr, None), int):
+                    setattr(module, attr, getattr(module, attr) // t)
 
-    model._tensor_parallel = TensorParallelInfo(group, t, r, sp, algorithm, vocab, model.wte.padded_num_embeddings)
-    model.__class__ = _tensor_parallel_class(type(model))
+    if vocab is None:  # no vocabulary-parallel embedding: the head's outputs, if it is split
+        vocab = head_vocab
+        padded = -(-vocab // t) * t
+    if sp and not plan.loss_parallel:
+        parents = sorted({n.rpartition(".")[0] for n, s in layers.items() if s.kind == "colwise"})
+        _sequence_region(model, plan.sequence_blocks, parents, t, **kw)
+    split_head = any(s.kind == "colwise_gather" for s in layers.values())
+    model._tensor_parallel = TensorParallelInfo(group, t, r, sp, algorithm, vocab, padded, plan.name,
+                                                plan.loss_parallel and split_head)
+    if plan.loss_parallel:
+        model.__class__ = _tensor_parallel_class(type(model))
     return model
+
+
+def _sum_gradients_over_group(module: nn.Module, group, algorithm: str) -> None:
+    """A norm on a sequence shard whose forward we do not replace: each parameter's gradient
+    covers this rank's ``s/t`` positions only, so a gradient hook all-reduces it (``f``'s backward)."""
+    for p in module.parameters(recurse=False):
+        p.register_hook(lambda g: tp_ops._all_reduce(g, group, algorithm))
+
+
+def _sequence_region(model: nn.Module, blocks_name: str, parents: list[str], t: int, group, algorithm: str
+                     ) -> None:
+    """Sequence parallelism for a model whose forward is left alone (Hugging Face's): the hidden
+    states are split by sequence on entering the first block (this rank's ``s/t`` positions; the
+    gradient all-gathered) and all-gathered on leaving the last one (this rank's slice of the
+    gradient), so the model computes its positions, rotary tables and mask from the whole
+    sequence and the blocks' norms and residuals work on ``1/t`` of it. Each module holding
+    column-parallel layers (``parents``: an attention, an MLP) all-gathers its input on entry, as
+    torchtitan's ``PrepareModuleInput`` does, since such a module reads the sequence length from
+    its input; its row-parallel layers reduce-scatter. Forward moves what Megatron's sequence
+    parallelism moves; backward all-reduces each column-parallel layer's input gradient (as
+    without sequence parallelism) where Megatron reduce-scatters it once, the embedding stays an
+    all-reduce and the final norm replicated (one all-gather of ``b s h`` more per step)."""
+    blocks = model.get_submodule(blocks_name)
+    first, last = blocks[0], blocks[len(blocks) - 1]
+
+    def gather_input(module, args, kwargs):  # all-gather forward, this rank's slice of the gradient backward
+        if args:
+            return (tp_ops.gather_from_parallel(args[0], group, algorithm, dim=1), *args[1:]), kwargs
+        kwargs["hidden_states"] = tp_ops.gather_from_parallel(kwargs["hidden_states"], group, algorithm, dim=1)
+        return args, kwargs
+
+    def check(length: int) -> None:
+        if length % t:
+            raise ValueError(f"tensor_parallel(sequence_parallel=True): sequence length T={length} is not divisible "
+                             f"by t={t}, which sequence parallelism needs (each rank keeps T/t positions): use a "
+                             f"multiple of {t}")
+
+    def model_input(module, args, kwargs):  # before any message
+        x = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            check(x.shape[1])
+
+    def enter(module, args, kwargs):
+        if args:
+            check(args[0].shape[1])
+            return (scatter_to_parallel(args[0], group, algorithm, dim=1), *args[1:]), kwargs
+        check(kwargs["hidden_states"].shape[1])
+        kwargs["hidden_states"] = scatter_to_parallel(kwargs["hidden_states"], group, algorithm, dim=1)
+        return args, kwargs
+
+    def leave(module, args, kwargs, output):
+        if isinstance(output, tuple):  # older transformers: (hidden, ...)
+            return (tp_ops.gather_from_parallel(output[0], group, algorithm, dim=1), *output[1:])
+        return tp_ops.gather_from_parallel(output, group, algorithm, dim=1)
+
+    model.register_forward_pre_hook(model_input, with_kwargs=True)
+    first.register_forward_pre_hook(enter, with_kwargs=True)
+    last.register_forward_hook(leave, with_kwargs=True)
+    for name in parents:
+        model.get_submodule(name).register_forward_pre_hook(gather_input, with_kwargs=True)
+
+
+def _check_divisible(model: nn.Module, plan, layers: dict, heads: list, t: int) -> None:
+    """Every split layer and head count divisible by ``t`` (a vocabulary is padded instead)."""
+    config = getattr(model, "config", None)
+    if plan.kv_heads is not None and config is not None:
+        n = getattr(config, plan.kv_heads, None)
+        if isinstance(n, int) and n % t:
+            raise ValueError(f"tensor_parallel(plan={plan.name!r}): t={t} does not divide the model's {n} key/value "
+                             f"heads (config.{plan.kv_heads}={n}): each rank must hold whole heads of every kind; "
+                             f"use t dividing {n}")
+    for name, module, what in heads:
+        for attr in () if callable(what) else what:
+            n = getattr(module, attr, None)
+            if isinstance(n, int) and n % t:
+                raise ValueError(f"tensor_parallel(plan={plan.name!r}): {name}.{attr}={n} is not divisible by t={t}: "
+                                 f"use t dividing {n}")
+    for name, style in layers.items():
+        module = model.get_submodule(name)
+        out_features, in_features = _features(module)
+        if style.kind == "colwise" and out_features % (t * style.chunks):
+            raise ValueError(f"tensor_parallel(plan={plan.name!r}): {name} has {out_features} outputs, not divisible "
+                             f"by chunks x t = {style.chunks} x {t} (style colwise): use t dividing "
+                             f"{out_features // style.chunks}")
+        if style.kind == "rowwise" and in_features % t:
+            raise ValueError(f"tensor_parallel(plan={plan.name!r}): {name} has {in_features} inputs, not divisible by "
+                             f"t={t} (style rowwise): use t dividing {in_features}")
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    if plans.is_conv1d(module):
+        return module.weight.shape[1], module.weight.shape[0]
+    return getattr(module, "out_features", 0), getattr(module, "in_features", 0)
+
+
+def _ties(model: nn.Module, layers: dict) -> list[tuple[str, str]]:
+    """Pairs of planned modules sharing one weight (a tied embedding and head), first the
+    embedding. A tie the split cannot keep is a ``ValueError``."""
+    owner: dict[int, str] = {}
+    ties = []
+    for name, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, nn.Parameter):
+            continue
+        if id(w) not in owner:
+            owner[id(w)] = name
+            continue
+        first = owner[id(w)]
+        kinds = {layers[n].kind if n in layers else None for n in (first, name)}
+        if kinds == {None}:
+            continue
+        if kinds != {"vocab", "colwise_gather"}:
+            raise ValueError(f"tensor_parallel: {first} and {name} share one weight, but the plan splits them as "
+                             f"{sorted(map(str, kinds))}: a tied embedding and head must be 'vocab' and "
+                             "'colwise_gather' (or both left out)")
+        ties.append((first, name) if layers[first].kind == "vocab" else (name, first))
+    return ties
+
+
+def _transposed(module: nn.Module, split: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """``split(linear)`` for an ``nn.Linear``; for GPT-2's ``Conv1D`` (``y = x W + b`` with ``W``
+    stored ``(in, out)``) the same split of the equivalent linear ``W^T``, its parameters marked
+    so :func:`full_state_dict` stores them back as ``(in, out)``."""
+    if not plans.is_conv1d(module):
+        return split(module)
+    in_features, out_features = module.weight.shape
+    with torch.device("meta"):  # no memory and no random numbers: the weights are replaced next
+        linear = nn.Linear(in_features, out_features, bias=module.bias is not None)
+    linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=module.weight.requires_grad)
+    if module.bias is not None:
+        linear.bias = module.bias
+    layer = split(linear)
+    layer.weight._tp_transposed = True
+    return layer
+
+
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """A head split by output rows (padded to a multiple of ``t``) whose output is all-gathered
+    and cut back to ``out_features``: every rank gets the full logits, so a model's own loss
+    runs on them unchanged. Costs an all-gather of ``b s V`` forward (nothing backward: each
+    rank keeps its slice of the gradient) and ``b s V`` floats on every rank."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, *, algorithm: str = "native"):
+        t, r = group_size(group), group_rank(group)
+        padded = -(-linear.out_features // t) * t
+        with _skip_init():
+            layer = cls(linear.in_features, padded, linear.bias is not None, gather_output=True, group=group,
+                        algorithm=algorithm, device=linear.weight.device, dtype=linear.weight.dtype)
+        layer.true_out_features = linear.out_features
+        with torch.no_grad():
+            for mine, full in ((layer.weight, linear.weight), (layer.bias, linear.bias)):
+                if full is not None:
+                    rows = torch.zeros((padded,) + tuple(full.shape[1:]), device=full.device, dtype=full.dtype)
+                    rows[:linear.out_features] = full
+                    mine.copy_(rows.chunk(t, 0)[r])
+                    mine._tp_vocab = linear.out_features
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[..., :self.true_out_features]
 
 
 def _vocab_parallel_head(head: nn.Linear, padded_vocab: int, sequence_parallel: bool, group, algorithm: str):
@@ -289,9 +528,11 @@ def _forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = block(x)
     logits = self.lm_head(self.ln_f(x))                           # (B, T, V_padded/t)
     loss = None
-    if targets is not None:
+    if targets is not None and tp.loss_parallel:
         loss = vocab_parallel_cross_entropy(logits, targets, tp.group, vocab_size=tp.vocab_size,
                                             algorithm=tp.algorithm)
+    elif targets is not None:  # a plan that leaves the head whole: the logits are whole
+        loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
     return logits, loss
 
 
@@ -307,10 +548,11 @@ def _tensor_parallel_class(cls: type) -> type:
 
 # ==================================================================================== state
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded parameters and buffers on every rank, keyed and shaped as in the single GPT.
+    """The unsharded parameters and buffers on every rank, keyed and shaped as in the single model.
 
     Sharded tensors are all-gathered (through :mod:`workbench.comm`), q/k/v chunks put back in
-    order, and the vocabulary padding cut off. A collective: call it on every rank of the group.
+    order, the vocabulary padding cut off and ``Conv1D`` weights transposed back, for any planned
+    model. A collective: call it on every rank of the group.
     """
     tp: TensorParallelInfo | None = getattr(model, "_tensor_parallel", None)
     if tp is None:
@@ -331,6 +573,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if value._tp_vocab is not None:
                 parts = parts.narrow(0, 0, value._tp_vocab)
             full = parts
+        if getattr(value, "_tp_transposed", False):  # GPT-2's Conv1D stores (in, out)
+            full = full.t()
         full = full.clone(memory_format=torch.contiguous_format)
         done[id(value)] = full
         out[name] = full
