@@ -5,11 +5,14 @@ loss by hand, the GPT's loss, bad configurations. Two ranks, ONE launch running 
 3 AdamW steps of an expert-parallel tiny GPT (4 experts, 2 per rank) on the global batch split
 over the ranks, every step's loss and the full state against one process on the whole batch; the
 all-to-all bytes counted against the docstring's formula for the routing that happened; the
-hand-written all-to-alls give the same forward; bad input refused before any message.
+hand-written all-to-alls give the same forward; bad input refused before any message; and
+``parallelize`` on ``Mesh(dp=2, ep=2)`` and ``Mesh(dp=2)`` (experts replicated, ZeRO 0 and 3) against
+the same one process. Four ranks, one launch: ``Mesh(dp=4, ep=2)`` (two copies of each expert) with
+ZeRO 0 and 1 against one process, its groups, and the mesh's bad input before any message.
 """
 from __future__ import annotations
 
-import copy
+import functools
 import math
 
 import pytest
@@ -22,6 +25,7 @@ from workbench import comm
 from workbench.models import GPT, FeedForward, GPTConfig
 from workbench.models.moe import MoE, capacity
 from workbench.parallel.expert import all_to_all_bytes, expert_parallel, full_state_dict, parameters_per_rank
+from workbench.parallel.mesh import Mesh, parallelize
 
 E, K = 4, 2
 STEPS, B, T = 3, 4, 16  # global batch B sequences of T tokens
@@ -32,7 +36,7 @@ ADAMW = dict(lr=3e-3, eps=1e-6)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """One intra-op thread, as every rank runs (DESIGN.md): tiny matrices gain nothing from two, and on
+    """One intra-op thread, as every rank runs (docs/design.md): tiny matrices gain nothing from two, and on
     a loaded 2-core machine two threads spinning for each other made the reference 10x slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -136,6 +140,7 @@ def _batch():
     return torch.randint(0, 65, (B, T), generator=g), torch.randint(0, 65, (B, T), generator=g)
 
 
+@functools.lru_cache(maxsize=1)
 def _single_process() -> tuple[list[float], dict]:
     model = _tiny()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -188,6 +193,8 @@ def _ep_rank() -> dict:
             out["fwd"], out["bwd"] = fwd.as_dict(), bwd.as_dict()
     out["losses"] = losses
     out["state"] = full_state_dict(model)
+    out["mesh"] = {"ep=2": _on_mesh(Mesh(dp=p, ep=2)), "ep=1": _on_mesh(Mesh(dp=p)),
+                   "ep=1, ZeRO-3": _on_mesh(Mesh(dp=p), zero_stage=3)}  # experts replicated: FSDP over dp
     # the hand-written all-to-alls route the same tokens to the same experts: the same forward
     with torch.no_grad():
         want = model(xs)[0]
@@ -196,6 +203,23 @@ def _ep_rank() -> dict:
                 b.mlp.algorithm = alg
             out[f"max_diff_{alg}"] = (model(xs)[0] - want).abs().max().item()
     return out
+
+
+def _on_mesh(mesh: Mesh, zero_stage: int = 0) -> tuple[list[float], dict, list[str]]:
+    """``parallelize(_tiny(), mesh)`` trained STEPS steps on the global batch: its losses, its full
+    state and the experts of block 0 this rank holds."""
+    model = parallelize(_tiny(), mesh, zero_stage=zero_stage, **ADAMW)
+    x, y = _batch()
+    losses = [model.step(x, y).item() for _ in range(STEPS)]
+    return losses, model.full_state_dict(), list(model._stage_module.blocks[0].mlp.experts)
+
+
+def _same_as_one_process(losses, state, reference) -> None:
+    ref_losses, ref_state = reference
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    assert list(state) == list(ref_state)  # the single model's names, in its order
+    worst = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+    assert worst < 1e-5, worst
 
 
 def test_expert_parallel_matches_one_process_and_counts_its_bytes():
@@ -209,10 +233,14 @@ def test_expert_parallel_matches_one_process_and_counts_its_bytes():
         cfg = GPTConfig.preset("tiny", n_experts=E, top_k=K)
         assert out["parameters"] == parameters_per_rank(cfg, p) == _tiny().num_parameters() - 4 * 2 * (8 * D * D + 5 * D)
         assert max(abs(a - b) for a, b in zip(out["losses"], losses)) < 1e-5, (out["losses"], losses)
-        assert set(out["state"]) == set(state)
+        assert list(out["state"]) == list(state)  # the single model's names, in its order
         worst = max((out["state"][k] - v).abs().max().item() for k, v in state.items())
         assert worst < 1e-5, worst
         assert out["max_diff_pairwise"] < 1e-6 and out["max_diff_bruck"] < 1e-6
+        for mesh, (mesh_losses, mesh_state, experts) in out["mesh"].items():  # parallelize(..., Mesh(dp=2, ep=...))
+            _same_as_one_process(mesh_losses, mesh_state, (losses, state))
+            if mesh != "ep=1, ZeRO-3":  # (FSDP's flat shards hold no experts by name)
+                assert experts == ([str(2 * r), str(2 * r + 1)] if mesh == "ep=2" else ["0", "1", "2", "3"])
     # bytes: from the routing that happened (rows[i][j]: rows rank i sent rank j's experts, per layer)
     for r, out in enumerate(res):
         sent = received = 0
@@ -229,3 +257,40 @@ def test_expert_parallel_matches_one_process_and_counts_its_bytes():
                                                                             sent - counts)
         assert out["fwd"]["all_reduce/native"]["calls"] == L  # the load-balancing statistics
         assert out["bwd"]["all_reduce/native"]["calls"] == L + 1  # their gradients, then the replicas' average
+
+
+# ------------------------------------------------------------------------------- the mesh, 4 ranks
+
+def _mesh_rank_of_4() -> dict:
+    out: dict = {"bad": {}}
+    with comm.counters() as before:
+        for text, call in [("ep=3", lambda: Mesh(dp=4, ep=3)),
+                           ("zero_stage=3", lambda: parallelize(_tiny(), Mesh(dp=4, ep=2), zero_stage=3)),
+                           ("n_experts=6", lambda: parallelize(GPT(GPTConfig.preset("tiny", n_experts=6)),
+                                                                  Mesh(dp=4, ep=4))),
+                           ("tp=2", lambda: parallelize(_tiny(), Mesh(dp=2, tp=2, ep=2)))]:
+            try:
+                call()
+                out["bad"][text] = "no error"
+            except ValueError as e:
+                out["bad"][text] = "ok" if text in str(e) else str(e)
+    out["messages_before"] = sum(s.calls for s in before.stats.values())
+    mesh = Mesh(dp=4, ep=2)
+    out["groups"] = {dim: mesh.groups[dim] for dim in ("ep", "edp")}
+    out["losses"], out["state"], out["experts"] = _on_mesh(mesh)
+    out["zero1"] = _on_mesh(mesh, zero_stage=1)  # ZeRO-1: optimizer state over dp, and over each expert's replicas
+    return out
+
+
+def test_mesh_dp4_ep2_matches_one_process():
+    """Mesh(dp=4, ep=2): two copies of each expert, experts 0-1 on dp ranks 0 and 2, 2-3 on 1 and 3;
+    with ZeRO 0 and 1 (one launch); bad input refused before any message."""
+    res = workbench.launch(_mesh_rank_of_4, world_size=4, timeout=180)
+    reference = _single_process()
+    for r, out in enumerate(res):
+        assert all(v == "ok" for v in out["bad"].values()), out["bad"]
+        assert out["messages_before"] == 0
+        assert out["groups"] == {"ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]}
+        assert out["experts"] == (["0", "1"] if r in (0, 2) else ["2", "3"])
+        _same_as_one_process(out["losses"], out["state"], reference)
+        _same_as_one_process(*out["zero1"][:2], reference)
