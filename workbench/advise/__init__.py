@@ -11,20 +11,24 @@ counts, :mod:`workbench.comm.cost`).
 
 Files, one idea each:
 
-=============  ==================================================================================
-``cluster``    :class:`Cluster` (nodes, devices per node, memory, FLOP/s, intra/inter links) and
-               its presets, with sources
-``shape``      :class:`ModelShape`: a transformer's sizes (ours, a preset, or a Llama-shaped one)
-``plan``       :class:`Config` (one point of the space) and :class:`Plan` (its prediction)
-``space``      the configurations to try, and why some are infeasible
-``memory``     predicted bytes per device by category
-``timing``     predicted step time: compute, exposed communication per dimension, bubble
-``choose``     :func:`advise`: predict every configuration, rank, explain the choice
-``calibrate``  measure this machine (matmul rate, link costs) into a :class:`Cluster`
-``validate``   run a sample of configurations here and put measured beside predicted
-``figure``     every plan's predicted time against its memory; the best plans' breakdowns
-``cli``        ``workbench advise``: table, JSON, figure
-=============  ==================================================================================
+==================  ==================================================================================
+``cluster``         :class:`Cluster` (nodes, devices per node, memory, FLOP/s, intra/inter links) and
+                    its presets, with sources
+``shape``           :class:`ModelShape`: a transformer's sizes (ours, a preset, or a Llama-shaped one)
+``plan``            :class:`Config` (one point of the space) and :class:`Plan` (its prediction)
+``space``           the configurations to try, and why some are infeasible
+``memory``          predicted bytes per device by category
+``device``          a GPU's compute, operator by operator (shape-dependent matmuls, memory-bound
+                    operators, attention kernels, launch costs), and the published device profiles
+``timing``          predicted step time: compute, exposed communication per dimension, bubble
+``shared_cores``    the contention of ranks sharing CPU cores (a calibrated CPU cluster only)
+``choose``          :func:`advise`: predict every configuration, rank, explain the choice
+``calibrate``       measure this machine (matmul rate, link costs) into a :class:`Cluster`
+``calibrate_cuda``  measure a GPU into a device profile (``--calibrate --device cuda``)
+``validate``        run a sample of configurations here and put measured beside predicted
+``figure``          every plan's predicted time against its memory; the best plans' breakdowns
+``cli``             ``workbench advise``: table, JSON, figure
+==================  ==================================================================================
 """
 from workbench.advise.cluster import Cluster
 from workbench.advise.plan import MEMORY_CATEGORIES, TIME_PARTS, Config, Plan

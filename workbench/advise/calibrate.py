@@ -1,7 +1,12 @@
 """Measure this machine into a :class:`Cluster`, under the concurrency of the runs it predicts.
 
+This is the CPU calibration (``workbench advise --calibrate``): ranks on this machine's cores, their
+contention measured as well (:mod:`workbench.advise.shared_cores` prices it). A GPU is measured by
+:mod:`workbench.advise.calibrate_cuda` (``workbench advise --calibrate --device cuda``) into a
+device profile instead.
+
 A prediction validated against a run takes its machine constants in that same run, interleaved
-with the runs it predicts (DESIGN.md, "Predictions calibrate where they are checked"): on a
+with the runs it predicts (docs/design.md, "Predictions calibrate where they are checked"): on a
 shared CPU the achieved speed drifts with the load, so constants measured a minute earlier
 miss. :class:`Calibration` is therefore a set of *probes* that run inside the ranks of a launch,
 each probe once per call of :meth:`Calibration.once`, so that :mod:`workbench.advise.validate`
@@ -693,7 +698,8 @@ def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) ->
 def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_size: int,
                  topology: Topology | None = None, *, load: float = float("nan")) -> CalibratedCluster:
     """The :class:`CalibratedCluster` the probes' medians (``Calibration.result()``) describe."""
-    from workbench.advise.timing import flops_per_token, message_cpu
+    from workbench.advise.shared_cores import message_cpu
+    from workbench.advise.timing import flops_per_token
     from workbench.comm import cost
     from workbench.parallel.tensor import activation_bytes_per_layer
 
@@ -778,7 +784,8 @@ def _prefetch_overlap(result: dict, config, world_size: int, machine, topology, 
     ``drift`` the price of a wait after compute (``sync_by_size``); solved for ``hides``, kept
     between 0 (the gather's messages wait while the ranks compute: its thread needs a core they
     hold) and 1 (they move beside the compute, as a GPU's copy engines move them)."""
-    from workbench.advise.timing import _sync, group_topology, prefetch_wait
+    from workbench.advise.shared_cores import sync_price
+    from workbench.advise.timing import group_topology, prefetch_wait
     from workbench.comm import cost
 
     if "prefetch_both" not in result:
@@ -789,7 +796,7 @@ def _prefetch_overlap(result: dict, config, world_size: int, machine, topology, 
     if topology is not None:
         topo = group_topology(list(range(world_size)), topology.ranks_per_node, topology.intra, topology.inter)
     g = cost.predict("all_gather", "native", unit, world_size, machine, topology=topo)
-    drift = _sync(SimpleNamespace(sync_by_size=sync), world_size)
+    drift = sync_price(SimpleNamespace(sync_by_size=sync), world_size)
     if min(g, c) <= 0:
         return 0.0
     none = prefetch_wait(g, c, 0.0, drift)          # linear in hides: what hides = 1 takes off

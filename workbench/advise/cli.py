@@ -8,11 +8,15 @@
     workbench advise --model medium --layers 12 --hidden 768 ...      # a preset, changed
     workbench advise --cluster dgx-h100 --nodes 2 --inter 5us@12.5GB/s # a preset's links changed
     workbench advise --calibrate [--world-size 4 --topology SPEC]     # this machine, measured, as the cluster
+    workbench advise --calibrate --device cuda --profile h100.json    # this GPU, measured into a profile
+    workbench advise --profile h100.json --nodes 16 --model llama3-8b # advise with a measured profile
     workbench advise --validate [ARGS...]                             # run a sample here: predicted beside measured
+    workbench advise --validate-published                             # public GPU runs: predicted beside published
 
 ``--calibrate`` measures this machine with :func:`workbench.advise.calibrate.calibrate` and advises
 for it; ``--validate`` hands every argument after it to :func:`workbench.advise.validate.main`
-(``workbench advise --validate --help`` lists them).
+(``workbench advise --validate --help`` lists them). ``--validate-published`` predicts every public
+GPU measurement of :mod:`workbench.advise.published` and prints the table ``docs/advisor-evidence.md`` holds.
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--nodes", type=int, default=None, help="nodes (default 1)")
     c.add_argument("--devices-per-node", type=int, default=None)
     c.add_argument("--memory-gib", type=float, default=None, help="device memory in GiB")
-    c.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s per device (16-bit)")
+    c.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s per device (16-bit); compute "
+                   "priced as FLOPs at this rate instead of the preset's device model")
     c.add_argument("--intra", default=None, help="link inside a node, LATENCY@BANDWIDTH, e.g. 2us@450GB/s")
     c.add_argument("--inter", default=None, help="link between nodes, e.g. 5us@50GB/s")
     s = parser.add_argument_group("space")
@@ -64,11 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--calibrate", action="store_true",
                    help="measure this machine (matmul rate, links) and advise for it instead of --cluster")
     k.add_argument("--world-size", type=int, default=4, help="ranks to calibrate with (default 4)")
+    k.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="what --calibrate measures: this machine's CPU ranks (default) or this node's GPU "
+                        "(a device profile on --cluster's preset, written to --profile FILE)")
+    k.add_argument("--profile", default=None, metavar="FILE",
+                   help="a device profile (JSON): written by --calibrate --device cuda, else loaded as the cluster")
     k.add_argument("--topology", default=None, help="emulated topology spec to calibrate under, "
                                                     "e.g. 'ranks_per_node=2,inter=1ms@20MB/s'")
     k.add_argument("--validate", nargs=argparse.REMAINDER, default=None, metavar="ARGS",
                    help="run a sample of configurations on this machine, predicted beside measured; "
                         "the --validate-* options may come before or after it")
+    k.add_argument("--validate-published", action="store_true",
+                   help="predict every published GPU measurement (workbench/advise/published.py): predicted beside "
+                        "published, the ratio and the source, as docs/advisor-evidence.md holds them")
     from . import validate
 
     validate.add_arguments(parser.add_argument_group("validation (with --validate)"))
@@ -91,17 +104,25 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Cluster]:
     changes = {k: v for k, v in changes.items() if v is not None}
     if changes:
         shape = shape.with_(name=f"{shape.name}*", **changes)
-    if args.calibrate:
+    if args.calibrate and getattr(args, "device", "cpu") == "cuda":
+        from .calibrate_cuda import calibrate_cuda
+
+        cluster = calibrate_cuda(base=args.cluster, path=args.profile)
+    elif args.calibrate:
         from . import calibrate
 
         topology = Topology.parse(args.topology) if args.topology else None
         cluster = calibrate.calibrate(world_size=args.world_size, topology=topology)
+    elif getattr(args, "profile", None):
+        cluster = Cluster.from_profile(args.profile)
     else:
         cluster = Cluster.preset(args.cluster)
     changes = {"nodes": args.nodes, "devices_per_node": args.devices_per_node,
                "memory_bytes": args.memory_gib * GiB if args.memory_gib is not None else None,
                "flops": args.tflops * 1e12 if args.tflops is not None else None}
     changes = {k: v for k, v in changes.items() if v is not None}
+    if args.tflops is not None:   # one achieved rate for every multiply: the device model set aside
+        changes["device"] = None
     if args.intra or args.inter:
         changes.update(_links(args.intra, args.inter, cluster))
     return shape, cluster.with_(**changes) if changes else cluster
@@ -163,6 +184,10 @@ def as_json(shape: ModelShape, cluster: Cluster, global_batch: int, plans: list[
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "validate_published", False):
+        from . import published
+
+        return published.main()
     if args.validate is not None:
         from . import validate
 

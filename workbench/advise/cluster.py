@@ -7,24 +7,36 @@ bytes takes ``latency_s + m / bandwidth_Bps``), one inside a node and one betwee
 device and per direction -- the same :class:`Link` the emulated topology slows this machine's
 messages down with, so a preset and an emulation describe a cluster the same way.
 
+A GPU cluster also carries its ``device`` (:class:`workbench.advise.device.Device`): with it the
+step's compute is priced operator by operator (matrix multiplies at an efficiency that depends on
+their shape, memory-bound operators at the achieved bandwidth, flash attention, eager PyTorch's
+launch cost per kernel and per micro-batch), not as FLOPs at one rate; ``flops`` is then only what
+:meth:`describe` prints (the device's large-multiply rate). Without a device (a CPU cluster, one
+built by hand) compute is the FLOPs at ``flops``.
+
 Presets (:meth:`Cluster.preset`; ``nodes=`` sets how many). Links are those of
 :data:`workbench.comm.topology.PRESETS` where the cluster is there; the network bandwidth is the
-node's NICs divided by its devices (one rail each). *Achieved* FLOP/s are an assumption, not a
-datasheet figure: 70% of the dense peak, which large cuBLAS matrix multiplies reach; calibrate on
-the real cluster (``workbench advise --calibrate`` there) to replace it. ``fp32_flops`` is the rate
-without tensor cores (PyTorch's default for float32 matmuls: TF32 off).
+node's NICs divided by its devices (one rail each). Each GPU preset carries its device profile
+(:data:`workbench.advise.device.PROFILES`, sources beside every figure: datasheet peaks, public
+GEMM, bandwidth and FlashAttention measurements, eager PyTorch's overheads); the *achieved* column
+below is the profile's large-multiply rate (H100: 75% of the dense peak, A100: 88%).
+``fp32_flops`` is the rate without tensor cores (PyTorch's default for float32 matmuls: TF32 off).
+To replace the published figures by your own GPU's, run ``workbench advise --calibrate --device
+cuda --profile FILE`` on one of its nodes and load the profile with ``--profile FILE`` (or
+:meth:`Cluster.from_profile`); ``workbench advise --calibrate`` without ``--device`` measures this
+CPU machine, ranks sharing its cores (:mod:`workbench.advise.shared_cores`).
 
 ================  =====================  ========================  ===========================  =================
 preset            devices, memory        inside a node             between nodes (per device)   achieved bf16/fp32
 ================  =====================  ========================  ===========================  =================
-``dgx-h100``      8 x H100 SXM 80 GB     NVLink 4, 450 GB/s, 2 us  8 x 400 Gb/s IB: 50 GB/s,    692 / 47 TFLOP/s
+``dgx-h100``      8 x H100 SXM 80 GB     NVLink 4, 450 GB/s, 2 us  8 x 400 Gb/s IB: 50 GB/s,    742 / 50 TFLOP/s
                   [1]                    [1]                       5 us [2]                     (of 989 / 67) [1]
-``p4d-a100``      8 x A100 40 GB [3]     NVLink 3, 300 GB/s, 2 us  400 Gb/s EFA per node:       218 / 14 TFLOP/s
+``p4d-a100``      8 x A100 40 GB [3]     NVLink 3, 300 GB/s, 2 us  400 Gb/s EFA per node:       275 / 17 TFLOP/s
                                          [3]                       6.25 GB/s, 15 us [4]         (of 312 / 19.5) [3]
-``a2-ultra-100g`` 8 x A100 80 GB [3][5]  NVLink 3, 300 GB/s, 2 us  100 Gb/s per node (cloud     218 / 14 TFLOP/s
+``a2-ultra-100g`` 8 x A100 80 GB [3][5]  NVLink 3, 300 GB/s, 2 us  100 Gb/s per node (cloud     275 / 17 TFLOP/s
                                                                    Ethernet): 1.56 GB/s, 30 us
                                                                    [5]
-``dgx-a100``      8 x A100 SXM 80 GB     NVLink 3 + NVSwitch,      8 x 200 Gb/s HDR IB:         218 / 14 TFLOP/s
+``dgx-a100``      8 x A100 SXM 80 GB     NVLink 3 + NVSwitch,      8 x 200 Gb/s HDR IB:         275 / 17 TFLOP/s
                   [3][6]                 300 GB/s, 2 us [3][6]     25 GB/s, 5 us [6]            (of 312 / 19.5) [3]
 ================  =====================  ========================  ===========================  =================
 
@@ -42,14 +54,31 @@ Latencies are typical one-way small-message figures (orders of magnitude, as in
 PyTorch's allocator). NVIDIA/nccl#964 measured 544 MB for a 2-rank and 688 MB for a larger group
 on A100s with NVLink (nccl#864 reports about 1.6 GB with more channels); the GPU presets take
 688 MiB. On gloo (this machine) communicators hold no device memory: 0.
+
+``runtime_memory``: what a GPU training process holds beyond the formulas and the framework's
+conventions (:class:`workbench.advise.runtime_memory.RuntimeMemory`: the CUDA context, the caching
+allocator's reserve, float32 gradients and loss, the attention kernel); the GPU presets take
+Megatron-LM's (``MEGATRON``); ``None`` (a CPU cluster) keeps the formulas exactly.
+
+``nccl``: the GPU presets' collectives as NCCL runs them (:class:`workbench.advise.nccl.NcclModel`:
+ring, tree and NVLink SHARP, bus bandwidths from published nccl-tests results, the nodes a group
+spans); without it (a CPU cluster, or one built by hand) a collective is priced on ``intra`` and
+``inter`` by :func:`workbench.comm.cost.predict`.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields, replace
 
+from workbench.advise.nccl import PRESETS as NCCL_PRESETS
+from workbench.advise.nccl import NcclModel
 from workbench.comm.topology import PRESETS as TOPOLOGY_PRESETS
 from workbench.comm.topology import Link
+
+from .device import PROFILES as DEVICES
+from .device import Device
+from .runtime_memory import MEGATRON, RuntimeMemory
 
 __all__ = ["Cluster", "PRESETS", "GiB", "link_text"]
 
@@ -76,6 +105,9 @@ class Cluster:
     source: str = ""             # where the figures come from (datasheets, a calibration run)
     fp32_flops: float = 0.0
     communicator_bytes: float = 0.0
+    device: Device | None = None  # a GPU's compute model (workbench.advise.device); None: FLOPs at ``flops``
+    runtime_memory: RuntimeMemory | None = None   # GPU runtime's memory terms (None: the formulas only)
+    nccl: NcclModel | None = None   # a GPU cluster's collectives as NCCL runs them (workbench.advise.nccl)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -90,6 +122,16 @@ class Cluster:
                 unit = "bytes" if "bytes" in name else "FLOP/s"
                 raise ValueError(f"Cluster({name}={value!r}): must be a finite number of {unit} "
                                  f"{'> 0' if positive else '>= 0 (0: not given)'}, e.g. 80e9 bytes or 600e12 FLOP/s")
+        if self.runtime_memory is not None and not isinstance(self.runtime_memory, RuntimeMemory):
+            raise ValueError(f"Cluster(runtime_memory={self.runtime_memory!r}): pass a "
+                             "workbench.advise.runtime_memory.RuntimeMemory(), or None (the formulas only)")
+        if self.nccl is not None and not isinstance(self.nccl, NcclModel):
+            raise ValueError(f"Cluster(nccl={self.nccl!r}): pass a workbench.advise.nccl.NcclModel, e.g. "
+                             "workbench.advise.nccl.PRESETS['dgx-h100'], or None (collectives priced by link latency "
+                             "and bandwidth)")
+        if self.device is not None and not isinstance(self.device, Device):
+            raise ValueError(f"Cluster(device={self.device!r}): pass a workbench.advise.device.Device, e.g. "
+                             "workbench.advise.device.PROFILES['h100-sxm-80gb'], or None (compute as FLOPs at flops)")
         for name in ("intra", "inter"):
             if not isinstance(getattr(self, name), Link):
                 raise ValueError(f"Cluster({name}={getattr(self, name)!r}): pass a "
@@ -129,10 +171,57 @@ class Cluster:
 
     def describe(self) -> str:
         """One line: the devices, their memory and speed, the two links."""
-        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} devices, "
+        what = f"{self.device.name} " if self.device is not None else ""
+        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {what}devices, "
                 f"{self.memory_bytes / GiB:.1f} GiB and {self.flops / 1e12:.3g} TFLOP/s each; "
                 f"inside a node {link_text(self.intra)}, between nodes {link_text(self.inter)} "
                 f"({self.link_ratio:.3g}x slower)")
+
+    def to_profile(self, measured: dict | None = None, base: str | None = None) -> dict:
+        """The cluster as a profile (a JSON-able dict :meth:`from_profile` loads): its figures, its
+        device's, the preset it builds on (``base``: the network and runtime figures a one-node
+        calibration cannot measure come from it) and the ``measured`` raw timings."""
+        doc = {"format": PROFILE_FORMAT, "base": base, "name": self.name, "source": self.source,
+               "nodes": self.nodes, "devices_per_node": self.devices_per_node, "memory_bytes": self.memory_bytes,
+               "flops": self.flops, "fp32_flops": self.fp32_flops, "communicator_bytes": self.communicator_bytes,
+               "intra": [self.intra.latency_s, self.intra.bandwidth_Bps],
+               "inter": [self.inter.latency_s, self.inter.bandwidth_Bps],
+               "device": json.loads(self.device.to_json()) if self.device is not None else None,
+               "measured": measured or {}}
+        return doc
+
+    @classmethod
+    def from_profile(cls, path, nodes: int | None = None) -> "Cluster":
+        """The cluster a profile describes (a file written by ``workbench advise --calibrate --device
+        cuda --profile FILE``, or :meth:`to_profile`'s dict): the ``base`` preset (its links and runtime
+        figures) with the profile's device, memory, FLOP/s and links; ``nodes`` of them (default the
+        profile's)."""
+        if isinstance(path, dict):
+            doc = path
+        else:
+            try:
+                with open(path) as f:
+                    doc = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"Cluster.from_profile({path!r}): cannot read a profile ({e}); write one with "
+                                 "workbench advise --calibrate --device cuda --profile FILE") from None
+        if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"Cluster.from_profile({path!r}): not a {PROFILE_FORMAT} profile (format "
+                             f"{doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r})")
+        base = doc.get("base")
+        if base is not None and base not in PRESETS:
+            raise ValueError(f"Cluster.from_profile: base={base!r} is not a preset; use one of {sorted(PRESETS)} "
+                             "or null")
+        start = PRESETS[base] if base is not None else None
+        changes = {"name": doc["name"], "source": doc.get("source", ""), "nodes": int(nodes or doc["nodes"]),
+                   "devices_per_node": int(doc["devices_per_node"]), "memory_bytes": float(doc["memory_bytes"]),
+                   "flops": float(doc["flops"]), "fp32_flops": float(doc.get("fp32_flops", 0.0)),
+                   "communicator_bytes": float(doc.get("communicator_bytes", 0.0)),
+                   "intra": Link(*doc["intra"]), "inter": Link(*doc["inter"]),
+                   "device": Device.from_json(doc["device"]) if doc.get("device") else None}
+        if start is not None:
+            return start.with_(**changes)
+        return cls(**changes)
 
 
 def link_text(link: Link) -> str:
@@ -144,25 +233,31 @@ def link_text(link: Link) -> str:
     return f"{lat_text}, {bw_text}"
 
 
-_ACHIEVED = 0.7      # fraction of the dense peak a large matmul reaches (assumption; calibrate to replace)
+PROFILE_FORMAT = "workbench-advise-profile/1"
 _NCCL_COMM = 688 * 2 ** 20
-_H100 = "NVIDIA H100 datasheet; DGX H100 user guide; achieved = 70% of dense peak (assumption)"
-_A100 = "NVIDIA A100 datasheet; {}; achieved = 70% of dense peak (assumption)"
+_H100_SXM, _A100_80, _A100_40 = DEVICES["h100-sxm-80gb"], DEVICES["a100-sxm-80gb"], DEVICES["a100-sxm-40gb"]
+_H100 = "NVIDIA H100 datasheet; DGX H100 user guide; compute: workbench.advise.device.PROFILES['h100-sxm-80gb']"
+_A100 = "NVIDIA A100 datasheet; {}; compute: workbench.advise.device.PROFILES['{}']"
 
 PRESETS: dict[str, Cluster] = {
-    "dgx-h100": Cluster(1, 8, 80e9, _ACHIEVED * 989e12, TOPOLOGY_PRESETS["nvlink-3.2tbps"].intra,
+    "dgx-h100": Cluster(1, 8, 80e9, _H100_SXM.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-3.2tbps"].intra,
                         TOPOLOGY_PRESETS["nvlink-3.2tbps"].inter, name="dgx-h100", source=_H100,
-                        fp32_flops=_ACHIEVED * 67e12, communicator_bytes=_NCCL_COMM),
-    "p4d-a100": Cluster(1, 8, 40e9, _ACHIEVED * 312e12, TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
+                        fp32_flops=_H100_SXM.achieved("fp32"), device=_H100_SXM, communicator_bytes=_NCCL_COMM,
+                        nccl=NCCL_PRESETS["dgx-h100"], runtime_memory=MEGATRON),
+    "p4d-a100": Cluster(1, 8, 40e9, _A100_40.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
                         TOPOLOGY_PRESETS["nvlink-400gbps"].inter, name="p4d-a100",
-                        source=_A100.format("AWS EC2 P4d (400 Gbps EFA)"), fp32_flops=_ACHIEVED * 19.5e12,
-                        communicator_bytes=_NCCL_COMM),
-    "a2-ultra-100g": Cluster(1, 8, 80e9, _ACHIEVED * 312e12, TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
+                        source=_A100.format("AWS EC2 P4d (400 Gbps EFA)", "a100-sxm-40gb"),
+                        fp32_flops=_A100_40.achieved("fp32"), device=_A100_40,
+                        communicator_bytes=_NCCL_COMM, nccl=NCCL_PRESETS["p4d-a100"], runtime_memory=MEGATRON),
+    "a2-ultra-100g": Cluster(1, 8, 80e9, _A100_80.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
                              Link(30e-6, 100e9 / 8 / 8), name="a2-ultra-100g",
-                             source=_A100.format("Google Cloud a2-ultragpu-8g (100 Gbps network)"),
-                             fp32_flops=_ACHIEVED * 19.5e12, communicator_bytes=_NCCL_COMM),
-    "dgx-a100": Cluster(1, 8, 80e9, _ACHIEVED * 312e12, TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
+                             source=_A100.format("Google Cloud a2-ultragpu-8g (100 Gbps network)", "a100-sxm-80gb"),
+                             fp32_flops=_A100_80.achieved("fp32"), device=_A100_80, communicator_bytes=_NCCL_COMM,
+                             nccl=NCCL_PRESETS["a2-ultra-100g"], runtime_memory=MEGATRON),
+    "dgx-a100": Cluster(1, 8, 80e9, _A100_80.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
                         Link(5e-6, 200e9 / 8), name="dgx-a100",
-                        source=_A100.format("DGX A100 user guide (8 x 200 Gb/s HDR InfiniBand)"),
-                        fp32_flops=_ACHIEVED * 19.5e12, communicator_bytes=_NCCL_COMM),
+                        source=_A100.format("DGX A100 user guide (8 x 200 Gb/s HDR InfiniBand)", "a100-sxm-80gb"),
+                        fp32_flops=_A100_80.achieved("fp32"), device=_A100_80, communicator_bytes=_NCCL_COMM,
+                        nccl=NCCL_PRESETS["dgx-a100"],
+                        runtime_memory=MEGATRON),
 }

@@ -109,6 +109,29 @@ buckets). And on NCCL each communicator's own
 buffers (``cluster.communicator_bytes``): the world group, each of this rank's groups of more than
 one rank, and a pair per pipeline neighbour for send/recv.
 
+**On a GPU** (``cluster.runtime_memory``, a :class:`~workbench.advise.runtime_memory.RuntimeMemory`:
+the GPU presets; every term above stays as it is without one, bit for bit) the model follows a GPU
+framework's conventions (Megatron-LM's by default; each with its source in
+:mod:`~workbench.advise.runtime_memory`) where they differ from the workbench's strategies, and adds
+what the runtime holds:
+
+* model state in mixed precision: 16-bit parameters, float32 gradients and the float32 master copy
+  and Adam moments (Megatron's 18 bytes per parameter, ``6 + 12/d`` with its distributed optimizer,
+  which reduces in place: no ZeRO-1 step buffers);
+* the loss in float32 and vocabulary-parallel at any ``t`` (its float32 softmax kept, its busiest
+  moment the 16-bit logits beside ``loss_float32_copies`` float32 copies); no one holds the logits
+  afterwards: neither the caller nor a pipeline's last stage, which keeps each micro-batch's loss
+  (the workbench's pipeline returns every micro-batch's logits, ``m`` of them: with a vocabulary of
+  128k and a few dozen micro-batches, tens of GB it counted on the last stage);
+* the attention kernel: a flash kernel (the default) as above, or the math kernel's ``5 a s^2 b``
+  per layer (Korthikanti et al.), which selective recomputation drops;
+* in ``buffers``, beside NCCL's communicators: the CUDA context per process and the caching
+  allocator's reserve, a fraction of the allocated peak.
+
+The pipeline schedules' micro-batches in flight are those of their action lists on both paths:
+1F1B holds ``p - r`` on stage ``r``, GPipe all ``m``, ZB-H1 ``p - r`` whole plus ``M_W`` each for
+those between B and W (under ZeRO-3, with nothing deferred, a W frees nothing more).
+
 The worst device is reported: every pipeline rank is evaluated (the first stage holds the
 embedding and the most live micro-batches, the last the head and the logits, which win for a large
 vocabulary) and the one with the largest total returned.
@@ -134,8 +157,10 @@ from workbench.parallel.buckets import assign_buckets
 from workbench.parallel.tensor import activation_bytes_per_layer
 from workbench.parallel.zero_memory import model_state_per_rank
 
+from . import runtime_memory as runtime
 from .cluster import Cluster
 from .plan import MEMORY_CATEGORIES, Config
+from .runtime_memory import RuntimeMemory
 from .shape import ModelShape
 
 __all__ = ["memory_per_device", "memory_by_rank", "model_state", "activation_bytes_per_microbatch", "ELEMENT_SIZE",
@@ -212,8 +237,10 @@ def _live(schedule: str, p: int, m: int, rank: int) -> dict[int, int]:
 
 
 # ----------------------------------------------------------------------------------- activations
-def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int) -> dict[str, float]:
-    """One layer's kept bytes per policy (and ``none``'s working set), for ``b`` sequences."""
+def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int, attention: str = "flash") -> dict[str, float]:
+    """One layer's kept bytes per policy (and ``none``'s working set), for ``b`` sequences; the
+    ``math`` attention kernel keeps the core's ``5 a s^2 b`` (Korthikanti et al., in 16-bit bytes:
+    scaled by ``e/2``) in place of the flash kernel's float32 log-sum-exp."""
     s, h, a = shape.seq, shape.hidden, shape.heads
     rep = t if sp else 1
     sb = s * b
@@ -225,7 +252,10 @@ def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int) -> dict[
     stats = -2 * sb / rep if shape.norm == "rmsnorm" else 0.0
     lse_fp32 = (4 - e) * a * sb / t                  # the fused kernel's log-sum-exp stays float32
     none = gpt + e * (qkv + mlp + stats) + lse_fp32
-    return {"none": none, "selective": none - 4 * a * sb / t, "full": e * sb * h / rep}
+    selective = none - 4 * a * sb / t                # the attention core recomputed: no log-sum-exp kept
+    if attention == "math":
+        none = selective + runtime.attention_core_bytes(s, b, a, t, "math") * e / 2
+    return {"none": none, "selective": selective, "full": e * sb * h / rep}
 
 
 def _grads_are_transient(config: Config) -> bool:
@@ -237,21 +267,24 @@ def _grads_are_transient(config: Config) -> bool:
 
 
 def _microbatch(shape: ModelShape, config: Config, global_batch: int, stage: int, *,
-                transient_grads: bool, hold_logits: bool, unit: tuple[float, int] | None = None) -> dict[str, float]:
+                transient_grads: bool, hold_logits: bool, unit: tuple[float, int] | None = None,
+                rt: RuntimeMemory | None = None) -> dict[str, float]:
     """``{"kept", "peak"}`` of one micro-batch on (virtual) ``stage``; see the module docstring.
     ``transient_grads``: the weight gradients backward makes are temporaries (not ``.grad``);
     ``unit``: ZeRO-3's ``(elements of a unit, layers in it)``, whose flat gradient backward assembles;
-    ``hold_logits``: the caller holds this micro-batch's logits through backward (counted in kept).
+    ``hold_logits``: the caller holds this micro-batch's logits through backward (counted in kept);
+    ``rt``: a GPU runtime's conventions (:mod:`~workbench.advise.runtime_memory`: its attention
+    kernel, the float32 vocabulary-parallel loss at any ``tp``), None for the workbench's own.
     The returned dict is shared (remembered): read it, do not change it."""
     n_stages = config.pp * chunks(config)
     return _stage_microbatch(shape, config, global_batch, _layer_counts(shape, n_stages)[stage], stage == 0,
-                             stage == n_stages - 1, n_stages > 1, transient_grads, hold_logits, unit)
+                             stage == n_stages - 1, n_stages > 1, transient_grads, hold_logits, unit, rt)
 
 
 @lru_cache(maxsize=4096)
 def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_layers: int, first: bool,
                       last: bool, piped: bool, transient_grads: bool, hold_logits: bool,
-                      unit: tuple[float, int] | None) -> dict[str, float]:
+                      unit: tuple[float, int] | None, rt: RuntimeMemory | None = None) -> dict[str, float]:
     """:func:`_microbatch` on a stage of ``n_layers`` layers, the first and / or the last of a
     pipeline (``piped``) or not: all it reads of the stage, so the stages of a pipeline that hold
     as many layers (every one but the first and the last, most often) share one computation."""
@@ -262,14 +295,17 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
     h, ffn = shape.hidden, shape.ffn
     sb = shape.seq * b
     sbh = sb * h
-    layer = _layer_bytes(shape, b, t, sp, e)
+    layer = _layer_bytes(shape, b, t, sp, e, rt.attention if rt is not None else "flash")
     policy = config.recompute
+    # the vocabulary-parallel loss (float32 softmax): with tensor parallelism, and on a GPU runtime
+    # at any tp (Megatron casts the logits to float32 and calls vocab_parallel_cross_entropy)
+    vocab_parallel = t > 1 or rt is not None
     vt = shape.padded_vocab(t) / t                   # this rank's vocabulary columns
     logits = e * sb * vt
     stats = (2 if shape.norm == "layernorm" else 1) * e * sb / rep
     # the loss's saved tensors: log_softmax's output; vocabulary-parallel: the float32 softmax,
     # the local target ids (int64) and the mask of the targets this rank holds (bool)
-    loss_saved = logits if t == 1 else 4 * sb * vt + 9 * sb
+    loss_saved = 4 * sb * vt + 9 * sb if vocab_parallel else logits
     head = (e * 2 * sbh / rep + stats + loss_saved) if last else 0.0   # final norm's input, output, statistics
     edge = head
     if piped and not last:
@@ -332,7 +368,14 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
     if last:
         # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
         # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized
-        loss_work = (4 * sb * vt + 8 * sb + (e * sb * vt if e != 4 else 0.0)) if t > 1 else 2 * logits
+        loss_work = (4 * sb * vt + 8 * sb + (e * sb * vt if e != 4 else 0.0)) if vocab_parallel else 2 * logits
+        if rt is not None:
+            # the loss's busiest moment in place of what it saved: the logits in the compute dtype
+            # beside the float32 logits-sized tensors alive at once (rt.loss_float32_copies: Megatron
+            # 1, the cast that becomes the saved softmax in place and, in backward, the logits'
+            # gradient in place, cast back to 16 bits: the same bytes) and the row indices
+            copies = rt.loss_float32_copies - (1 if e == 4 else 0)    # float32 logits need no cast
+            loss_work = e * sb * vt + 4 * copies * sb * vt + 8 * sb - loss_saved
         # then the head's: the logits' gradient, the input's gradient (all of it) and, with sequence
         # parallelism, its sequence blocks made contiguous for the reduce-scatter and that one's
         # output (the input re-gathered for the weight's gradient comes after them and is no larger);
@@ -343,16 +386,19 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
 
 
 def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_batch: int,
-                                    stage: int) -> dict[str, float]:
+                                    stage: int, runtime_memory: RuntimeMemory | None = None) -> dict[str, float]:
     """``{"kept", "peak"}``: bytes one micro-batch leaves on (virtual) ``stage`` for its backward,
     and the most it needs at once during that backward (see the module docstring). Its weight
     gradients are temporaries when the strategy copies them (:func:`_grads_are_transient`) or
-    when they accumulate over micro-batches; without a pipeline the caller's logits are kept."""
+    when they accumulate over micro-batches; without a pipeline the caller's logits are kept --
+    except on a GPU runtime (``runtime_memory``, :mod:`~workbench.advise.runtime_memory`), whose
+    loss keeps its float32 softmax and whose caller lets the logits go."""
     shape = ModelShape.coerce(shape, "shape")
     accumulating = config.microbatches > 1
+    hold = config.pp == 1 and runtime_memory is None
     return dict(_microbatch(shape, config, global_batch, stage,
-                            transient_grads=_grads_are_transient(config) or accumulating, hold_logits=config.pp == 1,
-                            unit=_zero3_unit(shape, config)))
+                            transient_grads=_grads_are_transient(config) or accumulating, hold_logits=hold,
+                            unit=_zero3_unit(shape, config), rt=runtime_memory))
 
 
 def _zero3_unit(shape: ModelShape, config: Config) -> tuple[float, int, float] | None:
@@ -410,7 +456,8 @@ def _deferred_weight_bytes(shape: ModelShape, config: Config, global_batch: int,
     return inputs + _weight_gradient_inputs(shape, config, global_batch, stage)
 
 
-def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int) -> list[float]:
+def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int,
+                          rt: RuntimeMemory | None = None) -> list[float]:
     """Most bytes of activations on each pipeline rank of a one-stage-per-rank schedule: the
     rank's action list (with its messages, :func:`~workbench.parallel.pipeline_schedules.with_comms`)
     replayed. At each backward: the micro-batches still alive (forwarded, not yet backwarded) kept
@@ -421,12 +468,14 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int) 
     sees it delivered, which it checks between compute actions), and on the last stage the logits
     of every micro-batch forwarded so far (the step returns them). What a rank keeps per
     micro-batch depends on its layers and on whether it is the first or the last, so it is
-    computed once for the ranks in between that hold as many layers (most of them)."""
+    computed once for the ranks in between that hold as many layers (most of them). On a GPU
+    runtime (``rt``) the last stage computes each micro-batch's loss and keeps the loss, not the
+    logits: no logits beyond the one micro-batch in its loss."""
     e = ELEMENT_SIZE[config.precision]
     rep = config.tp if config.sequence_parallel else 1
     b = microbatch_size(config, global_batch)
     message = e * shape.seq * b * shape.hidden / rep
-    logits = e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
+    logits = e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp if rt is None else 0.0
     transient = _grads_are_transient(config)
     unit = _zero3_unit(shape, config)
     # the end of a split B, at the first layer's first product (measured, GPT tiny): beside the kept
@@ -443,7 +492,7 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int) 
         kind = (layers[rank], rank == 0, last)
         if kind not in kinds:
             mb = {first: _microbatch(shape, config, global_batch, rank, transient_grads=transient or not first,
-                                     hold_logits=False, unit=unit) for first in (True, False)}
+                                     hold_logits=False, unit=unit, rt=rt) for first in (True, False)}
             # a zero-bubble B on a stage fed activations ends holding every deferred product's output
             # gradient beside its activations, then M_W until its W (the first stage's B has no input
             # gradient to compute: its W is the whole backward)
@@ -539,8 +588,7 @@ def _replay_counts(schedule: str, p: int, m: int, rank: int, split_w: bool) -> t
             first = False
         elif kind == "W" and split_w:
             pending -= 1
-        else:
-            live -= 1
+        # else a W after an unsplit B (ZeRO-3: nothing deferred): the B freed the micro-batch already
     return tuple(held_ops), tuple(moments)
 
 
@@ -731,11 +779,14 @@ def _rank_states(shape: ModelShape, layout: Config, optimizer: str) -> tuple[tup
 
 
 def _communicators(config: Config) -> int:
-    world = config.devices
-    groups = 1 if world > 1 else 0                                      # the default (world) group
-    groups += sum(1 for n in (config.dp, config.tp, config.pp) if 1 < n < world)
-    groups += min(2, config.pp - 1) if config.pp > 1 else 0             # send/recv pairs with neighbours
-    return groups
+    """NCCL communicators a rank of ``config`` creates (:func:`~workbench.advise.runtime_memory.communicators`)."""
+    return runtime.communicators(config.dp, config.tp, config.pp)
+
+
+@lru_cache(maxsize=4096)
+def _rank_parameters(shape: ModelShape, n_stages: int, stages: tuple[int, ...], tp: int) -> int:
+    """Parameters a rank holding (virtual) ``stages`` keeps on one of ``tp`` ranks."""
+    return sum(n for s in stages for n in shape.stage_tensors(n_stages, s, tp))
 
 
 def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | None = None,
@@ -753,13 +804,18 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
     m = config.microbatches if config.pp > 1 else 1
     piped = config.pp > 1
     several = piped and chunks(config) > 1   # stages per rank
+    rt = getattr(cluster, "runtime_memory", None)   # a GPU runtime's terms and conventions, or None
     # each stage's micro-batch, for all but the schedules of one stage per rank (those replay their own)
-    per_stage = [activation_bytes_per_microbatch(shape, config, global_batch, s) for s in range(n_stages)] \
+    per_stage = [activation_bytes_per_microbatch(shape, config, global_batch, s, rt) for s in range(n_stages)] \
         if not piped or several else []
-    replayed = _pipeline_activations(shape, config, global_batch) if piped and not several else []
+    replayed = _pipeline_activations(shape, config, global_batch, rt) if piped and not several else []
     comms = _communicators(config) * (cluster.communicator_bytes if cluster is not None else 0.0)
+    mixed_state = rt is not None and config.precision != "fp32" and optimizer == "adam"
     rows = []
     for r, (stages, state, zero_elements) in enumerate(_rank_states(shape, _state_config(config), optimizer)):
+        if mixed_state:   # the framework's mixed precision (runtime_memory.model_state), not the paper's 2 + 2 + 12
+            psi = _rank_parameters(shape, n_stages, stages, config.tp)
+            state = runtime.model_state(psi, config.dp, config.zero, rt)
         if not piped:
             activations = per_stage[0]["peak"]
         elif not several:        # one stage per rank: replay its action list
@@ -770,16 +826,17 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             activations += max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
             b = microbatch_size(config, global_batch)
             sbh = shape.seq * b * shape.hidden / (config.tp if config.sequence_parallel else 1)
-            if n_stages - 1 in stages:   # the last stage keeps every micro-batch's output (the step returns them)
+            if n_stages - 1 in stages and rt is None:   # the last stage keeps every micro-batch's output
                 activations += m * e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp
             if r > 0:                    # the receives posted ahead: the next input, the next output gradient
                 activations += e * sbh * (1 if n_stages - 1 in stages else 2)
         buffers = comms
         if config.dp > 1 and config.zero in (2, 3):   # ZeRO-3's gathered units, ZeRO-2's open buckets
             buffers += e * zero_elements
-        elif config.dp > 1 and config.zero == 1:
+        elif config.dp > 1 and config.zero == 1 and rt is None:
             # the step's reduction (flat buffers, reduced chunks) beside what backward left: the
-            # caller's logits (no pipeline)
+            # caller's logits (no pipeline). (A GPU runtime's distributed optimizer reduce-scatters
+            # and gathers in place in its contiguous buffers: nothing beside them.)
             held = 0.0 if piped else e * shape.seq * microbatch_size(config, global_batch) \
                 * shape.padded_vocab(config.tp) / config.tp
             step = e * zero_elements
@@ -787,6 +844,12 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
                 activations, buffers = held, comms + step
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
                "activations": float(activations), "buffers": float(buffers)}
+        if rt is not None:
+            # outside the formulas, filed under buffers: the CUDA context and the caching allocator's
+            # reserve beyond its peak of live tensors (NCCL's buffers are in ``comms`` already)
+            allocated = row["parameters"] + row["gradients"] + row["optimizer"] + row["activations"] \
+                + (row["buffers"] - comms)
+            row["buffers"] += rt.context_bytes + rt.allocator_overhead * allocated
         row["total"] = sum(row[c] for c in MEMORY_CATEGORIES)
         rows.append(row)
     return rows
@@ -796,5 +859,6 @@ def memory_per_device(shape, config: Config, global_batch: int, cluster: Cluster
                       optimizer: str = "adam") -> dict[str, float]:
     """Bytes per device by category (:data:`MEMORY_CATEGORIES`) and ``"total"``, on the worst
     device (the pipeline rank with the largest total). ``shape``: a :class:`ModelShape`, a
-    ``GPTConfig`` or a preset name; ``cluster``: for the NCCL communicators' bytes (None: none)."""
+    ``GPTConfig`` or a preset name; ``cluster``: for the NCCL communicators' bytes and, where it
+    carries one, its GPU runtime's terms (None: neither)."""
     return max(memory_by_rank(shape, config, global_batch, cluster, optimizer), key=lambda row: row["total"])

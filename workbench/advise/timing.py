@@ -24,6 +24,15 @@ divides the layers' and the head's work by ``t``; pipeline parallelism gives eac
 the head too. A stage's work over ``b s`` tokens runs at the cluster's achieved FLOP/s
 (``cluster.flops``; ``cluster.fp32_flops`` for float32 where a cluster gives it).
 
+On a GPU (a cluster with a ``device``: every GPU preset) the FLOP count above is not the price:
+:func:`device_compute` prices a micro-batch operator by operator with
+:mod:`workbench.advise.device` -- each matrix multiply at the efficiency its shape gets (tile and
+wave quantization), the norms, activations, residual adds, cross-entropy and the optimizer's step
+at the achieved memory bandwidth, attention by its kernel, eager PyTorch's launch cost per kernel
+and a fixed cost per micro-batch -- remembered per ``(rows, t, sequence parallelism,
+recomputation, precision)``, so a search pays for each shape once. None of the terms below that
+exist for ranks sharing CPU cores applies there.
+
 Small models on a CPU spend as long in fixed per-operator costs (Python, dispatch, a kernel's
 start) and memory-bound operators (norms, GELU, softmax, residual adds) as in matmuls, so a
 calibrated cluster (:func:`workbench.advise.calibrate.calibrate`) carries more numbers, all 0 or
@@ -59,8 +68,11 @@ moments, writes three) at a memory bandwidth of ``flops / 300`` bytes/s (H100: 9
 bf16, 3.35 TB/s).
 
 Ranks that outnumber the cores (``cluster.cores``, a calibrated cluster's: 4 ranks on 2 cores)
-share them: while every rank computes, each runs ``world / cores`` times slower than alone. A
-pipeline is not always all busy -- in its ramp-up and drain a stage computes alone, and fast --
+share them; every term of that contention (time sharing, drift before a collective, the scheduler's
+time slice, the CPU of messages, of the schedule's loop and of ZeRO-3's collectives, no overlap) is
+in :mod:`workbench.advise.shared_cores` and applies only to a cluster that carries its figures
+(:func:`workbench.advise.shared_cores.of`). While every rank computes, each runs ``world / cores``
+times slower than alone. A pipeline is not always all busy -- in its ramp-up and drain a stage computes alone, and fast --
 so its step is the schedule's own action lists replayed (:func:`simulate`) with the cores shared
 among the ranks computing at each moment. A tensor-parallel stage alone gains less than sharing
 says -- its ranks wait for each other within every layer, and no core speeds that up -- so where a
@@ -115,7 +127,11 @@ by it (``cost._ring_on_links``).
   them in its step, after backward): every bucket but
   the last (the first layers', filled when backward ends) hides behind that backward, ``overlap
   x`` of it (``cluster.overlap``: 1 by default, as NCCL on its own streams; 0 on a calibrated
-  cluster, where gloo's thread competes for the rank's core). ZeRO-3's units are FSDP's: each
+  cluster, where gloo's thread competes for the rank's core). On a GPU, ZeRO-1 is Megatron's
+  distributed optimizer with ``--overlap-grad-reduce`` and ``--overlap-param-gather``: its
+  reduce-scatters hide behind backward as ZeRO-2's do, its parameter all-gathers behind the next
+  step's first forward (all but the first bucket), in Megatron's buckets of ``max(40 M, 1 M x d)``
+  parameters. ZeRO-3's units are FSDP's: each
   layer, and the root (embedding, head), each gathered whole. It gathers each layer one layer
   ahead (prefetch): a layer's gather runs beside the previous layer's forward, and in backward
   its gather and the next layer's reduce-scatter beside that layer's backward; the root's
@@ -146,6 +162,9 @@ import math
 from dataclasses import replace
 from functools import lru_cache
 
+from workbench.advise import shared_cores
+from workbench.advise.device import head_seconds, layer_seconds, optimizer_seconds
+from workbench.advise.nccl import NcclModel
 from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
@@ -200,8 +219,10 @@ def group_topology(ranks: list[int], devices_per_node: int, intra, inter) -> Top
 
 def _machine(cluster):
     """The machine's own cost model (calibrated clusters) and the links to price messages on:
-    a calibrated cluster keeps the emulated topology's links, None where a link is this machine's."""
-    machine = getattr(cluster, "machine", None) or cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)
+    a calibrated cluster keeps the emulated topology's links, None where a link is this machine's.
+    A GPU cluster's collectives are priced as NCCL runs them (its ``nccl``: :mod:`workbench.advise.nccl`)."""
+    machine = getattr(cluster, "machine", None) or getattr(cluster, "nccl", None) \
+        or cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)
     links = getattr(cluster, "links", None)
     if links is not None:
         return machine, links.intra, links.inter
@@ -210,6 +231,8 @@ def _machine(cluster):
 
 @lru_cache(maxsize=1 << 16)
 def _remembered_price(collective: str, nbytes: float, group: int, machine, topology) -> float:
+    if isinstance(machine, NcclModel):   # NCCL's algorithms on NVLink and the network, the group's ranks per node
+        return machine.time(collective, nbytes, group, min(topology.ranks_per_node, group))
     return cost.predict(collective, "native", nbytes, group, machine, topology=topology)
 
 
@@ -257,10 +280,28 @@ def _tp_time(rows: int, shape, config: Config, layers: int, first: bool, last: b
              machine, sync: float = 0.0) -> tuple[float, float]:
     """Seconds of tensor-parallel collectives for one micro-batch of ``rows`` on one stage:
     ``(forward, backward)`` (:func:`workbench.parallel.tensor.communication_per_layer`, and the
-    model's edges as :func:`workbench.parallel.tensor.communication_per_step` lists them)."""
+    model's edges as :func:`workbench.parallel.tensor.communication_per_step` lists them).
+    Remembered where the machine is a frozen value: only the tensor-parallel fields of ``config``
+    enter, so the configurations of a search that differ elsewhere share it."""
+    key = (rows, shape, config.tp, config.sequence_parallel, config.recompute, layers, first, last, e, topo,
+           machine, sync)
+    try:
+        return _remembered_tp_time(key)
+    except TypeError:   # a calibrated machine (its tables are dicts): priced afresh
+        return _tp_time_of(*key)
+
+
+@lru_cache(maxsize=1 << 16)
+def _remembered_tp_time(key: tuple) -> tuple[float, float]:
+    return _tp_time_of(*key)
+
+
+def _tp_time_of(rows: int, shape, t: int, sequence_parallel: bool, recompute: str, layers: int, first: bool,
+                last: bool, e: int, topo, machine, sync: float) -> tuple[float, float]:
     from workbench.parallel.tensor import communication_per_layer
 
-    t, s, h = config.tp, shape.seq, shape.hidden
+    config = Config(tp=t, sequence_parallel=sequence_parallel, recompute=recompute)
+    s, h = shape.seq, shape.hidden
     if t == 1:
         return 0.0, 0.0
     n = rows * s * h
@@ -449,34 +490,19 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     return {"span": now, "busy": [c + m for c, m in zip(busy_c, busy_m)], "compute": busy_c, "comm": busy_m}
 
 
-def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list | None = None) -> dict[str, float]:
-    """Seconds per training step of ``config`` for ``shape`` on ``cluster`` with ``global_batch``
-    sequences: ``{"compute", "tp", "dp", "pp", "bubble", "total"}`` (see the module docstring).
-
-    ``trace``: for a pipeline, a list to receive the schedule's replay, one record per action of
-    the first pipeline (:func:`simulate`'s ``trace``): the replay the time comes from where the
-    ranks share cores, else the same actions each on its own device (drawn, not summed: the
-    closed forms give the time)."""
+def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, crowd: float, contention):
+    """A micro-batch's compute without a device model (a CPU cluster, or a datasheet one): the FLOPs
+    at the cluster's achieved rate plus a calibrated cluster's per-layer and per-byte costs, or its
+    own layers as timed (:func:`measured_layer`). ``(layer_s, head_s, edges_s, step_overhead_s,
+    tp_sync, timed, tp_layer, tp_edges)``: one layer's forward + backward, the head's, the edges'
+    (head, embedding, loss), the step's fixed cost, a tensor-parallel collective's drift price, the
+    timing of the layers at this shape (None where not timed), and, where the layers were timed with
+    their collectives, the timed part beyond the formulas' compute."""
     from workbench.parallel.tensor import activation_bytes_per_layer
 
-    _check(shape, cluster, config, global_batch)
-    d, t, p, m = config.dp, config.tp, config.pp, max(1, config.microbatches)
-    e = ELEMENT_BYTES[config.precision]
+    t, e = config.tp, ELEMENT_BYTES[config.precision]
     s, h = shape.seq, shape.hidden
-    rate = _flops(cluster, config.precision)
-    machine, intra, inter = _machine(cluster)
-    dpn = cluster.devices_per_node
-    groups = _groups(config)
-    topo = {dim: group_topology(r, dpn, intra, inter) for dim, r in groups.items()}
-    rows = global_batch // d // m                     # sequences per micro-batch
     tokens = rows * s
-    cores = getattr(cluster, "cores", None)
-    world = d * t * p
-    crowd = max(1.0, world / cores) if cores else 1.0   # slow-down when every rank computes at once
-    # a pipeline's step ends with one stage computing (its d x t ranks) while the others wait: what a
-    # collective then pays for ranks drifting apart, as a share of its price with every rank busy
-    tail = _crowding(cluster, d * t, world) if p > 1 else 1.0
-
     fpt = flops_per_token(shape, tp=t, recompute=config.recompute)
     fpt_plain = flops_per_token(shape, tp=t)                     # without recomputation
     act_s = float(getattr(cluster, "activation_s_per_byte", 0.0))
@@ -489,7 +515,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     edges_s = head_s + float(getattr(cluster, "microbatch_overhead_s", 0.0))   # embedding, head, loss
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
     # a tensor-parallel collective follows a quarter of a layer's forward + backward (crowded speed)
-    sync = _sync(cluster, t, layer_s * crowd / 4) if t > 1 else 0.0
+    sync = shared_cores.sync_price(contention, t, layer_s * crowd / 4) if contention and t > 1 else 0.0
     # the model's own layers timed at this shape (a calibrated cluster): their cost replaces the formulas',
     # the part beyond the formulas' compute being the tensor-parallel collectives (and their waits)
     timed = measured_layer(cluster, rows, config)
@@ -508,6 +534,58 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         layer_c *= again
         layer_s, edges_s = layer_c / crowd, edges_c / crowd
         head_s = min(head_s, edges_s)
+
+    return layer_s, head_s, edges_s, step_over, sync, timed, tp_layer, tp_edges
+
+
+def device_compute(device, shape, rows: int, config: Config) -> tuple[float, float, float]:
+    """A micro-batch's compute on a GPU (:mod:`workbench.advise.device`), on one tensor-parallel
+    rank: ``(layer_s, head_s, edges_s)``, one layer's forward + backward (+ recomputation), the
+    head's (final norm, output multiply, cross-entropy), and the edges' (the head, the embedding
+    and the fixed cost per micro-batch). Remembered per ``(rows, tp, sp, recompute, precision)``."""
+    sp = bool(config.sequence_parallel and config.tp > 1)
+    layer = layer_seconds(device, shape, rows, config.tp, sp, config.recompute, config.precision)["total"]
+    edges = head_seconds(device, shape, rows, config.tp, sp, config.precision)
+    return layer, edges["head"], edges["total"]
+
+
+def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list | None = None) -> dict[str, float]:
+    """Seconds per training step of ``config`` for ``shape`` on ``cluster`` with ``global_batch``
+    sequences: ``{"compute", "tp", "dp", "pp", "bubble", "total"}`` (see the module docstring).
+
+    ``trace``: for a pipeline, a list to receive the schedule's replay, one record per action of
+    the first pipeline (:func:`simulate`'s ``trace``): the replay the time comes from where the
+    ranks share cores, else the same actions each on its own device (drawn, not summed: the
+    closed forms give the time)."""
+    _check(shape, cluster, config, global_batch)
+    d, t, p, m = config.dp, config.tp, config.pp, max(1, config.microbatches)
+    e = ELEMENT_BYTES[config.precision]
+    s, h = shape.seq, shape.hidden
+    rate = _flops(cluster, config.precision)
+    machine, intra, inter = _machine(cluster)
+    dpn = cluster.devices_per_node
+    groups = _groups(config)
+    topo = {dim: group_topology(r, dpn, intra, inter) for dim, r in groups.items()}
+    rows = global_batch // d // m                     # sequences per micro-batch
+    tokens = rows * s
+    # ranks sharing CPU cores (a calibrated CPU cluster; None for a GPU or a datasheet cluster): the
+    # contention terms of workbench.advise.shared_cores apply only then
+    contention = shared_cores.of(cluster)
+    device = getattr(cluster, "device", None)
+    cores = getattr(contention, "cores", None)
+    world = d * t * p
+    crowd = shared_cores.crowd(contention, world) if contention else 1.0   # every rank computing at once
+    # a pipeline's step ends with one stage computing (its d x t ranks) while the others wait: what a
+    # collective then pays for ranks drifting apart, as a share of its price with every rank busy
+    tail = shared_cores.crowding(contention, d * t, world) if contention and p > 1 else 1.0
+
+    tp_layer = tp_edges = None
+    if device is not None:   # a GPU: the layer priced operator by operator (workbench.advise.device)
+        layer_s, head_s, edges_s = device_compute(device, shape, rows, config)
+        step_over, sync, timed = 0.0, 0.0, None
+    else:
+        layer_s, head_s, edges_s, step_over, sync, timed, tp_layer, tp_edges = _cpu_compute(
+            shape, cluster, config, rows, rate, crowd, contention)
 
     # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
     num_stages, style = _placement(config, p)
@@ -549,10 +627,14 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     # -- the optimizer: its update of this rank's parameters (its shard under ZeRO), every rank at once
     psi_rank = _parameters_on_rank(shape, t, p)
     updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
-    update_s = getattr(cluster, "update_s_per_param", None)
-    if update_s is None:
-        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
-    optimizer_s = (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) * crowd
+    if device is not None:   # memory-bound: the bytes Adam moves per parameter at the achieved bandwidth
+        optimizer_s = optimizer_seconds(device, updated, config.precision)
+    else:
+        update_s = getattr(cluster, "update_s_per_param", None)
+        if update_s is None:
+            update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
+        optimizer_s = (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) \
+            * crowd
 
     # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
     hops, pp_extra = [0.0], 0.0
@@ -577,7 +659,8 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         # Both at the price after the optimizer's step, a short compute: before the gather the ranks
         # finish the schedule one after another, idle as they wait, which frees the cores for the
         # last (the replay's span holds that wait), not all at once as after a stage's whole pass
-        pp_extra += 2 * _sync(cluster, p, optimizer_s)
+        if contention:
+            pp_extra += 2 * shared_cores.sync_price(contention, p, optimizer_s)
     critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
 
     if p > 1 and (cores or trace is not None):
@@ -607,10 +690,10 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         owner = stage_to_rank(num_stages, p, style)
         # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
         # F receives its input and sends its output, B (or the full backward) the gradients the other way
-        end_cpu = message_cpu(cluster, msg_bytes)
+        end_cpu = shared_cores.message_cpu(contention, msg_bytes) if contention else 0.0
         # and every action costs the schedule's own loop some CPU beyond its work and its message
         # (calibrated: a 2-stage pipeline against the same work run directly), also shared like compute
-        loop = float(getattr(cluster, "pipeline_action_s", 0.0) or 0.0)
+        loop = float(getattr(contention, "pipeline_action_s", 0.0) or 0.0)
         # a split backward: W's share of it (calibrated: each phase timed; else the FLOPs': W computes
         # the weight-gradient products, B the input gradients and the attention core's backward)
         w_share = getattr(cluster, "split_w_share", None)
@@ -636,8 +719,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         # on this machine's own links (no emulated ones), a message that lands while every core computes
         # waits for a time slice to end, half a slice on average (with an emulated link the ranks sleep
         # through its held-back messages and their network threads are promoted meanwhile: not seen there)
-        half = float(getattr(cluster, "time_slice_s", 0.0) or 0.0) / 2 if getattr(cluster, "links", None) is None \
-            else 0.0
+        half = shared_cores.late_message(contention) if contention else 0.0
         late = [0.0 if owner[k] == owner[k + 1] else half for k in range(num_stages - 1)] or [0.0]
         sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=sim_cores,
                        replicas=d * t, trace=trace, late=late)
@@ -673,22 +755,23 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     if d > 1:
         # the share of compute that hides the traffic: 1 on devices with their own copy engines; 0 on a
         # calibrated CPU cluster, where the collectives' threads need the cores (and the GIL) compute has
-        overlap = float(getattr(cluster, "overlap", 1.0))
+        overlap, hides = shared_cores.overlap(contention) if contention else (1.0, 1.0)
         # after a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
         # gradient reduction and the loss's all-reduce find the cores free (measured, GPT small on dp=2 x
         # pp=2 over 4 ranks on 2 cores: 7-10 ms, against 30 ms at the price with every rank busy)
-        sync = _sync(cluster, d) * tail
+        sync = shared_cores.sync_price(contention, d) * tail if contention else 0.0
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd
         price = lambda c, n: _price(c, n, d, machine, topo["dp"])  # noqa: E731
         if config.zero == 3:
-            hides = getattr(cluster, "prefetch_overlap", None)
-            hides = overlap if hides is None else float(hides)
             dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides, sync,
                                           price)
-            dp_total = max(dp_total, m * zero3_cpu(cluster, shape, config) * crowd)
+            if contention:
+                dp_total = max(dp_total, m * shared_cores.zero3_cpu(contention, shape, config) * crowd)
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
+            if device is not None and config.zero:   # Megatron's buckets: max(40 M, 1 M x d) parameters
+                cap = max(40e6, 1e6 * d) * e
             first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
             # the first bucket, the full ones, and the rest in the last (each kind of bucket priced once)
             head = min(first, grad_bytes)
@@ -700,10 +783,15 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             # compute, pays the drift price (ZeRO-1 reduces them all in its step, after backward)
             every = sum(k * price(kind, n) for n, k in sizes)
             last = price(kind, sizes[-1][0])
-            hidden = overlap * mb_compute * 2 / 3 if config.zero != 1 else 0.0
+            # on a GPU, ZeRO-1 is Megatron's distributed optimizer (--overlap-grad-reduce): its reduce-scatters
+            # leave in buckets as backward fills them, as ZeRO-2's do
+            hidden = overlap * mb_compute * 2 / 3 if config.zero != 1 or device is not None else 0.0
             dp_total = last + max(0.0, every - last - hidden) + sync
             if config.zero in (1, 2):   # the updated parameters, all-gathered after the step
-                dp_total += sum(k * price("all_gather", n) for n, k in sizes) + sync
+                gather = sum(k * price("all_gather", n) for n, k in sizes)
+                if device is not None:   # --overlap-param-gather: beside the next step's first forward
+                    gather = max(price("all_gather", sizes[0][0]), gather - overlap * mb_compute / 3)
+                dp_total += gather + sync
         dp_total += _price("all_reduce", 4, d, machine, topo["dp"]) + sync  # the loss
 
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
@@ -762,68 +850,9 @@ def measured_layer(cluster, rows: int, config: Config) -> dict | None:
     return costs.get((rows, config.tp, bool(config.sequence_parallel and config.tp > 1)))
 
 
-def zero3_cpu(cluster, shape, config: Config) -> float:
-    """CPU seconds one rank's ZeRO-3 collectives cost per micro-batch on a calibrated cluster
-    whose ranks share cores (its ``collective_cpu``; 0 elsewhere): FSDP's units are the stage's
-    layers and the root, each gathered in forward and again in backward and reduce-scattered
-    once, ``2 (L/p + 1)`` gathers and ``L/p + 1`` reduce-scatters."""
-    cpu = getattr(cluster, "collective_cpu", None)
-    if not cpu or not getattr(cluster, "cores", None):
-        return 0.0
-    units = max(stage_layers(shape.layers, config.pp)) + 1
-    return units * (2 * float(cpu["all_gather"]) + float(cpu["reduce_scatter"]))
-
-
-def message_cpu(cluster, nbytes: float) -> float:
-    """CPU seconds one end of a ``nbytes`` pipeline message costs its rank after compute (a
-    calibrated cluster's ``message_cpu`` points: a straight line through them, never below the
-    smallest; 0 for a cluster without them, whose devices compute while their NICs move the bytes)."""
-    points = getattr(cluster, "message_cpu", None)
-    if not points:
-        return 0.0
-    if len(points) == 1:
-        return max(0.0, float(points[0][1]))
-    (x0, y0), (x1, y1) = points[0], points[-1]
-    slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
-    return max(0.0, float(y0) + slope * max(0.0, nbytes - x0))
-
-
-def _sync(cluster, group_size: int, chunk: float = math.inf) -> float:
-    """Seconds a collective (or message) among ``group_size`` ranks costs beyond its bytes when it
-    follows ``chunk`` seconds of compute: a calibrated cluster's ``sync_by_size`` (per group size,
-    points ``(compute, price)``), interpolated in both; 0 for real devices."""
-    by = getattr(cluster, "sync_by_size", None)
-    if not by:
-        return float(getattr(cluster, "sync_s", 0.0))
-
-    def at(points):
-        pts = sorted(points)
-        if chunk <= pts[0][0]:
-            return pts[0][1]
-        for (c0, s0), (c1, s1) in zip(pts, pts[1:]):
-            if chunk <= c1:
-                return s0 + (s1 - s0) * (chunk - c0) / (c1 - c0) if c1 > c0 else s1
-        return pts[-1][1]
-
-    sizes = sorted(by)
-    if group_size <= sizes[0]:
-        return float(at(by[sizes[0]]))
-    for lo, hi in zip(sizes, sizes[1:]):
-        if group_size <= hi:
-            return float(at(by[lo]) + (at(by[hi]) - at(by[lo])) * (group_size - lo) / (hi - lo))
-    return float(at(by[sizes[-1]]))
-
-
-def _crowding(cluster, active: int, world: int) -> float:
-    """How crowded the cores are with ``active`` ranks computing, as a share of how crowded they are
-    with all ``world`` ranks computing (0: every active rank has a core; 1: as crowded as the
-    calibration's every rank busy), linear in the ranks per core. The drift price of a collective
-    (:func:`_sync`) was measured with every rank busy; with no more ranks than cores computing,
-    nobody is descheduled."""
-    cores = getattr(cluster, "cores", None)
-    if not cores or world <= cores:
-        return 1.0
-    return min(1.0, max(0.0, (active / cores - 1) / (world / cores - 1)))
+# the contention terms moved to shared_cores; their old names, for callers that import them from here
+message_cpu, zero3_cpu = shared_cores.message_cpu, shared_cores.zero3_cpu
+_sync, _crowding = shared_cores.sync_price, shared_cores.crowding
 
 
 def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -> float:
@@ -833,6 +862,7 @@ def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -
     return link.time(nbytes) if link is not None else machine.one_way(nbytes)
 
 
+@lru_cache(maxsize=4096)
 def _parameters_on_rank(shape, t: int, p: int) -> float:
     """Parameters on the most loaded rank: its stage's layers split by ``t`` (norms and row
     biases replicated), the embedding (first stage) or the head (last stage) split by vocabulary

@@ -1,0 +1,193 @@
+"""The GPU device model (issue 37): each term of :mod:`workbench.advise.device` on its own, the
+profile JSON, and the CPU path unchanged (:mod:`workbench.advise.shared_cores` an opt-in layer).
+
+Pure Python and fast: no launch, no GPU; the one test of a real GPU carries the ``cuda`` marker.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from workbench.advise import device as dm
+from workbench.advise import shared_cores, timing
+from workbench.advise.calibrate import CalibratedCluster
+from workbench.advise.cluster import Cluster
+from workbench.advise.plan import Config
+from workbench.advise.shape import ModelShape
+from workbench.comm import cost
+from workbench.comm.topology import Link
+
+H100 = dm.PROFILES["h100-sxm-80gb"]
+LLAMA = ModelShape.preset("llama3-8b")
+
+
+def test_tile_and_wave_quantization():
+    dev = H100.with_(gemm_ceiling=1.0)
+    k = 1 << 20   # the short-k roll-off out of the way
+    roll = k / (k + dm.K_HALF)
+    # one row past a whole number of tiles pays for a whole row of tiles more
+    full = dm.gemm_efficiency(dev, 128 * 66, 256 * 2, k)
+    assert full == pytest.approx(roll)                       # 66 x 2 tiles = exactly one wave of 132 SMs
+    over = dm.gemm_efficiency(dev, 128 * 66 + 1, 256 * 2, k)
+    assert over < 0.8 * full
+    # wave quantization: 133 tiles of 128 x 256 need two waves of 132 SMs (or smaller tiles)
+    assert dm.gemm_efficiency(dev, 128 * 133, 256, k) < 0.9 * dm.gemm_efficiency(dev, 128 * 132, 256, k)
+    # the best tile: a shape that fits 128 x 128 exactly beats 128 x 256's half-empty tiles
+    assert dm.gemm_efficiency(dev, 128 * 132, 128, k) == pytest.approx(max(0.9, 0.5) * roll)
+
+
+def test_small_matrices_run_far_from_the_ceiling():
+    big = dm.gemm_efficiency(H100, 8192, 8192, 8192)
+    assert 0.95 * H100.gemm_ceiling < big <= H100.gemm_ceiling
+    assert dm.gemm_efficiency(H100, 256, 256, 256) < 0.1 * H100.gemm_ceiling
+    # the short-k roll-off: the same output, shorter reductions, lower efficiency
+    effs = [dm.gemm_efficiency(H100, 4096, 4096, k) for k in (64, 256, 4096)]
+    assert effs[0] < effs[1] < effs[2]
+    assert dm.gemm_seconds(H100, 8192, 8192, 8192, "bf16") == pytest.approx(2 * 8192 ** 3 / (989e12 * big))
+    # float32 without tensor cores: the fp32 peak
+    assert dm.gemm_seconds(H100, 4096, 4096, 4096, "fp32") / dm.gemm_seconds(H100, 4096, 4096, 4096, "bf16") == \
+        pytest.approx(989 / 67)
+
+
+def test_memory_bound_operators_at_achieved_bandwidth():
+    rows, e = 2, 2
+    n, h = rows * LLAMA.seq, LLAMA.hidden
+    ops = {(name, phase): (s, k) for name, phase, s, k in dm.layer_operators(H100, LLAMA, rows, 1, False, "bf16")}
+    assert ops[("input norm", "forward")][0] == pytest.approx(2 * n * h * e / H100.memory_bandwidth)
+    assert ops[("input norm", "backward")][0] == pytest.approx(2 * ops[("input norm", "forward")][0])
+    # SwiGLU reads gate and up, writes one: 3 x tokens x ffn elements
+    assert ops[("swiglu", "forward")][0] == pytest.approx(3 * n * LLAMA.ffn * e / H100.memory_bandwidth)
+    # tensor parallelism shards the activation; sequence parallelism the norms' rows
+    tp = {(nm, ph): s for nm, ph, s, _ in dm.layer_operators(H100, LLAMA, rows, 4, False, "bf16")}
+    sp = {(nm, ph): s for nm, ph, s, _ in dm.layer_operators(H100, LLAMA, rows, 4, True, "bf16")}
+    assert tp[("swiglu", "forward")] == pytest.approx(ops[("swiglu", "forward")][0] / 4)
+    assert tp[("input norm", "forward")] == pytest.approx(ops[("input norm", "forward")][0])
+    assert sp[("input norm", "forward")] == pytest.approx(ops[("input norm", "forward")][0] / 4)
+    # the optimizer: bytes per parameter over the bandwidth
+    assert dm.optimizer_seconds(H100, 1e9, "bf16") == pytest.approx(1e9 * 34 / H100.memory_bandwidth)
+
+
+def test_launch_overhead_makes_small_micro_batches_slow():
+    small = ModelShape(layers=16, hidden=2048, heads=16, vocab=32000, seq=1024, ffn=8192, name="1b")
+    kernels = dm.kernels_per_layer(H100, small)
+    assert 30 <= kernels["forward"] + kernels["backward"] <= 60
+    slow = H100.with_(kernel_overhead_s=1e-3)     # every kernel far shorter than its launch
+    assert dm.layer_seconds(slow, small, 1)["total"] == pytest.approx(
+        (kernels["forward"] + kernels["backward"]) * 1e-3)
+    assert dm.kernel_seconds(H100, 1.0, 10) == 1.0 and dm.kernel_seconds(H100, 0.0, 10) == 10 * H100.kernel_overhead_s
+    # the same global batch in more micro-batches: the same FLOPs, more launches and per-micro-batch costs
+    cl = Cluster.preset("dgx-h100")
+    t = {m: timing.step_time(small, cl, Config(dp=8, microbatches=m, precision="bf16"), 128)["compute"]
+         for m in (1, 16)}
+    assert t[16] > t[1] + 15 * H100.microbatch_overhead_s
+    per_seq = {m: t[m] / 16 for m in t}
+    assert per_seq[16] > 1.1 * per_seq[1]
+
+
+def test_flash_against_math_attention():
+    flash = dm.layer_seconds(H100, LLAMA, 1)
+    math_ = dm.layer_seconds(H100.with_(attention="math"), LLAMA, 1)
+    assert math_["total"] > 1.2 * flash["total"]      # s = 8192: the scores materialised, no causal skip
+    ops = [op for op in dm.layer_operators(H100.with_(attention="math"), LLAMA, 1) if op[0] == "softmax"]
+    scores = 1 * LLAMA.heads * LLAMA.seq ** 2
+    assert ops[0][2] == pytest.approx(2 * scores * 2 / H100.memory_bandwidth)
+    # flash: 4 s^2 h FLOPs per sequence forward, the causal half, at flash_efficiency (less at short s)
+    s, h = LLAMA.seq, LLAMA.hidden
+    want = 4 * s * s * h * 0.5 / (989e12 * H100.flash_efficiency * s / (s + dm.FLASH_SEQ_HALF))
+    assert dm.flash_seconds(H100, 1, s, h, "bf16") == pytest.approx(want)
+    assert dm.flash_seconds(H100, 1, s, h, "bf16", backward=True) == pytest.approx(2.5 * want)
+
+
+def test_recomputation_and_tensor_parallelism():
+    none, sel, full = (dm.layer_seconds(H100, LLAMA, 1, recompute=r) for r in ("none", "selective", "full"))
+    assert sel["total"] - none["total"] == pytest.approx(sel["recompute"]) and 0 < sel["recompute"]
+    assert full["recompute"] == full["forward"] > sel["recompute"]
+    assert none["backward"] > 1.8 * none["forward"] - sel["recompute"]     # backward: twice the multiplies
+    # tensor parallelism: about half the work at t = 2 for large shapes, more than an 8th at t = 8 for small
+    assert dm.layer_seconds(H100, LLAMA, 4, tp=2)["total"] == pytest.approx(
+        dm.layer_seconds(H100, LLAMA, 4)["total"] / 2, rel=0.1)
+    small = ModelShape(layers=4, hidden=1024, heads=16, vocab=32000, seq=512, ffn=4096, name="s")
+    assert dm.layer_seconds(H100, small, 1, tp=8)["total"] > dm.layer_seconds(H100, small, 1)["total"] / 4
+    with pytest.raises(ValueError, match="recompute"):
+        dm.layer_seconds(H100, LLAMA, 1, recompute="some")
+
+
+def test_device_json_and_profile_round_trip(tmp_path):
+    assert dm.Device.from_json(H100.to_json()) == H100
+    with pytest.raises(ValueError, match="gemm_ceiling"):
+        H100.with_(gemm_ceiling=1.5)
+    with pytest.raises(ValueError, match="device"):
+        Cluster.preset("dgx-h100", device="h100")
+    cl = Cluster.preset("dgx-h100", nodes=4).with_(device=H100.with_(gemm_ceiling=0.7, kernel_overhead_s=5e-6))
+    path = tmp_path / "h100.json"
+    path.write_text(json.dumps(cl.to_profile(measured={"gemms": []}, base="dgx-h100")))
+    back = Cluster.from_profile(str(path))
+    assert back == cl and back.device.gemm_ceiling == 0.7
+    assert Cluster.from_profile(str(path), nodes=2).nodes == 2
+    with pytest.raises(ValueError, match="profile"):
+        Cluster.from_profile({"format": "other"})
+
+
+def test_calibrate_cuda_fits_a_device_from_measurements():
+    """The fit, on measurements made up to match a known device: it gives that device back."""
+    from workbench.advise.calibrate_cuda import GEMM_SHAPES, calibrate_cuda, device_from_measurements
+
+    true = H100.with_(gemm_ceiling=0.7, memory_bandwidth=2.8e12, kernel_overhead_s=6e-6)
+    gemms = [{"m": m, "n": n, "k": k, "flops": 2 * m * n * k / dm.gemm_seconds(true, m, n, k, "bf16")}
+             for m, n, k in GEMM_SHAPES]
+    att = {"seq": 4096, "flops": 989e12 * true.flash_efficiency * 4096 / (4096 + 256)}
+    measured = {"name": "NVIDIA H100 80GB HBM3", "sms": 132, "memory_bytes": 85e9, "dtype": "bfloat16",
+                "gemms": gemms, "memory_bandwidth": 2.8e12, "kernel_overhead_s": 6e-6, "attention": att}
+    fit = device_from_measurements(measured, H100)
+    assert fit.gemm_ceiling == pytest.approx(0.7) and fit.flash_efficiency == pytest.approx(true.flash_efficiency)
+    assert fit.kernel_overhead_s == 6e-6 and fit.memory_bytes == 85e9 and fit.bf16_flops == H100.bf16_flops
+    cl = calibrate_cuda("dgx-h100", measured=measured)
+    assert cl.device == fit and cl.nccl == Cluster.preset("dgx-h100").nccl
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_calibrate_cuda_on_a_gpu(tmp_path):
+    from workbench.advise.calibrate_cuda import calibrate_cuda
+
+    path = tmp_path / "gpu.json"
+    cl = calibrate_cuda("dgx-h100", path=str(path))
+    assert 0.2 < cl.device.gemm_ceiling <= 1.0 and cl.device.memory_bandwidth > 1e11
+    assert 0 < cl.device.kernel_overhead_s < 1e-3
+    assert Cluster.from_profile(str(path)) == cl
+
+
+# -- the CPU path: bit-identical, the contention layer only where ranks share cores
+
+FAST, SLOW = Link(50e-6, 2e9), Link(1e-3, 50e6)
+SHARED = CalibratedCluster(
+    nodes=2, devices_per_node=2, memory_bytes=8e9, flops=20e9, fp32_flops=10e9, intra=FAST, inter=SLOW, cores=2.0,
+    sync_by_size={2: [(1e-4, 2e-4), (5e-3, 1e-3)], 4: [(1e-4, 4e-4), (5e-3, 2e-3)]}, layer_overhead_s=3e-4,
+    microbatch_overhead_s=1e-3, step_overhead_s=2e-3, update_s_per_param=2e-9, activation_s_per_byte=1e-10,
+    message_cpu=((1 << 16, 1.5e-4), (1 << 20, 3e-4)), time_slice_s=4e-3,
+    collective_cpu={"all_gather": 1.5e-3, "reduce_scatter": 2e-3}, pipeline_action_s=2e-4, split_overhead_s=5e-4,
+    overlap=0.0, prefetch_overlap=0.2, machine=cost.CostModel(alpha=5e-5, beta=5e-10, gamma=1e-10))
+PLAIN = Cluster(nodes=2, devices_per_node=2, memory_bytes=8e9, flops=20e9, intra=FAST, inter=SLOW)
+CONFIGS = [Config(dp=4), Config(dp=2, tp=2, sequence_parallel=True), Config(dp=2, pp=2, microbatches=4),
+           Config(pp=4, microbatches=4, schedule="gpipe"), Config(dp=4, zero=3), Config(tp=2, pp=2, microbatches=2),
+           Config(dp=2, pp=2, microbatches=4, schedule="zb-h1"), Config(dp=4, zero=1, recompute="full")]
+# step_time's totals for GPT small, batch 16, before issue 37 (the timing model at c8dda81): to the last bit
+GOLDEN = {"SHARED": [2.4456746313999997, 2.2754330082, 2.0836234306, 2.3418332216952376, 2.567711469282662,
+                     2.1212043051999996, 2.0784246466000003, 3.1164986186],
+          "PLAIN": [2.2114035655, 1.3180489696, 1.3818934900000002, 1.358062113, 1.0596144295, 1.2264521247999998,
+                    1.2971554420000002, 1.4048106055]}
+
+
+def test_cpu_predictions_unchanged_and_contention_opt_in():
+    shape = ModelShape.preset("small")
+    for name, cl in (("SHARED", SHARED), ("PLAIN", PLAIN)):
+        assert [timing.step_time(shape, cl, c, 16)["total"] for c in CONFIGS] == GOLDEN[name], name
+    assert shared_cores.of(SHARED) is SHARED
+    assert shared_cores.of(PLAIN) is None and shared_cores.of(Cluster.preset("dgx-h100")) is None
+    # a device takes a cluster off the contention layer, whatever else it carries
+    gpu = SHARED.with_(device=H100)
+    assert shared_cores.of(gpu) is None
+    t = timing.step_time(shape, gpu, Config(dp=2, pp=2, microbatches=4, precision="bf16"), 16)
+    assert math.isfinite(t["total"]) and t["total"] < 0.1

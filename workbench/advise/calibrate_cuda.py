@@ -1,0 +1,244 @@
+"""Measure a GPU into a device profile: ``workbench advise --calibrate --device cuda --profile FILE``.
+
+The published profiles (:data:`workbench.advise.device.PROFILES`) carry public figures; this module
+measures the same figures on the GPU at hand, so the advisor prices a step with that GPU's own
+numbers. Every timing is taken with CUDA events around the work, after warm-up launches, with
+``torch.cuda.synchronize()`` before reading them (kernel launches are asynchronous: a wall clock
+around a launch times the launch, not the kernel).
+
+What is measured, and which :class:`~workbench.advise.device.Device` figure it gives:
+
+==========================  ===================================================================
+probe                       figure
+==========================  ===================================================================
+matrix multiplies over      ``gemm_ceiling``: the best achieved rate over the large shapes, over
+shapes (:data:`GEMM_SHAPES`) the peak; the other shapes are kept to check the tile/wave model
+a large copy                ``memory_bandwidth``: bytes read + written per second
+one-element adds, launched  ``kernel_overhead_s``: the host's time per launch of eager PyTorch
+back to back                (wall time of many launches over their number, synchronised once)
+causal attention            ``flash_efficiency``: ``F.scaled_dot_product_attention``'s FLOPs over
+(``scaled_dot_product_      its time, over the peak, forward + backward
+attention``)
+a transformer layer         kept beside the device model's prediction of it (``measured
+forward + backward          ["layer"]``), the check of the whole model on this GPU
+NCCL all-reduce (>= 2 GPUs) bus bandwidth inside the node (``measured["nccl"]``, and ``intra``)
+``torch.cuda`` properties   ``sms``, ``memory_bytes``, the name
+==========================  ===================================================================
+
+The peaks are not measured: they are the datasheet's, taken from the published profile of the
+same GPU (by name), or, for a GPU the profiles do not know, the best rate measured (ceiling 1).
+:func:`device_from_measurements` turns the measurements into a :class:`Device` without a GPU (the
+tests check it on CPU); :func:`measure` needs one. The profile JSON
+(:meth:`workbench.advise.cluster.Cluster.to_profile`) keeps the raw measurements beside the figures.
+Time: about a minute on one GPU; memory: the largest multiply's three matrices (3 x 8,192^2 bf16,
+400 MB) and a 1 GiB copy.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from .cluster import PRESETS as CLUSTERS
+from .cluster import Cluster
+from .device import PROFILES, Device, gemm_efficiency
+
+__all__ = ["GEMM_SHAPES", "measure", "device_from_measurements", "calibrate_cuda", "profile_for"]
+
+# (m, n, k): large squares (the ceiling), transformer-shaped ones (tokens x hidden x hidden/ffn at
+# tensor-parallel shards), and small ones far from the ceiling (tile and wave quantization)
+GEMM_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 1024), (4096, 14336, 4096),
+               (4096, 4096, 14336), (2048, 3072, 1024), (4096, 1024, 4096), (1024, 1024, 1024),
+               (512, 512, 512), (2048, 2048, 128), (256, 4096, 4096), (8192, 1664, 8192))
+LARGE = 3                         # the first shapes: large enough to give the ceiling
+COPY_BYTES = 1 << 30
+LAUNCHES = 2000
+
+
+def profile_for(name: str, memory_bytes: float) -> Device | None:
+    """The published profile of a GPU named ``name`` (``torch.cuda.get_device_name``), or None."""
+    upper = name.upper()
+    if "H100" in upper:
+        return PROFILES["h100-sxm-80gb"]
+    if "A100" in upper:
+        return PROFILES["a100-sxm-80gb" if memory_bytes > 60e9 else "a100-sxm-40gb"]
+    return None
+
+
+def _timed(fn, repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` on the current stream, each call between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _gemms(dtype) -> list[dict]:
+    out = []
+    for m, n, k in GEMM_SHAPES:
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(k, n, device="cuda", dtype=dtype)
+        s = _timed(lambda: a @ b)
+        out.append({"m": m, "n": n, "k": k, "seconds": s, "flops": 2 * m * n * k / s})
+        del a, b
+    return out
+
+
+def _bandwidth() -> float:
+    x = torch.empty(COPY_BYTES // 4, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    s = _timed(lambda: y.copy_(x))
+    return 2 * COPY_BYTES / s
+
+
+def _launch_overhead() -> float:
+    """Host seconds per eager launch: many tiny kernels back to back, timed on the wall clock
+    (the GPU finishes each long before the host launches the next), synchronised once."""
+    x = torch.zeros(1, device="cuda")
+    for _ in range(100):
+        x.add_(1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(LAUNCHES):
+        x.add_(1)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / LAUNCHES
+
+
+def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int = 128) -> dict:
+    """Causal ``scaled_dot_product_attention`` forward + backward: FLOPs (causal half, backward 2.5x)
+    over the time."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(rows, heads, seq, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def step():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    s = _timed(step)
+    flops = 4 * rows * seq * seq * heads * dim * 0.5 * 3.5
+    return {"rows": rows, "heads": heads, "seq": seq, "dim": dim, "seconds": s, "flops": flops / s}
+
+
+def _layer(dtype, rows: int = 1, hidden: int = 2048, heads: int = 16, seq: int = 2048) -> dict:
+    """One of :class:`workbench.models.GPT`'s blocks, forward + backward under autocast."""
+    from workbench.models import GPTConfig
+    from workbench.models.gpt import Block
+
+    block = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=hidden, block_size=seq)).cuda()
+    x = torch.randn(rows, seq, hidden, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype):
+            block(x).float().sum().backward()
+
+    return {"rows": rows, "hidden": hidden, "heads": heads, "seq": seq, "seconds": _timed(step)}
+
+
+def _nccl(world: int) -> dict:
+    """Bus bandwidth of an NCCL all-reduce over ``world`` GPUs of this node (nccl-tests' busbw:
+    ``2 (w - 1) / w x bytes / time``), per message size."""
+    import workbench
+
+    return workbench.launch(_nccl_rank, world_size=world, backend="nccl", timeout=300)[0]
+
+
+def _nccl_rank() -> dict:
+    import torch.distributed as dist
+
+    w = dist.get_world_size()
+    out = {}
+    for nbytes in (1 << 20, 16 << 20, 256 << 20):
+        x = torch.ones(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        s = _timed(lambda: dist.all_reduce(x), repeats=5)
+        out[str(nbytes)] = {"seconds": s, "bus_bandwidth": 2 * (w - 1) / w * nbytes / s}
+    return out
+
+
+def measure(dtype=torch.bfloat16, nccl: bool = True) -> dict:
+    """Every probe on the current GPU (and NCCL across this node's GPUs when there are 2 or more)."""
+    if not torch.cuda.is_available():
+        raise ValueError("workbench advise --calibrate --device cuda: no CUDA device here; run it on a GPU node, "
+                         "or calibrate this machine's CPU with --device cpu")
+    props = torch.cuda.get_device_properties(0)
+    out = {"name": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+           "memory_bytes": float(props.total_memory), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "dtype": str(dtype).replace("torch.", ""),
+           "gemms": _gemms(dtype), "memory_bandwidth": _bandwidth(), "kernel_overhead_s": _launch_overhead(),
+           "attention": _attention(dtype), "layer": _layer(dtype)}
+    if nccl and torch.cuda.device_count() >= 2:
+        out["nccl"] = _nccl(min(8, torch.cuda.device_count()))
+    return out
+
+
+def device_from_measurements(measured: dict, base: Device | None = None) -> Device:
+    """The :class:`Device` the measurements describe (pure: no GPU needed). Peaks from ``base``
+    (the published profile of the same GPU; None: the best rate measured, ceiling 1), the rest
+    measured: the GEMM ceiling from the large shapes, the bandwidth, the launch cost, flash
+    attention's efficiency; the per-micro-batch overhead is ``base``'s (a framework figure)."""
+    dtype = measured.get("dtype", "bfloat16")
+    key = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
+    best = max(g["flops"] for g in measured["gemms"][:LARGE])
+    sms = int(measured["sms"])
+    if base is None:
+        base = Device(name=measured["name"], bf16_flops=best, fp16_flops=best, fp32_flops=best / 16, sms=sms,
+                      gemm_ceiling=1.0, memory_bandwidth=measured["memory_bandwidth"],
+                      memory_bytes=measured["memory_bytes"], flash_efficiency=0.5)
+    peak = base.peak(key)
+    # the ceiling: the best large multiply over the peak, less what tile and wave quantization cost it
+    shape = max(measured["gemms"][:LARGE], key=lambda g: g["flops"])
+    probe = base.with_(sms=sms, gemm_ceiling=1.0)
+    quantized = gemm_efficiency(probe, shape["m"], shape["n"], shape["k"])
+    ceiling = min(1.0, best / peak / quantized)
+    att = measured.get("attention")
+    flash = min(1.0, att["flops"] / peak * (att["seq"] + 256) / att["seq"]) if att else base.flash_efficiency
+    when = time.strftime("%Y-%m-%d")
+    return base.with_(name=measured["name"], sms=sms, gemm_ceiling=ceiling,
+                      memory_bandwidth=float(measured["memory_bandwidth"]),
+                      memory_bytes=float(measured["memory_bytes"]), flash_efficiency=flash,
+                      kernel_overhead_s=float(measured["kernel_overhead_s"]),
+                      source=(f"measured {when} by workbench advise --calibrate --device cuda "
+                              f"(torch {measured.get('torch')}, CUDA {measured.get('cuda')}): gemm_ceiling, "
+                              "memory_bandwidth, kernel_overhead_s, flash_efficiency, sms, memory_bytes",
+                              f"peaks and microbatch_overhead_s: {base.name}'s published profile"))
+
+
+def calibrate_cuda(base: str = "dgx-h100", path: str | None = None, measured: dict | None = None) -> Cluster:
+    """Measure this GPU (unless ``measured`` is given), build the cluster ``base`` (a preset: its
+    nodes, network and runtime figures) with this GPU as its device, and write the profile JSON to
+    ``path`` (when given) for ``--profile FILE`` / :meth:`Cluster.from_profile` to load."""
+    if base not in CLUSTERS:
+        raise ValueError(f"calibrate_cuda(base={base!r}): use a preset, one of {sorted(CLUSTERS)}")
+    measured = measured if measured is not None else measure()
+    device = device_from_measurements(measured, profile_for(measured["name"], measured["memory_bytes"]))
+    layer = measured.get("layer")
+    if layer:   # the whole model's check on this GPU: the layer as the device model prices it, beside its time
+        from .device import layer_seconds
+        from .shape import ModelShape
+
+        shape = ModelShape(layers=1, hidden=layer["hidden"], heads=layer["heads"], vocab=64, seq=layer["seq"],
+                           ffn=4 * layer["hidden"], name="gpt block")
+        layer["predicted_seconds"] = layer_seconds(device.with_(attention="flash"), shape, layer["rows"])["total"]
+    changes = {"device": device, "name": f"{base} ({device.name}, measured)", "memory_bytes": device.memory_bytes,
+               "flops": device.achieved("bf16"), "fp32_flops": device.achieved("fp32"),
+               "source": device.source[0]}
+    nccl = measured.get("nccl")
+    if nccl:   # the largest message's bus bandwidth inside the node as the intra-node link
+        from workbench.comm.topology import Link
+
+        largest = nccl[max(nccl, key=int)]
+        changes["intra"] = Link(CLUSTERS[base].intra.latency_s, largest["bus_bandwidth"])
+    cluster = CLUSTERS[base].with_(**changes)
+    if path:
+        with open(path, "w") as f:
+            json.dump(cluster.to_profile(measured=measured, base=base), f, indent=1)
+    return cluster

@@ -1,0 +1,422 @@
+"""A GPU as the advisor prices it: one transformer layer, operator by operator.
+
+A datasheet gives two peaks, FLOP/s and memory bytes/s. A training step reaches neither: its
+matrix multiplies run at an efficiency that depends on their shape, its elementwise operators
+are bound by memory bandwidth, and in eager PyTorch every operator costs the host some
+microseconds to launch, which a small kernel cannot hide. :class:`Device` holds the figures that
+decide those three regimes, and the functions below price a layer's forward and backward with
+them, one operator at a time, the way a profiler's trace would list them.
+
+Matrix multiplies (``gemm_seconds``)
+------------------------------------
+cuBLAS computes ``C[m, n] = A[m, k] B[k, n]`` in tiles of ``C`` (a CTA tile, 128 x 256 for large
+Hopper/Ampere bf16 kernels), each tile on one streaming multiprocessor (SM), the tiles in *waves*
+of ``sms`` at a time (NVIDIA, "Matrix Multiplication Background User's Guide": tile and wave
+quantization). So the efficiency of a multiply is the product of
+
+* ``ceiling``: the fraction of the dense peak a large, well-shaped multiply reaches (power and
+  clock limits, the epilogue): measured, not a datasheet figure;
+* tile quantization: ``m n`` over the tiled area ``ceil(m / tm) tm x ceil(n / tn) tn``;
+* wave quantization: the tiles over ``ceil(tiles / sms) x sms`` (the last wave runs part-empty);
+* a short-``k`` roll-off, ``k / (k + k_half)``: each tile fills its pipeline of operand loads
+  and writes its result once whatever ``k``, so short reductions spend more of their time outside
+  the main loop (``k_half``: 64 in every profile, about one main-loop step of a 64-deep tile: an
+  estimate, which the published end-to-end checks barely move -- 64 to 256 changes the Megatron
+  H100 rows by 1-4% -- and which a calibration does not fit);
+
+best over a few tiles (cuBLAS's heuristics pick smaller tiles for small problems, which fill
+the SMs at a lower per-SM rate: :data:`TILES`). A 4,096 x 4,096 x 4,096 multiply lands near the
+ceiling; a tensor-parallel shard of a small model's MLP at one sequence, far below it.
+
+Memory-bound operators (``memory_seconds``)
+-------------------------------------------
+Norms, activations (GeLU, SwiGLU), residual adds with dropout, rotary embeddings, softmax (math
+attention), the cross-entropy over the vocabulary, casts and the optimizer's step move bytes and
+do little arithmetic: ``bytes / memory_bandwidth`` (the *achieved* bandwidth, a STREAM-like
+figure, not the datasheet's). Each operator's bytes are written beside it in
+:func:`layer_operators`: forward reads its inputs and writes its output; backward reads the
+output's gradient and what forward saved and writes the input's gradient (about twice forward).
+
+Attention by kernel
+-------------------
+``flash`` (FlashAttention-2, what Megatron and torchtitan run): one kernel forward, one backward;
+its FLOPs (``Q K^T`` and ``A V``, ``4 s^2 h`` per sequence, halved by the causal mask; backward
+2.5x forward, as the kernel recomputes the scores) at ``flash_efficiency`` of the peak, lower for
+short sequences. ``math``: the scores materialised, two batched multiplies priced as multiplies
+over the whole ``s x s`` (no causal skip), a softmax and a dropout over ``heads x s^2`` elements
+at memory bandwidth.
+
+Launch overhead
+---------------
+Each kernel costs the host ``kernel_overhead_s`` to launch from eager PyTorch (Python, the
+dispatcher, autograd's bookkeeping; about ten microseconds per operator: Horace He, "Making Deep
+Learning Go Brrrr From First Principles", 2022, the *overhead* regime; the CUDA graphs post on
+the PyTorch blog, 2021). Launches are asynchronous: the host queues kernels while the GPU runs
+earlier ones, so a pass (a layer's forward, its backward) takes ``max(GPU time, kernels x
+kernel_overhead_s)`` (:func:`kernel_seconds`): the launches hide behind large kernels and set
+the pace when the kernels are shorter than their launch. Every micro-batch pays
+``microbatch_overhead_s`` more (the training loop's Python per micro-batch, the loss's scalar, the
+schedule's bookkeeping). Both are framework figures, not hardware ones: they hold
+for eager PyTorch with Megatron-style fused kernels (fused bias-dropout-add, fused norms,
+FlashAttention) and shrink under CUDA graphs or ``torch.compile``. This is what makes one
+sequence per micro-batch slow: the same kernels, launched for a sixteenth of the work.
+
+Recomputation, tensor and sequence parallelism
+----------------------------------------------
+The policies of :mod:`workbench.parallel.recompute`: ``none``; ``selective`` (Korthikanti et al.
+2022) runs the attention core's forward again in backward; ``full`` runs the whole layer's
+forward again. Tensor parallelism over ``t`` divides every multiply's output (column-parallel)
+or reduction (row-parallel) dimension by ``t`` and the heads, the MLP's activation and the
+attention by ``t``; the norms, dropouts and residual adds stay on every row unless sequence
+parallelism puts them on ``s / t`` rows. The collectives themselves are priced by
+:mod:`workbench.advise.timing`, not here.
+
+The profiles (:data:`PROFILES`) cite their figures beside them. Memory: the module prices time
+only; what a layer holds is :mod:`workbench.advise.memory`'s.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
+
+__all__ = ["Device", "PROFILES", "TILES", "gemm_efficiency", "gemm_seconds", "memory_seconds", "kernel_seconds",
+           "layer_operators", "layer_seconds", "head_seconds", "optimizer_seconds", "kernels_per_layer"]
+
+# (tile rows, tile columns, per-SM rate relative to the large tile): cuBLAS's large Hopper/Ampere
+# bf16 tiles, and the smaller ones its heuristics fall back to when the large ones leave SMs idle
+# (less reuse of each loaded operand, so a lower rate per SM)
+TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.9), (64, 128, 0.75))
+K_HALF = 64           # default: the reduction length at which a tile spends half its time in its main loop
+CAUSAL = 0.5          # a causal flash kernel skips about half the score matrix
+FLASH_SEQ_HALF = 256  # flash attention's efficiency at sequence s: flash_efficiency x s / (s + this)
+FLASH_BACKWARD = 2.5  # flash backward's FLOPs over forward's (it recomputes the scores: 5 products, not 2)
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# the optimizer's bytes per parameter it updates (mixed precision as Megatron keeps it: fp32 master
+# weights, fp32 gradients and two fp32 Adam moments read, master and moments written, the bf16 copy
+# written, the gradient zeroed): 16 + 12 + 2 + 4; in float32 no copy: 32
+OPTIMIZER_BYTES = {"fp32": 32, "bf16": 34, "fp16": 34}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: its peaks, what it achieves, and eager PyTorch's fixed costs on it.
+
+    ``bf16_flops``/``fp16_flops``: dense tensor-core peaks; ``fp32_flops``: float32 without tensor
+    cores (PyTorch's default, TF32 off); ``tf32_flops``: with TF32 (0: not used). ``sms``: streaming
+    multiprocessors (wave quantization). ``gemm_ceiling``: the fraction of the peak a large, well-shaped
+    multiply achieves. ``memory_bandwidth``: achieved HBM bytes/s. ``flash_efficiency``: the fraction
+    of the 16-bit peak flash attention achieves at long sequences. ``k_half``: the reduction length at
+    which a tile spends half its time in its main loop. ``kernel_overhead_s``: the host's
+    cost to launch one kernel (framework). ``microbatch_overhead_s``: fixed cost per micro-batch
+    (framework). ``memory_bytes``: device memory. ``attention``: ``"flash"`` or ``"math"``.
+    ``source``: where each figure comes from.
+    """
+
+    name: str
+    bf16_flops: float
+    fp16_flops: float
+    fp32_flops: float
+    sms: int
+    gemm_ceiling: float
+    memory_bandwidth: float
+    memory_bytes: float
+    flash_efficiency: float
+    kernel_overhead_s: float = 10e-6
+    microbatch_overhead_s: float = 1e-3
+    tf32_flops: float = 0.0
+    k_half: int = K_HALF
+    attention: str = "flash"
+    source: tuple = ()
+
+    def __post_init__(self) -> None:
+        for f in ("bf16_flops", "fp16_flops", "fp32_flops", "memory_bandwidth", "memory_bytes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"Device({f}={v!r}): must be a finite number > 0, e.g. 989e12 FLOP/s or 3.35e12 B/s")
+        for f in ("gemm_ceiling", "flash_efficiency"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"Device({f}={v!r}): a fraction of the peak in (0, 1], e.g. 0.75")
+        for f in ("kernel_overhead_s", "microbatch_overhead_s", "tf32_flops"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"Device({f}={v!r}): must be a finite number >= 0")
+        if isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 1:
+            raise ValueError(f"Device(sms={self.sms!r}): the streaming multiprocessors, a whole number >= 1 (H100 "
+                             "SXM: 132)")
+        if self.attention not in ("flash", "math"):
+            raise ValueError(f"Device(attention={self.attention!r}): use 'flash' or 'math'")
+        if isinstance(self.source, str):
+            object.__setattr__(self, "source", (self.source,))
+        object.__setattr__(self, "source", tuple(str(s) for s in self.source))
+
+    def peak(self, precision: str) -> float:
+        """Dense peak FLOP/s of a multiply in ``precision`` ("bf16", "fp16", "fp32", "tf32")."""
+        if precision == "tf32":
+            return self.tf32_flops or self.fp32_flops
+        try:
+            return {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[precision]
+        except KeyError:
+            raise ValueError(f"Device.peak(precision={precision!r}): use bf16, fp16, fp32 or tf32") from None
+
+    def achieved(self, precision: str) -> float:
+        """FLOP/s of a large, well-shaped multiply: the peak times ``gemm_ceiling``."""
+        return self.peak(precision) * self.gemm_ceiling
+
+    def with_(self, **changes) -> "Device":
+        """A copy with some fields changed (validated again)."""
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(changes) - known)
+        if bad:
+            raise ValueError(f"Device.with_: unknown field(s) {bad}; fields are {sorted(known)}")
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        """The device as a JSON object (every field; :meth:`from_json` reads it back)."""
+        d = asdict(self)
+        d["source"] = list(self.source)
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text) -> "Device":
+        """A device from :meth:`to_json`'s text (or the dict it holds)."""
+        d = json.loads(text) if isinstance(text, str) else dict(text)
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ValueError(f"Device.from_json: unknown field(s) {bad}; fields are {sorted(known)}")
+        d["source"] = tuple(d.get("source", ()))
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- one operator
+
+def gemm_efficiency(device: Device, m: int, n: int, k: int, batch: int = 1) -> float:
+    """The fraction of the peak a ``batch`` of ``(m x k) @ (k x n)`` multiplies reaches: the ceiling
+    times the best tile's tile and wave quantization, times the short-``k`` roll-off."""
+    best = 0.0
+    for tm, tn, rate in TILES:
+        across, down = -(-m // tm), -(-n // tn)
+        tiles = batch * across * down
+        tile_q = m * n / (across * tm * down * tn)
+        wave_q = tiles / (-(-tiles // device.sms) * device.sms)
+        best = max(best, rate * tile_q * wave_q)
+    return device.gemm_ceiling * best * k / (k + device.k_half)
+
+
+def gemm_seconds(device: Device, m: int, n: int, k: int, precision: str, batch: int = 1) -> float:
+    """GPU seconds of ``batch`` multiplies ``(m x k) @ (k x n)`` (``2 m n k`` FLOPs each)."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    return 2.0 * m * n * k * batch / (device.peak(precision) * gemm_efficiency(device, m, n, k, batch))
+
+
+def memory_seconds(device: Device, nbytes: float) -> float:
+    """GPU seconds of a memory-bound operator moving ``nbytes`` (read + written)."""
+    return nbytes / device.memory_bandwidth
+
+
+def flash_seconds(device: Device, rows: int, seq: int, width: int, precision: str, backward: bool = False) -> float:
+    """GPU seconds of flash attention over ``rows`` sequences of ``seq`` tokens with ``width`` query
+    channels (heads x head dim, this rank's share): ``4 rows s^2 width`` FLOPs forward, causal half,
+    2.5x that backward, at ``flash_efficiency`` (less at short sequences)."""
+    flops = 4.0 * rows * seq * seq * width * CAUSAL * (FLASH_BACKWARD if backward else 1.0)
+    rate = device.peak(precision if precision != "fp32" else "bf16") * device.flash_efficiency
+    if precision == "fp32":   # no fp32 flash kernel: math attention's efficiency is the better guess
+        rate = device.achieved("fp32")
+    return flops / (rate * seq / (seq + FLASH_SEQ_HALF))
+
+
+def kernel_seconds(device: Device, gpu_seconds: float, kernels: int) -> float:
+    """Wall seconds of ``kernels`` kernels doing ``gpu_seconds`` of GPU work, launched one after the
+    other by the host at ``kernel_overhead_s`` each while the GPU runs the earlier ones: the slower
+    of the two, ``max(gpu_seconds, kernels x kernel_overhead_s)``."""
+    return max(gpu_seconds, max(0, kernels) * device.kernel_overhead_s)
+
+
+# ----------------------------------------------------------------------------- one layer
+
+def layer_operators(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
+                    precision: str = "bf16") -> list[tuple[str, str, float, int]]:
+    """One layer's operators on one tensor-parallel rank for a micro-batch of ``rows`` sequences:
+    ``(name, phase, gpu seconds, kernels)``, ``phase`` "forward", "backward" or "attention" (the
+    attention core's forward, which selective recomputation repeats; its backward is under
+    "backward"). Megatron's fused kernels: fused norms, bias-GeLU (or SwiGLU), bias-dropout-add."""
+    e = BYTES[precision]
+    s, h, t = shape.seq, shape.hidden, tp
+    kv = getattr(shape, "kv_dim", h)
+    f = shape.ffn
+    n = rows * s                                  # tokens of the micro-batch
+    rows_h = n // t if sequence_parallel else n   # rows the norms and residual adds run on
+    qkv_out = (h + 2 * kv) // t
+    up_out = (2 if shape.gated else 1) * f // t
+    ops: list[tuple[str, str, float, int]] = []
+
+    def gemm(name: str, m: int, k: int, out: int) -> None:
+        """A linear layer ``(m x k) @ (k x out)``: forward; backward the input's gradient
+        ``(m x out) @ (out x k)`` and the weight's ``(k x m) @ (m x out)``."""
+        ops.append((name, "forward", gemm_seconds(device, m, out, k, precision), 1))
+        ops.append((name, "backward", gemm_seconds(device, m, k, out, precision)
+                    + gemm_seconds(device, k, out, m, precision), 2))
+
+    def elementwise(name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None) -> None:
+        ops.append((name, "forward", memory_seconds(device, nbytes), kernels))
+        ops.append((name, "backward", memory_seconds(device, 2 * nbytes),
+                    kernels if back_kernels is None else back_kernels))
+
+    # attention block
+    elementwise("input norm", 2 * rows_h * h * e, 1, 2)              # x in, y out; backward dx and dgamma
+    gemm("qkv", n, h, qkv_out)
+    if getattr(shape, "positions", "learned") == "rope":
+        elementwise("rotary", 2 * n * (h + kv) // t * e, 2)           # q and k rotated
+    heads_width = h // t
+    if device.attention == "flash":
+        ops.append(("flash attention", "attention", flash_seconds(device, rows, s, heads_width, precision), 1))
+        ops.append(("flash attention", "backward",
+                    flash_seconds(device, rows, s, heads_width, precision, backward=True), 3))
+    else:
+        heads = max(1, shape.heads // t)
+        d = h // shape.heads
+        scores = rows * heads * s * s
+        ops.append(("scores Q K^T", "attention", gemm_seconds(device, s, s, d, precision, rows * heads), 1))
+        # scale, causal mask and softmax fused (fp32 inside), dropout on the probabilities
+        ops.append(("softmax", "attention", memory_seconds(device, 2 * scores * e), 1))
+        ops.append(("attention dropout", "attention", memory_seconds(device, 2 * scores * e + scores), 1))
+        ops.append(("probs @ V", "attention", gemm_seconds(device, s, d, s, precision, rows * heads), 1))
+        ops.append(("math attention", "backward",
+                    2 * gemm_seconds(device, s, s, d, precision, rows * heads)
+                    + 2 * gemm_seconds(device, s, d, s, precision, rows * heads)
+                    + memory_seconds(device, 2 * (4 * scores * e + scores)), 6))
+    gemm("attention out", n, h // t, h)
+    elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)   # + the dropout mask (1 byte)
+    # MLP block
+    elementwise("post-attention norm", 2 * rows_h * h * e, 1, 2)
+    gemm("mlp up" + (" (gate, up)" if shape.gated else ""), n, h, up_out)
+    act = (3 if shape.gated else 2) * n * (f // t) * e                   # SwiGLU reads two halves
+    elementwise("swiglu" if shape.gated else "gelu", act)
+    gemm("mlp down", n, f // t, h)
+    elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)
+    return ops
+
+
+def kernels_per_layer(device: Device, shape, rows: int = 1, tp: int = 1, sequence_parallel: bool = False,
+                      precision: str = "bf16") -> dict[str, int]:
+    """Kernels one layer launches per micro-batch: ``{"forward", "backward"}``."""
+    out = {"forward": 0, "backward": 0}
+    for _, phase, _, k in layer_operators(device, shape, rows, tp, sequence_parallel, precision):
+        out["backward" if phase == "backward" else "forward"] += k
+    return out
+
+
+@lru_cache(maxsize=1 << 14)
+def layer_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
+                  recompute: str = "none", precision: str = "bf16") -> dict[str, float]:
+    """One layer's wall seconds per micro-batch on one tensor-parallel rank: ``{"forward", "backward",
+    "recompute", "total"}``, each pass the slower of its GPU time and its launches
+    (:func:`kernel_seconds`); ``recompute``: what the policy runs again in backward; the collectives
+    are not included. Remembered: a search asks for the same few ``(rows, tp, sequence_parallel,
+    recompute)`` thousands of times."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"layer_seconds(recompute={recompute!r}): use 'none', 'selective' or 'full'")
+    gpu = {"forward": 0.0, "backward": 0.0, "attention": 0.0}
+    kernels = {"forward": 0, "backward": 0, "attention": 0}
+    for _, phase, seconds, k in layer_operators(device, shape, rows, tp, sequence_parallel, precision):
+        gpu[phase] += seconds
+        kernels[phase] += k
+    forward = kernel_seconds(device, gpu["forward"] + gpu["attention"], kernels["forward"] + kernels["attention"])
+    backward = kernel_seconds(device, gpu["backward"], kernels["backward"])
+    attention = kernel_seconds(device, gpu["attention"], kernels["attention"])
+    again = {"none": 0.0, "selective": attention, "full": forward}[recompute]
+    return {"forward": forward, "backward": backward, "recompute": again,
+            "total": forward + backward + again}
+
+
+@lru_cache(maxsize=1 << 12)
+def head_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
+                 precision: str = "bf16") -> dict[str, float]:
+    """The model's edges per micro-batch on one tensor-parallel rank: ``{"head", "embedding",
+    "total"}``. ``head``: the final norm, the output multiply over this rank's share of the
+    (padded) vocabulary, forward and backward, and the vocabulary-parallel cross-entropy (logits
+    cast to float32, max, exp and sums over ``n x V / t`` elements: about 22 bytes per logit
+    forward and 10 backward); ``embedding``: the lookup, its gradient's scatter-add, and
+    ``microbatch_overhead_s``."""
+    e = BYTES[precision]
+    n, h = rows * shape.seq, shape.hidden
+    vocab = -(-shape.vocab // tp)
+    rows_h = n // tp if sequence_parallel else n
+    forward = memory_seconds(device, 2 * rows_h * h * e + (2 * e + 20) * n * vocab) \
+        + gemm_seconds(device, n, vocab, h, precision)                     # norm, logits, loss: 6 kernels
+    backward = memory_seconds(device, 4 * rows_h * h * e + (e + 8) * n * vocab) \
+        + gemm_seconds(device, n, h, vocab, precision) + gemm_seconds(device, h, vocab, n, precision)   # 6 kernels
+    head = kernel_seconds(device, forward, 6) + kernel_seconds(device, backward, 6)
+    embedding = kernel_seconds(device, memory_seconds(device, n * h * e + n * 8), 1) \
+        + kernel_seconds(device, memory_seconds(device, 3 * n * h * 4), 2) + device.microbatch_overhead_s
+    return {"head": head, "embedding": embedding, "total": head + embedding}
+
+
+def optimizer_seconds(device: Device, parameters: float, precision: str = "bf16") -> float:
+    """Adam's step over ``parameters`` (this rank's, its shard under ZeRO): memory-bound at
+    :data:`OPTIMIZER_BYTES` per parameter (fused multi-tensor kernels: their launches are few)."""
+    return parameters * OPTIMIZER_BYTES[precision] / device.memory_bandwidth
+
+
+# ----------------------------------------------------------------------------- profiles
+# Peaks: the datasheets. Achieved figures: public measurements, cited beside each; the GEMM ceiling
+# and the bandwidth are hardware figures measured through cuBLAS and a copy kernel, the two overheads
+# are eager PyTorch's (framework), flash efficiency FlashAttention-2's.
+
+_LAUNCH = ("kernel_overhead_s 10 us: eager PyTorch's host cost per operator (Python, dispatcher, autograd), "
+           "Horace He, 'Making Deep Learning Go Brrrr From First Principles' (2022), and the PyTorch blog "
+           "'Accelerating PyTorch with CUDA Graphs' (2021); a framework figure")
+_MICRO = ("microbatch_overhead_s 1 ms: a training loop's Python per micro-batch (data slicing, the loss's scalar, "
+          "the schedule's bookkeeping), eager PyTorch; a framework figure")
+# The attention kernel is the framework's: the A100 profiles take Megatron-LM's of the A100's published runs
+# (Narayanan et al. 2021, Korthikanti et al. 2022: fused scale-mask-softmax over materialised scores, before
+# FlashAttention), the H100 profile FlashAttention's, which every H100 framework runs (Megatron-Core's
+# TransformerEngine, torchtitan's SDPA, nanotron's flash-attn). ``device.with_(attention=...)`` changes it.
+_MATH_A100 = ("attention 'math': Megatron-LM's fused scale-mask-softmax, as in its A100 runs (Korthikanti et al. "
+              "2022: the 22B-1T iteration times of their Table 5 are predicted within 4% with it, 2-13% too fast "
+              "with flash); a framework figure")
+
+PROFILES: dict[str, Device] = {
+    "h100-sxm-80gb": Device(
+        name="H100 SXM 80 GB", bf16_flops=989e12, fp16_flops=989e12, fp32_flops=67e12, tf32_flops=494e12, sms=132,
+        # cuBLAS bf16 on large square shapes reaches about 700-800 TFLOP/s on a 700 W H100 SXM (power
+        # and clock limited), e.g. the Transformer Engine and SemiAnalysis GEMM sweeps: 0.75 of the peak
+        gemm_ceiling=0.75,
+        # STREAM-like copy / BabelStream on H100 SXM5: about 3.0 of the 3.35 TB/s datasheet figure
+        memory_bandwidth=3.0e12, memory_bytes=80e9,
+        # FlashAttention-2 (Dao 2023): up to 335 TFLOP/s forward + backward on H100 (bf16, head dim 128)
+        flash_efficiency=0.34,
+        source=("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s bf16 dense, 67 fp32, 494 tf32, 3.35 TB/s, "
+                "132 SMs per the Hopper architecture white paper)",
+                "gemm_ceiling 0.75: public cuBLAS bf16 sweeps on H100 SXM (700-800 TFLOP/s on large shapes)",
+                "memory_bandwidth 3.0 TB/s: BabelStream/STREAM-like copy on H100 SXM (about 90% of the datasheet)",
+                "flash_efficiency 0.34: FlashAttention-2 paper, 335 TFLOP/s on H100",
+                "attention 'flash': every H100 framework's (TransformerEngine, SDPA, flash-attn); a framework figure",
+                _LAUNCH, _MICRO)),
+    "a100-sxm-80gb": Device(
+        name="A100 SXM 80 GB", bf16_flops=312e12, fp16_flops=312e12, fp32_flops=19.5e12, tf32_flops=156e12, sms=108,
+        # cuBLAS bf16 on large shapes: about 270-290 of the 312 TFLOP/s (NVIDIA's Deep Learning Performance
+        # guide's GEMM plots; Korthikanti et al. 2022 reach 57% hardware FLOP utilisation end to end)
+        gemm_ceiling=0.88,
+        memory_bandwidth=1.8e12, memory_bytes=80e9,      # BabelStream on A100 80 GB: ~1.8 of 2.04 TB/s
+        flash_efficiency=0.65,                            # FlashAttention-2: up to 225 TFLOP/s (72%) fwd + bwd
+        attention="math",
+        source=("NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM: 312 TFLOP/s bf16 dense, 19.5 fp32, 156 tf32, "
+                "2,039 GB/s; 108 SMs per the Ampere architecture white paper)",
+                "gemm_ceiling 0.88: NVIDIA Deep Learning Performance guide, cuBLAS GEMMs near 280 TFLOP/s",
+                "memory_bandwidth 1.8 TB/s: BabelStream on A100 80 GB (about 88% of the datasheet)",
+                "flash_efficiency 0.65: FlashAttention-2 paper, 225 TFLOP/s fwd + bwd on A100 at long sequences",
+                _MATH_A100, _LAUNCH, _MICRO)),
+    "a100-sxm-40gb": Device(
+        name="A100 SXM 40 GB", bf16_flops=312e12, fp16_flops=312e12, fp32_flops=19.5e12, tf32_flops=156e12, sms=108,
+        gemm_ceiling=0.88, memory_bandwidth=1.4e12, memory_bytes=40e9,   # BabelStream: ~1.4 of 1.555 TB/s
+        flash_efficiency=0.65, attention="math",
+        source=("NVIDIA A100 Tensor Core GPU datasheet (40 GB SXM: 1,555 GB/s; peaks as the 80 GB)",
+                "gemm_ceiling 0.88 and flash_efficiency 0.65 as the A100 80 GB (same SMs and clocks)",
+                "memory_bandwidth 1.4 TB/s: BabelStream on A100 40 GB (about 90% of the datasheet)",
+                _MATH_A100, _LAUNCH, _MICRO)),
+}

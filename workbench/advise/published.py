@@ -1,0 +1,281 @@
+"""Public GPU measurements the advisor is checked against: predicted beside published, row by row.
+
+``workbench advise --validate-published`` (:func:`validate`, :func:`report`) predicts every row
+below with the advisor's public API (:func:`workbench.advise.predict` on the row's cluster preset,
+or the preset's :class:`~workbench.advise.nccl.NcclModel` for an nccl-tests row) and prints the
+prediction beside the published figure, their ratio and the source; ``docs/advisor-evidence.md``
+is that output (``workbench advise --validate-published > docs/advisor-evidence.md``).
+
+Each row is a run someone else made and published, with what they published about it: the model's
+shape (:class:`ModelShape`), the cluster (the nearest preset and the number of nodes), the global
+batch, the layout as a :class:`Config`, and one figure:
+
+==================  ==========================================================================
+``tflops_per_gpu``  model FLOP/s per GPU as Megatron counts them (:func:`megatron_flops`: no
+                    recomputation, attention counted whole), in TFLOP/s
+``mfu``             the same over the GPU's dense bf16 peak (:data:`PEAK_BF16`), in percent
+``tokens_per_gpu``  tokens per second per GPU (torchtitan's WPS / TPS)
+``memory_gib``      peak memory per GPU in GiB (the advisor's ``memory["total"]``)
+``busbw_GBps``      an nccl-tests bus bandwidth in GB/s (:meth:`NcclModel.busbw`)
+==================  ==========================================================================
+
+``role``: ``calibrated`` where a figure of the model was taken from that very row (its ratio
+shows the model reproduces its own input, nothing more), ``checked`` where nothing was fitted on
+it. What a published row leaves unsaid (micro-batch size, schedule, recomputation) is an
+assumption, said in its ``note``.
+
+Held out, never used here: the Ultra-Scale Playbook's benchmark results and Table 1 of Narayanan
+et al. 2021; the checks that use them are run by others.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import GiB, Cluster
+from .nccl import PRESETS as NCCL_PRESETS
+from .nccl import NcclModel
+from .plan import Config
+from .shape import PRESETS as SHAPES
+from .shape import ModelShape
+
+__all__ = ["Published", "ROWS", "PEAK_BF16", "TOLERANCE", "megatron_flops", "predicted", "validate", "report",
+           "summary"]
+
+TOLERANCE = 0.15
+PEAK_BF16 = {"h100": 989e12, "a100": 312e12}   # dense bf16 (H100 SXM, A100 datasheets), what MFU divides by
+
+MEGATRON = ("NVIDIA/Megatron-LM README, 'Training Speed and Scalability', images/model_table.png (H100 weak "
+            "scaling, Megatron-Core r0.8.0): https://github.com/NVIDIA/Megatron-LM#training-speed-and-scalability")
+TITAN_A100 = ("pytorch/torchtitan docs/performance.md (2024, 64 A100 80GB, FSDP2, local batch as listed): "
+              "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md")
+TITAN_H100 = ("pytorch/torchtitan docs/performance.md (Dec 2024, Grand Teton H100), Table {}: "
+              "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md")
+KORTHIKANTI = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' "
+               "(MLSys 2023), abstract: 530B on 2240 A100 https://arxiv.org/abs/2205.05198")
+NCCL_212 = "NVIDIA/nccl-tests#212 (S. Jeaugey, NVIDIA): https://github.com/NVIDIA/nccl-tests/issues/212"
+NCCL_290 = "NVIDIA/nccl-tests#290 (NVIDIA): https://github.com/NVIDIA/nccl-tests/issues/290"
+NCCL_119 = "NVIDIA/nccl-tests#119 (3 x 8 A100, 4 HDR per node): https://github.com/NVIDIA/nccl-tests/issues/119"
+SENDRECV = "li-plus/playground cuda/nccl.md (sendrecv_perf, 8 A100): https://github.com/li-plus/playground"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published measurement (see the module docstring). Training rows give ``model``,
+    ``cluster``, ``nodes``, ``global_batch`` and ``config``; an nccl-tests row gives
+    ``collective``, ``nbytes``, ``ranks`` and ``per_node`` (and ``nccl``, the model to price it
+    with, when it is not the preset's)."""
+
+    name: str
+    source: str
+    metric: str
+    value: float
+    cluster: str
+    nodes: int = 1
+    model: ModelShape | None = None
+    global_batch: int = 0
+    config: Config | None = None
+    collective: str = ""
+    nbytes: float = 0.0
+    ranks: int = 0
+    per_node: int = 0
+    nccl: NcclModel | None = None
+    role: str = "checked"
+    note: str = ""
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelShape:
+    """A Megatron GPT: ``ffn = 4 h``, GELU, biases, LayerNorm."""
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, ffn=4 * hidden,
+                      name=name, source="as published")
+
+
+def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+              tflops: float) -> Published:
+    dp = gpus // (tp * pp)
+    return Published(
+        name=f"Megatron GPT {size}, {gpus} H100", source=MEGATRON, metric="tflops_per_gpu", value=tflops,
+        cluster="dgx-h100", nodes=gpus // 8, model=_gpt(f"gpt-{size.lower()}", layers, hidden, heads, 131072, 4096),
+        global_batch=batch,
+        config=Config(dp=dp, tp=tp, pp=pp, zero=1, schedule="interleaved" if pp > 1 else "1f1b",
+                      microbatches=batch // dp, sequence_parallel=tp > 1, precision="bf16", recompute="selective"),
+        note="micro-batch 1, interleaved schedule, distributed optimizer (ZeRO-1) and flash attention (priced as "
+             "selective recomputation: its backward recomputes the scores) assumed: the table gives t, p, d, batch")
+
+
+_TITAN_NOTE = ("FSDP2 = ZeRO-3 over 64 GPUs on 8 nodes; the cluster's network is not published (dgx-a100's "
+               "8 x 200 Gb/s assumed); 'selective op' priced as selective recomputation")
+_H100_NOTE = ("H100 96 GB HBM2e at 500 W (slower than the preset's H100 SXM), 400 Gb/s per GPU; FSDP = ZeRO-3, "
+              "no torch.compile, no Float8; selective activation checkpointing priced as selective recomputation")
+
+
+def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str) -> Published:
+    return Published(name=f"torchtitan {SHAPES[model].name} {label}, 64 A100", source=TITAN_A100,
+                     metric="tokens_per_gpu", value=wps, cluster="dgx-a100", nodes=8, model=SHAPES[model],
+                     global_batch=64 * lbs,
+                     config=Config(dp=64, zero=3, precision="bf16", recompute=recompute), note=_TITAN_NOTE)
+
+
+_GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048)
+_KORTHIKANTI_NOTE = ("t 8, p 35, d 8 on 280 DGX A100 and a global batch of 1920 (MT-NLG's layout, Smith et al. "
+                     "2022) assumed: the abstract gives the GPU count; 1F1B, micro-batch 1")
+
+ROWS: tuple[Published, ...] = (
+    # -- Megatron-LM README, H100 weak scaling: model, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU
+    _megatron("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    _megatron("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    _megatron("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    _megatron("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    _megatron("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    _megatron("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    _megatron("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    _megatron("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    _megatron("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+    # -- torchtitan on 64 A100 80 GB (FSDP2): WPS per GPU
+    _titan_a100("llama3-8b", 1, "selective", 2973, "local batch 1, selective op AC"),
+    _titan_a100("llama3-70b", 1, "full", 331, "local batch 1, full AC"),
+    _titan_a100("llama-13b", 2, "none", 2162, "local batch 2, no AC"),
+    _titan_a100("llama-13b", 2, "selective", 1904, "local batch 2, selective op AC"),
+    _titan_a100("llama-70b", 1, "selective", 355, "local batch 1, selective op AC"),
+    _titan_a100("llama-70b", 2, "full", 353, "local batch 2, full AC"),
+    # -- torchtitan on H100 (Grand Teton): TPS per GPU and peak memory, FSDP without compile or Float8
+    Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2", TITAN_H100.format(1), "tokens_per_gpu", 5762,
+              "dgx-h100", 1, SHAPES["llama3-8b"], 16, Config(dp=8, zero=3, precision="bf16", recompute="selective"),
+              note=_H100_NOTE),
+    Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2", TITAN_H100.format(1), "memory_gib", 82.4,
+              "dgx-h100", 1, SHAPES["llama3-8b"], 16, Config(dp=8, zero=3, precision="bf16", recompute="selective"),
+              note=_H100_NOTE),
+    Published("torchtitan Llama 3.1 8B, 128 H100, local batch 2", TITAN_H100.format(3), "tokens_per_gpu", 5605,
+              "dgx-h100", 16, SHAPES["llama3-8b"], 256,
+              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE),
+    Published("torchtitan Llama 3.1 8B, 128 H100, local batch 2", TITAN_H100.format(3), "memory_gib", 67.0,
+              "dgx-h100", 16, SHAPES["llama3-8b"], 256,
+              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE),
+    # -- Korthikanti et al. 2022: 530B on 2240 A100, MFU with sequence parallelism + selective recomputation,
+    #    and with full recomputation
+    Published("Korthikanti 530B, 2240 A100, SP + selective", KORTHIKANTI, "mfu", 54.2, "dgx-a100", 280,
+              _GPT_530B, 1920, Config(dp=8, tp=8, pp=35, zero=0, schedule="1f1b", microbatches=240,
+                                      sequence_parallel=True, precision="bf16", recompute="selective"),
+              note=_KORTHIKANTI_NOTE),
+    Published("Korthikanti 530B, 2240 A100, full recomputation", KORTHIKANTI, "mfu", 42.1, "dgx-a100", 280,
+              _GPT_530B, 1920, Config(dp=8, tp=8, pp=35, zero=0, schedule="1f1b", microbatches=240,
+                                      precision="bf16", recompute="full"),
+              note=_KORTHIKANTI_NOTE),
+    # -- nccl-tests bus bandwidths (the NCCL model, workbench.advise.nccl)
+    Published("all_reduce 4 GiB, 8 H100 (NVLS)", NCCL_212, "busbw_GBps", 480, "dgx-h100", collective="all_reduce",
+              nbytes=4 * GiB, ranks=8, per_node=8, role="calibrated", note="'peak busBw of ~480GB/s'"),
+    Published("all_reduce 256 MiB, 8 H100 (NVLS)", NCCL_212, "busbw_GBps", 250 * 7 / 4, "dgx-h100",
+              collective="all_reduce", nbytes=256 * 2**20, ranks=8, per_node=8,
+              note="algbw 'about 250GB/s' at 256M, below the peak ('256M is too small'): busbw = 250 x 2 x 7/8"),
+    Published("all_gather 4 GiB, 8 H100 (ring)", NCCL_212, "busbw_GBps", 370, "dgx-h100", collective="all_gather",
+              nbytes=4 * GiB, ranks=8, per_node=8, role="calibrated",
+              note="'effective NVLink bandwidth of 370GB/s ... non-allreduce operations'"),
+    Published("all_reduce 4 GiB, 8 H100, one node", NCCL_290, "busbw_GBps", 476, "dgx-h100",
+              collective="all_reduce", nbytes=4 * GiB, ranks=8, per_node=8,
+              note="476 GB/s 'in the expected range for H100' (-b 128M -e 4G)"),
+    Published("sendrecv 1 GiB, A100 NVLink", SENDRECV, "busbw_GBps", 195.1, "dgx-a100", collective="send_recv",
+              nbytes=2**30, ranks=2, per_node=2, role="calibrated"),
+    Published("all_reduce 128 MiB, 24 A100 on 3 nodes, 4 HDR each", NCCL_119, "busbw_GBps", 96, "dgx-a100", 3,
+              collective="all_reduce", nbytes=128 * 2**20, ranks=24, per_node=8, role="calibrated",
+              nccl=NcclModel("a100-4hdr", nvlink_busbw=235e9, network_Bps=4 * 24e9 / 8, p2p_Bps=195e9),
+              note="peak of the sweep ('peak performance reaches about 96GB/s'); 4 NICs for 8 GPUs: 12 GB/s per GPU"),
+)
+
+
+def megatron_flops(shape: ModelShape, global_batch: int) -> float:
+    """Model FLOPs of one step as Megatron-LM counts them (``num_floating_point_operations``):
+    ``12 B s L h^2 ((1 + k/h + s/h) + (ffn/h) (1.5 if gated) + V / (2 L h))``, ``k`` the key/value
+    width -- for a GPT with ``ffn = 4h``, ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``: forward and
+    backward of every matmul, attention counted whole, no recomputation."""
+    h, s, L = shape.hidden, shape.seq, shape.layers
+    kv = getattr(shape, "kv_dim", h) / h
+    mlp = shape.ffn / h * (1.5 if shape.gated else 1.0)
+    return 12 * global_batch * s * L * h * h * ((1 + kv + s / h) + mlp + shape.vocab / (2 * L * h))
+
+
+def _gpu(cluster: Cluster) -> str:
+    return "h100" if "h100" in cluster.name else "a100"
+
+
+def predicted(row: Published) -> dict:
+    """The advisor's prediction of ``row``'s figure: ``{"value", "feasible", "detail"}``."""
+    from .choose import predict
+
+    if row.metric == "busbw_GBps":
+        model = row.nccl or NCCL_PRESETS[row.cluster]
+        return {"value": model.busbw(row.collective, row.nbytes, row.ranks, row.per_node) / 1e9, "feasible": True,
+                "detail": min((t, a) for a, t in model.algorithms(row.collective, row.nbytes, row.ranks,
+                                                                  row.per_node).items())[1]}
+    cluster = Cluster.preset(row.cluster, nodes=row.nodes)
+    plan = predict(row.model, cluster, row.global_batch, row.config)
+    if row.metric == "memory_gib":
+        return {"value": plan.memory["total"] / GiB, "feasible": plan.feasible, "detail": plan.reason or ""}
+    seconds = plan.time["total"]
+    devices = row.config.devices
+    if row.metric == "tokens_per_gpu":
+        value = row.global_batch * row.model.seq / seconds / devices
+    else:
+        rate = megatron_flops(row.model, row.global_batch) / seconds / devices
+        value = rate / 1e12 if row.metric == "tflops_per_gpu" else 100 * rate / PEAK_BF16[_gpu(cluster)]
+    return {"value": value, "feasible": plan.feasible, "detail": f"step {seconds:.3g} s"}
+
+
+def validate(rows=ROWS) -> list[dict]:
+    """Every row predicted: its fields, ``predicted``, ``ratio`` (predicted / published) and ``within``
+    (the ratio within :data:`TOLERANCE` of 1)."""
+    out = []
+    for row in rows:
+        p = predicted(row)
+        ratio = p["value"] / row.value
+        out.append({"row": row, "published": row.value, "predicted": p["value"], "ratio": ratio,
+                    "within": abs(ratio - 1) <= TOLERANCE, "feasible": p["feasible"], "detail": p["detail"]})
+    return out
+
+
+def summary(results: list[dict]) -> str:
+    ok = sum(r["within"] for r in results)
+    checked = [r for r in results if r["row"].role == "checked"]
+    return (f"{ok} of {len(results)} rows within {TOLERANCE:.0%} ({sum(r['within'] for r in checked)} of "
+            f"{len(checked)} that nothing was fitted on)")
+
+
+_UNITS = {"tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU %", "tokens_per_gpu": "tokens/s/GPU",
+          "memory_gib": "GiB/GPU", "busbw_GBps": "busbw GB/s"}
+
+
+def report(results: list[dict]) -> str:
+    """The document ``docs/advisor-evidence.md`` is: how it was made, the table, the summary, the sources
+    and each row's assumptions."""
+    lines = ["# The advisor against public GPU measurements", "",
+             "Generated by `workbench advise --validate-published > docs/advisor-evidence.md` "
+             "(`workbench/advise/published.py` holds the rows and their sources). Each row is a run or an "
+             "nccl-tests result published by others; *predicted* is `workbench.advise.predict` on the row's "
+             "cluster preset (or the preset's NCCL model for a bus bandwidth), with the presets' own figures. "
+             f"*ratio* is predicted / published; a row is within when the ratio is within {TOLERANCE:.0%} of 1. "
+             "*role*: `calibrated` rows gave the model a figure (their ratio only shows it reproduces its "
+             "input), `checked` rows gave nothing.", "",
+             "| # | run | layout | metric | published | predicted | ratio | within | role | source |",
+             "| ---: | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"]
+    sources: dict[str, int] = {}
+    for i, r in enumerate(results, 1):
+        row = r["row"]
+        ref = sources.setdefault(row.source, len(sources) + 1)
+        layout = row.config.label() if row.config else f"{row.ranks} ranks, {row.per_node} per node"
+        if row.config and not r["feasible"]:
+            layout += " (predicted not to fit)"
+        lines.append(f"| {i} | {row.name} | {layout} | {_UNITS[row.metric]} | {row.value:.4g} | "
+                     f"{r['predicted']:.4g} | {r['ratio']:.2f} | {'yes' if r['within'] else '**no**'} | {row.role} | "
+                     f"[{ref}] |")
+    lines += ["", f"**{summary(results)}.**", "", "## Sources", ""]
+    lines += [f"{n}. {s}" for s, n in sources.items()]
+    lines += ["", "## Assumptions per row", ""]
+    for i, r in enumerate(results, 1):
+        if r["row"].note:
+            lines.append(f"- row {i} ({r['row'].name}): {r['row'].note}; {r['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    """Print :func:`report` (``workbench advise --validate-published``); 0 when every row is within."""
+    results = validate()
+    print(report(results), end="")
+    return 0 if all(r["within"] for r in results) else 1
