@@ -22,7 +22,8 @@
 # by *who holds what before and after*; an **algorithm** is one schedule of `send`/`recv`
 # messages that gets there, and different schedules cost different amounts of time.
 #
-# `workbench.comm` has the seven collectives of `torch.distributed`, same names and signatures,
+# `workbench.comm` has the seven classic collectives of `torch.distributed` and its all-to-all
+# (`all_to_all_single`, which context and expert parallelism use), same names and signatures,
 # plus `algorithm=`: `"native"` calls `torch.distributed` (gloo on CPU), every other name is a
 # schedule written by hand from `isend`/`irecv` (read them in `workbench/comm/*.py`).
 #
@@ -80,7 +81,9 @@ plt.show()
 # deals the root's vector out, one piece per rank; **gather** is its mirror image and
 # **all_gather** a gather whose result every rank gets. **reduce** sums everyone's vectors onto
 # the root; **all_reduce** gives the sum to everyone; **reduce_scatter** gives each rank only its
-# own piece of the sum (rank r gets piece r, summed over all ranks). Two identities drive
+# own piece of the sum (rank r gets piece r, summed over all ranks). **all_to_all_single**
+# transposes: rank r's element j goes to rank j (tens digit: where it came from, units: where it
+# goes), so every rank sends a different piece to every other rank. Two identities drive
 # everything that follows: *all_reduce = reduce_scatter + all_gather*, and *broadcast = scatter +
 # all_gather*.
 #
@@ -491,6 +494,7 @@ assert all(e["sent"][P - 1][0] == r and e["sent"][P - 1][1] == total for r, e in
     "the all-gather starts with rank r sending its finished block r"
 assert all(r[p]["wrong"] == 0 for r in two["rows"] + race for p in bench.PLACEMENTS)
 assert model.alpha >= 0 and model.alpha_duplex >= 0 and model.beta > 0 and model.beta_duplex > 0 and model.gamma > 0
+# timing claim: which algorithm wins the race (make test runs this lesson on cores nothing else uses)
 if p4 == 4:  # under torchrun the race runs on torchrun's 2 ranks, where both send the vector once
     assert winner(RACE_SIZES[0]) == "recursive_doubling", [winner(n) for n in RACE_SIZES]
     assert winner(RACE_SIZES[-1]) == "ring", [winner(n) for n in RACE_SIZES]

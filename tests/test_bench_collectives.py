@@ -15,6 +15,7 @@ import statistics
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import workbench
 from workbench import comm
@@ -101,7 +102,7 @@ def test_format_table_aligns_and_marks_missing():
 
 def test_bus_factors_and_counts():
     assert bc.bus_factor("all_reduce", 4) == pytest.approx(1.5)
-    for c in ("all_gather", "reduce_scatter", "gather", "scatter"):
+    for c in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all_single"):
         assert bc.bus_factor(c, 4) == pytest.approx(0.75)
     assert bc.bus_factor("broadcast", 4) == bc.bus_factor("reduce", 4) == 1.0
     with pytest.raises(ValueError, match="collective"):
@@ -110,6 +111,7 @@ def test_bus_factors_and_counts():
     assert bc.counts("all_reduce", 1000, 3, 4) == (250, 1000)
     assert bc.counts("all_gather", 1000, 3, 4) == (83, 996)
     assert bc.counts("reduce_scatter", 8, 4, 4) == (0, 0)  # too small: skipped
+    assert bc.counts("all_to_all_single", 1000, 3, 4) == (249, 996)  # one rank's input: 3 blocks of 83
 
 
 # ------------------------------------------------------------------------- the sweep on 2, 3 ranks
@@ -122,8 +124,9 @@ def _sweep_all(sizes):
     rows = bc.sweep(bc.COLLECTIVES, algorithms, sizes, trials=2, warmup=1, iters=2, progress=False)
     # the check must be able to fail: inputs filled, collective *not* called -> wrong elements
     unrun = {}
-    for c in ("all_reduce", "all_gather", "broadcast"):
-        case = bc._make_case(c, 16, "out-of-place", torch.float32)
+    for c in ("all_reduce", "all_gather", "broadcast", "all_to_all_single"):
+        case = bc._make_case(c, 16 if c != "all_to_all_single" else 16 * dist.get_world_size(), "out-of-place",
+                             torch.float32)
         case.fill()
         unrun[c] = int(_common.sum_over_ranks(case.wrong()))
     return {"rows": rows, "unrun": unrun, "algorithms": algorithms}
@@ -165,6 +168,7 @@ def test_every_algorithm_is_measured_and_correct(swept, world):
     assert out["unrun"]["all_reduce"] == 16 * world
     assert out["unrun"]["all_gather"] == 16 * world * world
     assert out["unrun"]["broadcast"] == 16 * (world - 1)
+    assert out["unrun"]["all_to_all_single"] == 16 * world * world
 
 
 # ----------------------------------------------------------------------------------------- CLI

@@ -173,8 +173,77 @@ def _bad_input_cases() -> dict:
     return res
 
 
+# the mesh with context parallelism: GPT tiny (float64), 3 AdamW steps against one process, every step's
+# loss and the full state within 1e-5 (tests/test_mesh.py's check); (dp, tp, pp, parallelize's kwargs)
+MESH_CASES = {
+    2: [(1, 1, 1, dict(cp=2, cp_method="ring", cp_layout="zigzag")),
+        (1, 1, 1, dict(cp=2, cp_method="ulysses", cp_layout="contiguous"))],
+    4: [(2, 1, 1, dict(cp=2, cp_method="ring", cp_layout="contiguous", zero_stage=1, against_torch=True)),
+        (2, 1, 1, dict(cp=2, cp_method="ulysses", cp_layout="zigzag", zero_stage=3)),
+        (2, 1, 1, dict(cp=2, cp_method="ring", zero_stage=0)),
+        (1, 2, 1, dict(cp=2, cp_method="ring", sequence_parallel=True)),   # cp x tp
+        (1, 1, 2, dict(cp=2, cp_method="ring", schedule="gpipe"))],        # cp x pp
+}
+
+
+def _mesh_cases(p: int) -> list[str]:
+    from test_mesh import _parity_rank
+
+    return _parity_rank(MESH_CASES[p])
+
+
+def _mesh_bad_input() -> dict:
+    """parallelize and step refuse bad context-parallel input with a ValueError naming it, before
+    any message."""
+    from workbench.models.gpt import GPT, GPTConfig
+    from workbench.parallel.mesh import Mesh, parallelize
+
+    def gpt(**kw):
+        return GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=2, n_embd=16, **kw))
+
+    mesh = Mesh(cp=2)
+    trained = parallelize(gpt(), mesh)  # DDP over dp x cp broadcasts the parameters: before counting
+    calls = {
+        "cp_method='bogus'": lambda: parallelize(gpt(), mesh, cp_method="bogus"),
+        "cp_layout='spiral'": lambda: parallelize(gpt(), mesh, cp_layout="spiral"),
+        "n_head=1, tp=1, cp=2": lambda: parallelize(GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=1,
+                                                                  n_embd=16)), mesh, cp_method="ulysses"),
+        "dropout=0.1": lambda: parallelize(gpt(dropout=0.1), mesh),
+        "sequence length 6": lambda: trained.step(torch.zeros(2, 6, dtype=torch.long),
+                                                  torch.zeros(2, 6, dtype=torch.long)),
+    }
+    res: dict = {}
+    with comm.counters() as c:
+        for name, call in calls.items():
+            try:
+                call()
+                res[name] = "no error"
+            except ValueError as e:
+                res[name] = "ok" if name in str(e) else f"message does not name it: {e}"
+    res["messages"] = c.total_calls
+    return res
+
+
+def _bench_smallest() -> dict:
+    """``workbench bench context``'s measurement at the smallest size (S = 8, P = 2)."""
+    from workbench.bench import context as bench
+
+    return bench.measure([8], batch=1, heads=2, head_dim=4, candidates=list(bench.CANDIDATES), trials=1, steps=1,
+                         warmup=0)
+
+
+def _timeline() -> list:
+    """The ring's forward recorded by ``ring_timeline`` (zigzag, P = 2)."""
+    q = cp.shard_sequence(_full(seed=0)[0])
+    with cp.ring_timeline() as events:
+        cp.ring_attention(q, q, q)
+    return events
+
+
 def _rank_p2() -> dict:
-    return {"attention": _attention_cases(), "a2a": _all_to_all_cases(), "bad": _bad_input_cases()}
+    return {"attention": _attention_cases(), "a2a": _all_to_all_cases(), "bad": _bad_input_cases(),
+            "mesh": _mesh_cases(2), "mesh_bad": _mesh_bad_input(), "bench": _bench_smallest(),
+            "timeline": _timeline()}
 
 
 def _rank_p3() -> dict:
@@ -183,11 +252,15 @@ def _rank_p3() -> dict:
 
 def _rank_p4() -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
-    return {"attention": _attention_cases(), "subgroup": _attention_cases(pairs[dist.get_rank() // 2])}
+    return {"attention": _attention_cases(), "subgroup": _attention_cases(pairs[dist.get_rank() // 2]),
+            "mesh": _mesh_cases(4)}
 
 
 @functools.lru_cache(maxsize=None)
 def _launch(p: int) -> list[dict]:
+    from workbench.train import preload
+
+    preload()  # imports the mesh's strategies once, in the parent: the forked ranks inherit them
     fn = {2: _rank_p2, 3: _rank_p3, 4: _rank_p4}[p]
     return workbench.launch(fn, world_size=p, timeout=120)
 
@@ -273,6 +346,12 @@ def test_causal_work_per_rank_matches_the_docstring(p):
             c = seq // (2 * p)
             assert pairs == [(2 * p - 1) * c * c + c * (c + 1)] * p
             assert computed == [p] * p
+            for r in range(p):  # trimmed: its own block under the mask, then P-1 unmasked halves
+                q_pos = cp._positions(seq, p, r, layout)
+                parts = [cp._trim(q_pos, cp._positions(seq, p, (r - s) % p, layout), True) for s in range(p)]
+                assert parts[0][2] is not None and all(m is None for _, _, m in parts[1:])
+                sizes = [len(q_pos[rows]) * len(q_pos[cols]) for rows, cols, _ in parts]
+                assert sizes == [(2 * c) ** 2] + [2 * c * c] * (p - 1), (r, sizes)
 
 
 def test_on_a_sub_group():
@@ -284,3 +363,73 @@ def test_on_a_sub_group():
         assert max(max(v) for v in sub["diff"].values()) <= TOL and sub["unshard"] <= TOL
         assert sub["bytes"]["ring/zigzag/causal"] == (2 * block, 2 * block + 4 * block)
         assert sub["bytes"]["ulysses/zigzag/causal"] == (2 * block, 2 * block)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_mesh_matches_one_process(p):
+    """parallelize(..., Mesh(cp=2)) and Mesh(dp=2, cp=2), ring and Ulysses, both layouts, with DDP,
+    ZeRO-1, ZeRO-3, tensor and sequence parallelism, a pipeline: 3 steps equal one process."""
+    bad = [f"rank {r}: {line}" for r, res in enumerate(_launch(p)) for line in res["mesh"]]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_mesh_bad_input_raises_before_any_message():
+    for res in _launch(2):
+        bad = res["mesh_bad"]
+        assert bad.pop("messages") == 0
+        assert all(v == "ok" for v in bad.values()), {k: v for k, v in bad.items() if v != "ok"}
+
+
+def test_bench_context_cli(tmp_path, capsys, monkeypatch):
+    """``workbench bench context`` end to end at the smallest size (its measurement ran in the P = 2
+    launch above): every candidate runs, matches one process, and its bytes equal the formulas
+    (timings are the command's, not asserted)."""
+    import argparse
+    import json
+
+    from workbench import cli
+    from workbench.bench import context as bench
+
+    measured = _launch(2)[0]["bench"]
+    launched = []
+
+    def launch(fn, world_size, args, timeout):  # the measurement ran already, in the P = 2 launch
+        launched.append((fn, world_size, args))
+        return [dict(measured)]
+
+    monkeypatch.setattr(workbench, "launch", launch)
+    assert "context" in cli._benchmarks()
+    assert cli.main(["bench", "context", "--seq-lens", "8", "--heads", "2", "--head-dim", "4", "--trials", "1",
+                     "--steps", "1", "--warmup", "0", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert launched[0][1] == 2 and launched[0][2][0]["seq_lens"] == [8]
+    printed = capsys.readouterr().out
+    assert "bytes sent equal the formulas: yes, every row" in printed and "x ideal" in printed
+    rows = json.loads((tmp_path / "context.json").read_text())["results"]["rows"]
+    ran = {r["candidate"] for r in rows}
+    assert {"sdpa", "ring", "ring-contiguous", "ulysses"} <= ran
+    assert "torch-ring" in ran or "torch-ring skipped" in printed
+    assert all(r["max_diff"] <= TOL for r in rows)
+    block = 1 * 4 * 2 * 4 * 4  # B (S/P) H D float32 at S = 8, P = 2
+    ring = next(r for r in rows if r["candidate"] == "ring")
+    assert (ring["sent_fwd"], ring["sent_bwd"]) == (2 * block, 2 * block + 4 * block)
+    assert all(r["bytes_match"] for r in rows if "sent_fwd" in r)
+
+    def configure(*argv):
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        return bench.configure(parser.parse_args(list(argv)))
+
+    for argv, words in [(("--seq-lens", "6"), "multiples of 4"), (("--heads", "3"), "--heads=3"),
+                        (("--candidates", "flash"), "'flash'"), (("--world-size", "1"), "at least 2 ranks")]:
+        with pytest.raises(ValueError, match=words):
+            configure(*argv)
+
+
+def test_ring_timeline_records_post_compute_wait_in_order():
+    """Each step posts the next block before computing the current one, then waits for it."""
+    for res in _launch(2):
+        events = res["timeline"]
+        assert [(step, what) for step, what, _, _ in events] == [(0, "post"), (0, "compute"), (0, "wait"),
+                                                                 (1, "compute")]
+        assert all(start <= end for _, _, start, end in events)
+        assert all(a[3] <= b[2] for a, b in zip(events, events[1:]))  # one after another, in that order

@@ -29,6 +29,9 @@ def test_before_and_after_on_three_ranks():
     assert pic["scatter"]["after"] == [[1.0], [2.0], [3.0]]
     assert pic["gather"]["after"] == [[1.0, 2.0, 3.0], None, None]
     assert pic["broadcast"]["after"] == [[1.0, 2.0, 3.0]] * 3
+    # all-to-all transposes: tens say where an element came from, units where it goes
+    assert pic["all_to_all_single"]["before"] == [[11.0, 12.0, 13.0], [21.0, 22.0, 23.0], [31.0, 32.0, 33.0]]
+    assert pic["all_to_all_single"]["after"] == [[11.0, 21.0, 31.0], [12.0, 22.0, 32.0], [13.0, 23.0, 33.0]]
 
 
 def test_inputs_bad_collective():

@@ -273,6 +273,11 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     from matplotlib.patches import FancyBboxPatch
 
     grid = layout["grid"]
+    if hasattr(grid, "dim") and grid.dim() == 4:  # (pp, dp, cp, tp): a mesh without context parallelism
+        if grid.shape[2] != 1:
+            raise ValueError(f"mesh_grid draws dp x tp x pp meshes: this layout has cp={grid.shape[2]}; draw it "
+                             "with cp=1")
+        grid = grid[:, :, 0]
     grid = grid.tolist() if hasattr(grid, "tolist") else [list(map(list, stage)) for stage in grid]
     pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0])
     fig, ax = _axes(ax, figsize=(1.6 + 1.3 * pp * (tp + 0.8), 1.8 + 1.0 * dp))
@@ -309,7 +314,7 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     ax.set_ylim(-dp + 0.3, 1.2)
     ax.set_aspect("equal")
     ax.axis("off")
-    order = tuple(layout.get("order", ("pp", "dp", "tp")))
+    order = tuple(d for d in layout.get("order", ("pp", "dp", "tp")) if d != "cp")
     formula = f"rank = (pp x {dp} + dp) x {tp} + tp" if order == ("pp", "dp", "tp") else \
         f"order {' > '.join(order)} (outermost first)"
     ax.set_title(title or f"Mesh dp={dp} x tp={tp} x pp={pp}: {formula}")

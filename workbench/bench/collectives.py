@@ -6,13 +6,14 @@ For each collective, size and algorithm (``native`` = ``torch.distributed``, the
 
     size    bytes moved, counted as nccl-tests does: the whole vector for all_reduce, broadcast
             and reduce; the whole gathered (scattered) buffer for all_gather, reduce_scatter,
-            gather and scatter, so each rank contributes size / world_size
+            gather and scatter, so each rank contributes size / world_size; one rank's whole
+            input for all_to_all_single (size / world_size to each rank, its own block included)
     time    seconds per call: each rank times ``iters`` back-to-back calls after a barrier, the
             slowest rank's time counts; the median over ``--trials`` trials is shown
     algbw   size / time
     busbw   algbw * factor, the per-link bandwidth a bandwidth-optimal algorithm needs:
-            2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter, gather and scatter,
-            1 for broadcast and reduce. busbw can be compared across collectives and world sizes
+            2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter, gather, scatter and
+            all_to_all_single, 1 for broadcast and reduce. busbw can be compared across collectives and world sizes
     #wrong  elements that differ from the expected result in a check run outside the timed loop
             (exact small integers, so any reduction order gives the same bits), summed over ranks
     ratio   our busbw / native busbw, same size, same placement
@@ -22,7 +23,10 @@ input and output buffers (all_gather, reduce_scatter, gather, scatter) in-place 
 *is* this rank's slot of the output, as in ``all_gather(out, out[rank])``. all_reduce, broadcast
 and reduce only exist in place in PyTorch; their out-of-place form copies the input into the
 output first (``out.copy_(x); all_reduce(out)``), which is what a caller who must keep ``x``
-pays, so that column includes one local copy.
+pays, so that column includes one local copy. all_to_all_single only exists out of place (a
+block may not be overwritten before it is sent); its in-place form, the result in the caller's
+buffer, copies that buffer aside first (``tmp.copy_(buf); all_to_all_single(buf, tmp)``), so its
+in-place column includes one local copy.
 
 Fair comparison
 ---------------
@@ -81,7 +85,8 @@ import torch.distributed as dist
 import workbench
 from workbench.bench import _common
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+               "all_to_all_single")
 PLACEMENTS = ("out-of-place", "in-place")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
 ROOT = 0  # src/dst of the rooted collectives
@@ -92,7 +97,7 @@ def bus_factor(collective: str, world_size: int) -> float:
     n = world_size
     if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter", "gather", "scatter"):
+    if collective in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all_single"):
         return (n - 1) / n
     if collective in ("broadcast", "reduce"):
         return 1.0
@@ -109,6 +114,9 @@ def counts(collective: str, nbytes: int, world_size: int, element_size: int) -> 
     if collective in ("all_gather", "reduce_scatter", "gather", "scatter"):
         per_rank = total // world_size
         return per_rank, per_rank * world_size * element_size
+    if collective == "all_to_all_single":  # the input: one equal block per rank
+        per_block = total // world_size
+        return per_block * world_size, per_block * world_size * element_size
     return total, total * element_size
 
 
@@ -222,6 +230,27 @@ def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) 
 
         return _Case(lambda a: comm.scatter(out, ins, src=ROOT, algorithm=a), fill,
                      lambda: mismatches(out, _pattern(r, numel, dtype)))
+
+    if collective == "all_to_all_single":  # block j of rank i's input lands in block i of rank j's output
+        x = _pattern(r, numel, dtype)
+        out = torch.zeros(numel, dtype=dtype)
+        aside = torch.empty_like(out) if inplace else None
+
+        def call(a):
+            if inplace:  # the result replaces the caller's buffer: it is copied aside first
+                aside.copy_(out)
+                comm.all_to_all_single(out, aside, algorithm=a)
+            else:
+                comm.all_to_all_single(out, x, algorithm=a)
+
+        def fill():
+            if inplace:
+                out.copy_(x)
+            else:
+                out.zero_()
+
+        want = lambda: torch.cat([_pattern(q, numel, dtype).chunk(n)[r] for q in range(n)])  # noqa: E731
+        return _Case(call, fill, lambda: mismatches(out, want()))
 
     raise ValueError(f"collective={collective!r} is not known: use one of {', '.join(COLLECTIVES)}")
 

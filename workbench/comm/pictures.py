@@ -2,7 +2,8 @@
 
 Each rank starts with a small tensor whose values say where they came from. In the reducing
 collectives rank r holds powers of ten, ``10^r``, so a sum such as ``1111`` shows that ranks 0-3
-all contributed (``1001``: ranks 0 and 3); in the others the values number the elements. Every
+all contributed (``1001``: ranks 0 and 3); in all-to-all rank r's element j is ``10 (r+1) + (j+1)``
+(tens: where it came from, units: where it goes); in the others the values number the elements. Every
 algorithm of every collective runs on the same inputs, and its output is compared with what
 ``torch.distributed`` itself returns for them (:func:`before_and_after`, inside a launch).
 :func:`workbench.plots.holdings` draws the result: one row per rank, one cell per element.
@@ -17,7 +18,8 @@ import torch.distributed as dist
 
 from workbench import comm
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+               "all_to_all_single")
 ROOT = 0  # src/dst of the rooted collectives
 
 
@@ -34,6 +36,8 @@ def inputs(collective: str, rank: int, world_size: int) -> list[float] | None:
         return [float(i + 1) for i in range(p)] if r == ROOT else None
     if collective in ("all_gather", "gather"):
         return [float(r + 1)]  # one element each
+    if collective == "all_to_all_single":
+        return [10.0 * (r + 1) + j + 1 for j in range(p)]  # element j goes to rank j
     raise ValueError(f"collective={collective!r} is not known: use one of {', '.join(COLLECTIVES)}")
 
 
@@ -69,6 +73,10 @@ def run(collective: str, algorithm: str | None, rank: int, world_size: int) -> l
         outs = [torch.zeros(1) for _ in range(p)] if r == ROOT else None
         call("gather")(torch.tensor(x), outs, dst=ROOT, **kw)
         return torch.cat(outs).tolist() if r == ROOT else None
+    if collective == "all_to_all_single":
+        out = torch.zeros(p)
+        call("all_to_all_single")(out, torch.tensor(x), **kw)
+        return out.tolist()
     out = torch.zeros(1)  # scatter
     call("scatter")(out, list(torch.tensor(x).chunk(p)) if r == ROOT else None, src=ROOT, **kw)
     return out.tolist()

@@ -16,7 +16,8 @@ key. Two ways to give it them:
       ...      each rank sends the block it holds to rank + 1 and receives from rank - 1
 
   The next block is posted (``comm.irecv``/``comm.isend``) *before* the current one is computed,
-  so the transfer hides under the compute when a block's attention takes longer than its message.
+  so the transfer hides under the compute when a block's attention takes longer than its message
+  (:func:`ring_timeline` records each step's post, compute and wait, for a figure).
   Backward runs a second ring (hand-written, not autograd through the forward's messages): the
   K/V blocks travel again, and with each block travels the running sum of its dK and dV; each
   rank adds its share and passes it on, and after P steps the sums are back with their owners.
@@ -43,10 +44,13 @@ block counted as half):
 * zigzag: every rank ``P/2`` (its early chunk sees r chunks and half of itself, its late one
   ``2P-1-r`` chunks and half of itself: 2P pairs of ``(S/2P)^2`` chunks); max/min = 1.
 
-The ring skips a block whose every pair is masked (no compute; the block is still passed on):
-under "contiguous" rank r computes r+1 blocks and the others wait for the last rank; under
-"zigzag" every rank computes all P (a block with some masked pairs is computed whole, under its
-mask; a flash kernel would also skip its fully masked tiles).
+The ring skips a block whose every pair is masked (no compute; the block is still passed on),
+and trims the rest to the queries that see any of its keys and the keys any of them sees (a
+flash kernel skips fully masked tiles the same way): under "contiguous" rank r computes r+1
+blocks (its own under the causal mask) and the others wait for the last rank; under "zigzag"
+every rank computes its own block under the mask and P-1 halves of blocks with no mask (the late
+chunk's queries against a later rank's block, or all its queries against an earlier rank's early
+chunk), the same work on every rank (PyTorch's load-balanced ring does the same).
 
 :func:`sequence_positions` gives the global positions a rank holds, for position embeddings.
 
@@ -66,11 +70,14 @@ Formulas (B batch, H heads, S sequence, D head size, beta bytes per element, per
   block of attention when that takes longer; Ulysses is 4 all-to-alls
   (``(P-1) alpha + (P-1)/P n beta`` each, n = ``B H (S/P) D beta``), not overlapped.
 
-Precision: scores, the running output and the log-sum-exp are float32 whatever the input dtype;
+Precision: scores, the running output and the log-sum-exp are float32 whatever the input dtype
+(float64 for float64 inputs);
 merging uses ``torch.logaddexp`` (never ``log(1 + exp(x))``, which overflows for large x).
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from numbers import Real
 
 import torch
@@ -80,7 +87,7 @@ import torch.nn.functional as F
 from workbench import comm
 
 __all__ = ["shard_sequence", "unshard_sequence", "sequence_positions", "ring_attention", "ulysses_attention",
-           "LAYOUTS"]
+           "ring_timeline", "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -205,6 +212,23 @@ def _block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool):
     return visible
 
 
+def _trim(q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool):
+    """The part of a (queries, key block) pair worth computing: ``SKIP`` (no pair visible), or
+    ``(rows, cols, mask)``: the queries that see any of these keys (a suffix of this rank's
+    queries: positions only grow along a shard), the keys any of them sees (a prefix), and the
+    mask of that sub-block (``None``: every pair visible). Under zigzag an off-diagonal block
+    trims to half a block with no mask: the late chunk's queries against the whole block, or every
+    query against the early chunk's keys."""
+    if not is_causal:
+        return slice(None), slice(None), None
+    rows = int((q_pos < k_pos.min()).sum())        # queries before the block's first key see none of it
+    cols = int((k_pos <= q_pos.max()).sum())       # keys after the last query are seen by none
+    if rows == len(q_pos) or cols == 0:
+        return SKIP
+    rows, cols = slice(rows, None), slice(None, cols)
+    return rows, cols, _block_mask(q_pos[rows], k_pos[cols], is_causal)
+
+
 def _scores(q32, k32, mask, scale) -> torch.Tensor:
     s = (q32 @ k32.transpose(-2, -1)) * scale  # (B, H, S/P, S/P), float32
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
@@ -252,7 +276,8 @@ def _block_grads(q32, k32, v32, out32, dout32, lse, delta, mask, scale):
 # ------------------------------------------------------------------------------------- the ring
 
 class _Ring:
-    """Who is where: this rank, its neighbours, and the mask of the block it holds at each step."""
+    """Who is where: this rank, its neighbours, and the part of the block it holds at each step
+    that it computes."""
 
     def __init__(self, group, s_local: int, is_causal: bool, layout: str) -> None:
         self.group, self.is_causal, self.layout = group, is_causal, layout
@@ -261,10 +286,11 @@ class _Ring:
         self.seq_len = s_local * self.p
         self.q_pos = _positions(self.seq_len, self.p, self.rank, layout)  # global positions of my queries
 
-    def mask(self, step: int):
-        """At step s this rank holds the K/V block of rank ``(rank - s) mod P``: its mask."""
+    def block(self, step: int):
+        """At step s this rank holds the K/V block of rank ``(rank - s) mod P``: ``SKIP`` or the
+        ``(rows, cols, mask)`` of it to compute (:func:`_trim`)."""
         owner = (self.rank - step) % self.p
-        return _block_mask(self.q_pos, _positions(self.seq_len, self.p, owner, self.layout), self.is_causal)
+        return _trim(self.q_pos, _positions(self.seq_len, self.p, owner, self.layout), self.is_causal)
 
     def pass_on(self, block: torch.Tensor, tag: int):
         """Post the receive of the left neighbour's block and the send of ``block`` to the right;
@@ -280,6 +306,32 @@ def _wait(handles) -> None:
         h.wait()
 
 
+# ------------------------------------------------------------------------ a timeline of the ring
+
+_TIMELINES: list[list] = []  # the open recorders (ring_timeline), each a list of events
+
+
+@contextlib.contextmanager
+def ring_timeline():
+    """Record what this rank's ring forward does while the block is open: yields a list that
+    fills with ``(step, what, start, end)`` events (``time.perf_counter`` seconds), ``what`` one
+    of ``"post"`` (posting the next block's receive and send), ``"compute"`` (this step's block
+    of attention; absent for a skipped block) and ``"wait"`` (waiting for the next block to
+    arrive, after the compute: short when the message travelled under it)."""
+    events: list = []
+    _TIMELINES.append(events)
+    try:
+        yield events
+    finally:
+        _TIMELINES.remove(events)
+
+
+def _note(step: int, what: str, start: float) -> None:
+    end = time.perf_counter()
+    for events in _TIMELINES:
+        events.append((step, what, start, end))
+
+
 def _ring_forward(ring: _Ring, q32, k32, v32, scale):
     """Forward: P steps, a K/V block per step, partial softmaxes merged (returns out, lse)."""
     kv = torch.stack([k32, v32])  # the block that travels: K and V in one message
@@ -287,16 +339,23 @@ def _ring_forward(ring: _Ring, q32, k32, v32, scale):
     for step in range(ring.p):
         last = step == ring.p - 1
         if not last:  # post the next block first: it travels while this one is computed
+            start = time.perf_counter()
             next_kv, handles = ring.pass_on(kv, TAG_KV)
-        mask = ring.mask(step)
-        if mask is not SKIP:
-            block_out, block_lse = _attend_block(q32, kv[0], kv[1], mask, scale)
-            if out is None:  # step 0, this rank's own block: every query sees at least itself
+            _note(step, "post", start)
+        part = ring.block(step)
+        if part is not SKIP:
+            start = time.perf_counter()
+            rows, cols, mask = part
+            block_out, block_lse = _attend_block(q32[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], mask, scale)
+            if out is None:  # step 0, this rank's own block, whole: every query sees at least itself
                 out, lse = block_out, block_lse
-            else:
-                out, lse = _merge(out, lse, block_out, block_lse)
+            else:  # only the rows that saw this block change
+                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            _note(step, "compute", start)
         if not last:
+            start = time.perf_counter()
             _wait(handles)
+            _note(step, "wait", start)
             kv = next_kv
     return out, lse
 
@@ -316,18 +375,20 @@ def _ring_backward(ring: _Ring, q32, k32, v32, out32, dout32, lse, scale):
         last = step == ring.p - 1
         if not last:
             next_kv, kv_handles = ring.pass_on(kv, TAG_KV)
-        mask = ring.mask(step)
-        mine = None
-        if mask is not SKIP:
-            block_dq, dk, dv = _block_grads(q32, kv[0], kv[1], out32, dout32, lse, delta, mask, scale)
-            dq += block_dq
-            mine = torch.stack([dk, dv])
+        part = ring.block(step)
+        if part is not SKIP:  # this rank's share: its rows' dQ, the dK/dV of the keys they saw
+            rows, cols, mask = part
+            block_dq, dk, dv = _block_grads(q32[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out32[:, :, rows],
+                                            dout32[:, :, rows], lse[:, :, rows], delta[:, :, rows], mask, scale)
+            dq[:, :, rows] += block_dq
         if step == 0:  # this rank's own block starts its sum
-            dkv = mine
-        else:  # the sum so far arrived from the left
-            buf, handles = dkv_in
+            dkv = torch.zeros_like(kv)
+        else:  # the sum so far arrived from the left (while this step computed)
+            dkv, handles = dkv_in
             _wait(handles)
-            dkv = buf if mine is None else buf + mine
+        if part is not SKIP:
+            dkv[0][:, :, cols] += dk
+            dkv[1][:, :, cols] += dv
         # pass the sum on (and post the receive of the next one): after P hops it is home
         dkv_in = ring.pass_on(dkv, TAG_DKV)
         if not last:
@@ -344,7 +405,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, is_causal, scale, layout):
         ring = _Ring(group, q.shape[2], is_causal, layout)
-        q32, k32, v32 = q.float(), k.float(), v.float()
+        acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for a float64 model
+        q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
         out32, lse = _ring_forward(ring, q32, k32, v32, scale)
         ctx.save_for_backward(q32, k32, v32, out32, lse)
         ctx.ring, ctx.scale, ctx.dtype = ring, scale, q.dtype
@@ -353,7 +415,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q32, k32, v32, out32, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, q32, k32, v32, out32, dout.float(), lse, ctx.scale)
+        dq, dk, dv = _ring_backward(ctx.ring, q32, k32, v32, out32, dout.to(q32.dtype), lse, ctx.scale)
         return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None, None, None
 
 
