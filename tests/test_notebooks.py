@@ -170,6 +170,20 @@ def test_every_nbval_marker_is_one_nbval_honours(ipynb):
     assert not bad, f"{ipynb.name}: markers nbval ignores (code cell, line): {bad}; put the marker alone on its line"
 
 
+def test_lessons_asserting_a_timing_claim_run_on_cores_nothing_else_uses():
+    """make test runs the unit tests and most lessons on several pytest-xdist workers, then the
+    lessons listed in TIMED_LESSONS alone: a lesson whose check asserts a time or a speed-up says so
+    in a comment ("timing claim") and must be in that list; every name listed must exist."""
+    makefile = (REPO / "Makefile").read_text()
+    block = re.search(r"^TIMED_LESSONS := \$\(addprefix notebooks/,(.*?)\)$", makefile, re.M | re.S)
+    assert block, "Makefile: TIMED_LESSONS := $(addprefix notebooks/,...) not found"
+    listed = set(block.group(1).replace("\\", " ").split())
+    timed = {s.with_suffix(".ipynb").name for s in SCRIPTS if "timing claim" in s.read_text()}
+    assert listed == timed, f"listed but asserting no timing claim: {sorted(listed - timed)}; asserting a " \
+                            f"timing claim but not listed: {sorted(timed - listed)}"
+    assert all((REPO / "notebooks" / name).exists() for name in listed), sorted(listed)
+
+
 def test_make_test_sanitizes_with_the_repository_s_file():
     makefile = (REPO / "Makefile").read_text()
     assert f"--nbval-sanitize-with {SANITIZE.relative_to(REPO)}" in makefile
