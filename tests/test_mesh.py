@@ -1,10 +1,12 @@
 """workbench.parallel.mesh: the grid's layout (Megatron order; the same groups as torch's DeviceMesh
 with the same named dimensions), and parallelize() against single-process training: the loss of
 every step and the full state after 3 AdamW steps, for each pair of dimensions on 4 ranks (ZeRO 0,
-1 and 3 over dp) and for dp = tp = pp = 2 on 8 ranks.
+1 and 3 over dp) and for dp = tp = pp = 2 on 8 ranks; Hugging Face GPT-2 and Llama (small configs)
+through their plans and splits on 4 ranks.
 
-Parity runs in float64, so 3 AdamW steps stay within 1e-5 (in float32, Adam turns rounding noise
-in near-zero gradients into updates of lr size). Each world size runs its whole list of cases
+Our GPT's parity runs in float64, so 3 AdamW steps stay within 1e-5 (in float32, Adam turns
+rounding noise in near-zero gradients into updates of lr size); the Hugging Face models run in
+float32 with AdamW's eps=1e-5 and lr=1e-3, as in tests/test_plans.py. Each world size runs its whole list of cases
 inside ONE launch, and every rank returns its mismatches as readable strings.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import workbench
 from workbench.models.gpt import GPT, GPTConfig
 from workbench.parallel.mesh import Mesh, layout, parallelize
+from workbench.parallel.pipeline_split import SPLITS
 from workbench.train import preload
 
 CONFIG = GPTConfig(vocab_size=65, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -30,7 +33,7 @@ CONFIG = GPTConfig(vocab_size=65, block_size=8, n_layer=2, n_head=2, n_embd=16)
 def test_layout_is_megatron_order():
     """tp ranks adjacent, then dp, then pp: the groups read straight off arange(8).view(2, 2, 2)."""
     g = layout(dp=2, tp=2, pp=2)
-    assert g["grid"].tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert g["grid"][:, :, 0].tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]  # (pp, dp, cp=1, tp)
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -42,9 +45,16 @@ def test_layout_is_megatron_order():
     # another order: tensor parallelism outermost-but-one, data parallelism adjacent (TP across nodes)
     g = layout(dp=2, tp=2, pp=2, order=("pp", "tp", "dp"))
     assert g["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and g["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert g["pp"] == [[0, 4], [2, 6], [1, 5], [3, 7]] and g["grid"][1, 0, 1] == 6
+    assert g["pp"] == [[0, 4], [2, 6], [1, 5], [3, 7]] and g["grid"][1, 0, 0, 1] == 6
     with pytest.raises(ValueError, match=r"order=\('pp', 'tp'\) must name 'pp', 'dp' and 'tp' once each"):
         layout(dp=2, order=("pp", "tp"))
+    # context parallelism: cp just outside tp (Megatron's tp-cp-dp-pp); dp_cp averages the gradients
+    g = layout(dp=2, tp=2, cp=2)
+    assert g["grid"].shape == (1, 2, 2, 2) and g["order"] == ("pp", "dp", "cp", "tp")
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]] and g["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    g = layout(dp=2, cp=2, order=("pp", "tp", "dp"))  # an order without cp: it sits just outside tp
+    assert g["order"] == ("pp", "cp", "tp", "dp") and g["dp"] == [[0, 1], [2, 3]] and g["cp"] == [[0, 2], [1, 3]]
 
 
 def _batches(steps=3, b=8, t=8, seed=1):
@@ -71,30 +81,33 @@ def _parity_rank(cases) -> list[str]:
     world, rank = dist.get_world_size(), dist.get_rank()
     bad = []
     for dp, tp, pp, kwargs in cases:
-        tag = f"dp={dp} tp={tp} pp={pp} {kwargs}"
+        kwargs = dict(kwargs)
+        cp = kwargs.pop("cp", 1)  # context parallelism (tests/test_context.py runs those cases)
+        tag = f"dp={dp} tp={tp} pp={pp} cp={cp} {kwargs}"
         torch.manual_seed(0)
         model = GPT(CONFIG).double()
         batches = _batches()
         want_losses, want_state = _reference(model, batches, lr=1e-2)
         order = kwargs.pop("order", ("pp", "dp", "tp"))
-        mesh = Mesh(dp=dp, tp=tp, pp=pp, order=order)
-        groups = layout(dp=dp, tp=tp, pp=pp, order=order)
+        mesh = Mesh(dp=dp, tp=tp, pp=pp, cp=cp, order=order)
+        groups = layout(dp=dp, tp=tp, pp=pp, cp=cp, order=order)
         if mesh.rank_of(**mesh.coords) != rank:
             bad.append(f"{tag}: rank_of({mesh.coords}) = {mesh.rank_of(**mesh.coords)} on rank {rank}")
-        for dim in ("dp", "tp", "pp"):
+        for dim in ("dp", "tp", "pp", "cp", "dp_cp"):
             mine = dist.get_process_group_ranks(mesh.group(dim))
             if mine not in groups[dim] or rank not in mine:
                 bad.append(f"{tag}: rank {rank}'s {dim} group is {mine}, layout says {groups[dim]}")
         if kwargs.pop("against_torch", False):  # PyTorch's DeviceMesh with the same named dimensions
             from torch.distributed.device_mesh import init_device_mesh
 
-            theirs = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-            for dim in ("dp", "tp", "pp"):
+            names = ("pp", "dp", "tp") if cp == 1 else ("pp", "dp", "cp", "tp")
+            theirs = init_device_mesh("cpu", tuple(mesh.size(d) for d in names), mesh_dim_names=names)
+            for dim in names:
                 a = dist.get_process_group_ranks(mesh.group(dim))
                 b = dist.get_process_group_ranks(theirs.get_group(dim))
                 if a != b:
                     bad.append(f"{tag}: rank {rank}'s {dim} group {a}, torch's DeviceMesh {b}")
-            if list(theirs.get_coordinate()) != [mesh.coords[d] for d in ("pp", "dp", "tp")]:
+            if list(theirs.get_coordinate()) != [mesh.coords[d] for d in names]:
                 bad.append(f"{tag}: coords {mesh.coords}, torch's {theirs.get_coordinate()}")
         trained = parallelize(model, mesh, lr=1e-2, **kwargs)
         policies = {getattr(block, "_recompute_policy", "none") for block in trained._stage_module.blocks.values()} \
@@ -114,7 +127,7 @@ def _parity_rank(cases) -> list[str]:
                 diff = "missing" if got is None else (f"shape {tuple(got.shape)}" if got.shape != value.shape
                                                       else f"max diff {(got - value).abs().max():.2e}")
                 bad.append(f"{tag}: {name} {diff}")
-    assert world == dp * tp * pp
+    assert world == dp * tp * pp * cp
     return bad
 
 
@@ -155,6 +168,113 @@ def test_parity_3d_8_ranks():
     _check(workbench.launch(_parity_rank, world_size=8, args=(cases,), timeout=300))
 
 
+# ------------------------------------------------------------------ Hugging Face models on the mesh
+
+HF_ADAMW = dict(lr=1e-3, eps=1e-5, weight_decay=0.1)  # float32 parity as in tests/test_plans.py
+
+
+def _hugging_face(name: str, **overrides):
+    """GPT-2 or Llama from a small config (issue 42's figures), nothing downloaded."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=128, n_positions=16, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config, **overrides}))
+    config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                  num_hidden_layers=2, vocab_size=128, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides}))
+
+
+def _hugging_face_rank(cases) -> list[str]:
+    """Each (model, dp, tp, pp, kwargs) case: 3 AdamW steps of parallelize() against one process
+    training the same model on the whole batch with Hugging Face's own loss; then bad input."""
+    from workbench import comm
+
+    bad = []
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g))
+               for _ in range(3)]
+    for name, dp, tp, pp, kwargs in cases:
+        tag = f"{name} dp={dp} tp={tp} pp={pp} {kwargs}"
+        model = _hugging_face(name)
+        ref = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW(ref.parameters(), **HF_ADAMW)
+        want_losses = []
+        for x, y in batches:
+            loss = ref(input_ids=x, labels=y).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            want_losses.append(loss.item())
+        trained = parallelize(model, Mesh(dp=dp, tp=tp, pp=pp), **kwargs, **HF_ADAMW)
+        del model
+        for i, (x, y) in enumerate(batches):
+            loss = float(trained.step(x, y))
+            if abs(loss - want_losses[i]) > 1e-5:
+                bad.append(f"{tag}: step {i} loss {loss:.8f}, one process {want_losses[i]:.8f}")
+        state, want = trained.full_state_dict(), ref.state_dict()
+        if sorted(state) != sorted(want):
+            bad.append(f"{tag}: full_state_dict keys {sorted(state)} != {sorted(want)}")
+        for key, value in want.items():
+            got = state.get(key)
+            if got is None or got.shape != value.shape or not torch.allclose(got, value, rtol=0, atol=1e-5):
+                diff = "missing" if got is None else (f"shape {tuple(got.shape)}" if got.shape != value.shape
+                                                      else f"max diff {(got - value).abs().max():.2e}")
+                bad.append(f"{tag}: {key} {diff}")
+        if kwargs.get("recompute"):  # the split's blocks: the model's list, or a stage's dict of its own
+            blocks = trained._stage_module.get_submodule(SPLITS[name].blocks)
+            blocks = list(blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks)
+            if not blocks or any(getattr(b, "_recompute_policy", None) != kwargs["recompute"] for b in blocks):
+                bad.append(f"{tag}: this rank's blocks are not recomputed")
+
+    def expect(fn, *words):
+        try:
+            fn()
+        except ValueError as e:
+            if not all(w in str(e) for w in words):
+                bad.append(f"message {str(e)!r} lacks {words}")
+        else:
+            bad.append(f"no ValueError for {words}")
+
+    pipeline, tensor = Mesh(dp=2, pp=2), Mesh(dp=2, tp=2)
+    with comm.counters() as c:
+        expect(lambda: parallelize(_hugging_face("llama"), pipeline, pp_split=["model.layers.5"]),
+               "'model.layers.5' is not a block", "['model.layers.1']")
+        expect(lambda: parallelize(_hugging_face("llama", num_hidden_layers=1), pipeline), "pp=2", "1 blocks")
+        expect(lambda: parallelize(_hugging_face("llama", num_key_value_heads=1), tensor), "t=2 does not divide",
+               "num_key_value_heads=1")
+        expect(lambda: parallelize(_hugging_face("gpt2"), tensor, tp_plan={"transformer.h.*.mlp.c_fcc": "colwise"}),
+               "'transformer.h.*.mlp.c_fcc' matches no module", "transformer.h.*.mlp.c_fc")
+        expect(lambda: parallelize(_hugging_face("gpt2"), pipeline, zero_stage=2), "zero_stage=2", "tied",
+               "tie_word_embeddings=False")
+        expect(lambda: parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)), pipeline), "pp=2", "pp_split=callable")
+        expect(lambda: parallelize(_hugging_face("llama"), tensor, zero_stage=3, sequence_parallel=True),
+               "zero_stage=3 with sequence_parallel=True", "model.layers.0.input_layernorm", "zero_stage=1 or 2")
+    if c.total_calls:
+        bad.append(f"bad input sent {c.total_calls} messages")
+    return bad
+
+
+def test_hugging_face_models_on_the_mesh():
+    """Issue 42: parallelize() on Hugging Face GPT-2 and Llama (small configs) through their plans
+    and splits: dp x tp (DDP; ZeRO-3 over GPT-2's transposed Conv1D shards) and tp x pp (1F1B, GPT-2's
+    tied embedding across stages, the plan and split passed by name; Llama with sequence
+    parallelism and recomputation), each loss and the full state after 3 AdamW steps within 1e-5
+    of one process; bad input raises before any message."""
+    pytest.importorskip("transformers")
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with torch.no_grad():  # import the models' modules, masks and loss here once: the forked ranks inherit them
+        for name in ("gpt2", "llama"):
+            _hugging_face(name)(input_ids=ids, labels=ids)
+    cases = [("llama", 2, 2, 1, dict()), ("gpt2", 2, 2, 1, dict(zero_stage=3)),
+             ("gpt2", 1, 2, 2, dict(tp_plan="gpt2", n_microbatches=4)),
+             ("llama", 1, 2, 2, dict(pp_split=["model.layers.1"], sequence_parallel=True, recompute="full"))]
+    preload()
+    _check(workbench.launch(_hugging_face_rank, world_size=4, args=(cases,), timeout=240))
+
+
 def _errors_rank() -> list[str]:
     """Bad input: a ValueError naming the argument and the fix, raised on every rank before any
     group is made or message sent (a valid mesh built afterwards would hang otherwise)."""
@@ -187,7 +307,7 @@ def _errors_rank() -> list[str]:
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     rank = dist.get_rank()
     inner = Mesh(tp=2, group=halves[0]) if rank < 2 else Mesh(dp=2, group=halves[1])
-    want = {"dp": 0, "tp": rank % 2, "pp": 0} if rank < 2 else {"dp": rank % 2, "tp": 0, "pp": 0}
+    want = {"dp": 0, "tp": rank % 2, "pp": 0, "cp": 0} if rank < 2 else {"dp": rank % 2, "tp": 0, "pp": 0, "cp": 0}
     dim = "tp" if rank < 2 else "dp"
     if inner.coords != want or dist.get_process_group_ranks(inner.group(dim)) != ([0, 1] if rank < 2 else [2, 3]):
         bad.append(f"mesh in a sub-group: coords {inner.coords} (want {want}), {dim} group "

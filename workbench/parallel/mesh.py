@@ -1,53 +1,79 @@
-"""3D parallelism: one mesh of ranks, data x tensor x pipeline, and the strategies composed on it.
+"""3D (4D) parallelism: one mesh of ranks, data x context x tensor x pipeline, the strategies composed on it.
 
 The mesh (picotron's process-group manager, torch's ``init_device_mesh`` with named dimensions)
-lays the ``N = pp x dp x tp`` ranks out in one grid, in Megatron's order -- tensor-parallel
+lays the ``N = pp x dp x cp x tp`` ranks out in one grid, in Megatron's order -- tensor-parallel
 ranks adjacent (they exchange activations in every layer, so they belong on one node and its
-fast links), then data-parallel, then pipeline (one point-to-point message per micro-batch and
-stage boundary is the cheapest traffic, so it may cross the slowest links)::
+fast links), then context-parallel (K/V blocks or all-to-alls in every layer), then data-parallel,
+then pipeline (one point-to-point message per micro-batch and stage boundary is the cheapest
+traffic, so it may cross the slowest links)::
 
-    grid = torch.arange(N).view(pp, dp, tp)     # grid[p, d, t] is the rank at those coordinates
+    grid = torch.arange(N).view(pp, dp, cp, tp)   # grid[p, d, c, t] is the rank at those coordinates
 
     dp=2, tp=2, pp=2:  stage 0  [[0, 1],        tp groups: rows     {0,1} {2,3} {4,5} {6,7}
                                  [2, 3]]        dp groups: columns  {0,2} {1,3} {4,6} {5,7}
                        stage 1  [[4, 5],        pp groups: across   {0,4} {1,5} {2,6} {3,7}
                                  [6, 7]]
 
+(With ``cp = 1``, the default, the ``cp`` axis has length 1 and the drawing above is the grid.)
 A rank belongs to exactly one group of each dimension: the ranks that differ from it in that
-coordinate only. :func:`layout` gives the groups without a process group (for figures:
-:func:`workbench.plots.mesh_grid`).
+coordinate only; ``dp_cp`` is the ranks that differ in ``dp`` or ``cp`` (they hold the same
+parameters, so they average gradients together). :func:`layout` gives the groups without a
+process group (for figures: :func:`workbench.plots.mesh_grid`).
 
 Composition (:func:`parallelize`), innermost first, each step the existing strategy given its
 group, nothing re-implemented:
 
-1. **Tensor parallelism** over ``tp`` (:func:`workbench.parallel.tensor.tensor_parallel`): heads,
-   MLP units and vocabulary split, the loss the vocabulary-parallel cross-entropy.
-2. **Pipeline parallelism** over ``pp`` (:func:`workbench.parallel.pipeline.partition` and a
-   schedule: GPipe, 1F1B or ZB-H1): the tensor-parallel model is cut into stages, so every stage's
-   layers are already split; the ``tp`` ranks of a stage run the same schedule in lockstep, each on
-   its shard, and each sends its activation to the rank of the next stage with the same ``(dp,
-   tp)`` coordinates. The tied embedding's two copies (first and last stage) have their gradients
-   summed between those ranks, shard by shard.
-3. **Data parallelism** over ``dp`` on this rank's stage: ZeRO-0 (:class:`DistributedDataParallel`,
-   the micro-batches' gradients accumulated under ``no_sync`` and averaged once after the
-   schedule), ZeRO-1/2 (:class:`ShardedOptimizer`) or ZeRO-3 (:class:`FullyShardedDataParallel`).
+1. **Tensor parallelism** over ``tp`` (:func:`workbench.parallel.tensor.tensor_parallel`, by the
+   model's plan, ``tp_plan``: our GPT's, Hugging Face GPT-2's and Llama's ship): heads, MLP units
+   and vocabulary split; our GPT's loss the vocabulary-parallel cross-entropy, a Hugging Face
+   model's own loss on the gathered logits.
+2. **Pipeline parallelism** over ``pp`` (:func:`workbench.parallel.pipeline.partition` by the
+   model's split, ``pp_split``, and a schedule: GPipe, 1F1B or ZB-H1): the tensor-parallel model
+   is cut into stages, so every stage's layers are already split; the ``tp`` ranks of a stage run
+   the same schedule in lockstep, each on its shard, and each sends its activation to the rank of
+   the next stage with the same ``(dp, tp)`` coordinates. The tied embedding's two copies (first
+   and last stage) have their gradients summed between those ranks, shard by shard.
+3. **Context parallelism** over ``cp`` (:func:`workbench.parallel.context_model.context_parallel`):
+   each rank of a ``cp`` group holds ``S/cp`` positions of every sequence (``cp_layout``
+   "zigzag" or "contiguous"), its position embedding reads those global positions, and every
+   attention call runs as ring or Ulysses attention over the group (``cp_method``). Parameters
+   stay replicated over ``cp``.
+4. **Data parallelism** over ``dp x cp`` (the ``dp_cp`` group) on this rank's stage: ZeRO-0
+   (:class:`DistributedDataParallel`, the micro-batches' gradients accumulated under ``no_sync``
+   and averaged once after the schedule), ZeRO-1/2 (:class:`ShardedOptimizer`) or ZeRO-3
+   (:class:`FullyShardedDataParallel`). Each rank's loss is the mean over its own tokens, all
+   ranks hold as many, so averaging over ``dp x cp`` gives the global batch's mean and its gradient.
+
+**Expert parallelism** (``Mesh(dp=4, ep=2)``, ``ep`` dividing ``dp``; a model with mixture-of-experts
+layers, :mod:`workbench.parallel.expert`) is not an axis of the grid: it splits each data-parallel
+group into groups of ``ep`` adjacent ranks (``"ep"``: dp ranks {0,1} {2,3}), each holding every
+expert once, ``E/ep`` per rank, and the ranks with the same experts form ``"edp"`` ({0,2} {1,3}:
+``dp/ep`` copies of each expert). Every rank feeds its own rows, tokens go to their experts' ranks
+by all-to-all inside its ``ep`` group, the parameters outside the experts are averaged over ``dp``
+and the experts' gradients summed over ``edp`` (each already the sum over its ``ep`` group, then
+divided by ``dp``); the load-balancing loss counts every dp rank's tokens. It composes with data
+parallelism and ZeRO-1 (the replicated parameters' optimizer state sharded over ``dp``, each
+expert's over ``edp``); with tp, pp, cp, ZeRO-2 or ZeRO-3 it is refused, with the reason.
 
 Activation recomputation (``recompute="full"`` or ``"selective"``,
 :func:`workbench.parallel.recompute.recompute`) checkpoints this rank's blocks after steps 1-2, so
 it composes with all three: a block recomputed in backward runs its tensor-parallel collectives
 again (Megatron's full recomputation does the same), and under ZeRO-3 gathers its unit again.
 
-One step: data-parallel rank ``d`` takes rows ``[d B/dp, (d+1) B/dp)`` of the global batch; its
-pipeline splits them into ``m`` micro-batches; every ``tp`` rank sees them whole. The returned
-loss is the global batch's mean (the last stage's micro-batch means averaged, sent to the other
-stages, averaged over ``dp``) on every rank; the gradients are those of that mean, so training
+One step: data-parallel rank ``d`` takes rows ``[d B/dp, (d+1) B/dp)`` of the global batch, and
+context-parallel rank ``c`` its ``S/cp`` positions of them; its pipeline splits them into ``m``
+micro-batches; every ``tp`` rank sees them whole. The returned loss is the global batch's mean
+(the last stage's micro-batch means averaged, sent to the other stages, averaged over
+``dp x cp``) on every rank; the gradients are those of that mean, so training
 equals one process on the global batch.
 
 Cost per step and rank (``psi`` parameters, ``b`` rows per data-parallel rank, ``s`` sequence,
 ``h`` hidden, ``L`` layers): tensor parallelism 4 all-reduces of ``b s h`` per layer of its stage
 (``L/pp`` layers) over ``tp``; the pipeline ``2 m`` messages of ``b s h / m`` per stage boundary
 (``b s h / tp`` with sequence parallelism) and a bubble ``(pp-1)/(m+pp-1)``; data parallelism
-``2 (dp-1)/dp`` times this rank's ``psi / (tp pp)`` parameters (ZeRO-3: 3x instead of 2x).
+``2 (dp-1)/dp`` times this rank's ``psi / (tp pp)`` parameters (ZeRO-3: 3x instead of 2x; with
+context parallelism over ``dp cp`` ranks); context parallelism the attention method's messages
+per layer (:mod:`workbench.parallel.context`) on ``B S/cp`` tokens.
 Model state per rank (float32 Adam): ``16 psi / (tp pp)`` bytes, divided by ``dp`` as ZeRO
 shards it (see :mod:`workbench.parallel.zero`), plus the replicated norms and positions.
 """
@@ -66,9 +92,10 @@ from workbench.comm.group import resolve_group
 
 __all__ = ["Mesh", "layout", "parallelize", "ParallelModel", "DIMS", "SCHEDULES"]
 
-DIMS = ("pp", "dp", "tp")  # the grid's axes, outermost first (Megatron's order)
+DIMS = ("pp", "dp", "cp", "tp")  # the grid's axes, outermost first (Megatron's order)
 _TIE_TAG = 1 << 24  # tags of the ZeRO-3 tied-gradient swap between the first and the last stage
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+_TP_MARKS = ("_tp_dim", "_tp_chunks", "_tp_vocab", "_tp_transposed")  # how tensor parallelism split a parameter
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -78,30 +105,36 @@ def _check_sizes(**sizes: int) -> None:
 
 
 def _check_order(order) -> tuple[str, ...]:
+    if isinstance(order, (tuple, list)) and "cp" not in order and sorted(order) == ["dp", "pp", "tp"]:
+        order = list(order)
+        order.insert(order.index("tp"), "cp")  # context parallelism just outside tensor parallelism
     if not isinstance(order, (tuple, list)) or sorted(order) != sorted(DIMS):
-        raise ValueError(f"Mesh: order={order!r} must name 'pp', 'dp' and 'tp' once each, outermost first "
-                         f"(Megatron's, the default: {DIMS})")
+        raise ValueError(f"Mesh: order={order!r} must name 'pp', 'dp' and 'tp' once each, outermost first, and "
+                         f"'cp' or not (then it sits just outside 'tp') (Megatron's, the default: {DIMS})")
     return tuple(order)
 
 
-def layout(dp: int = 1, tp: int = 1, pp: int = 1, *, order=DIMS) -> dict[str, Any]:
+def layout(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *, order=DIMS) -> dict[str, Any]:
     """The mesh's grid and groups, computed without any process group (for figures and checks).
 
-    Returns ``{"grid": tensor (pp, dp, tp), "order", "tp": [[ranks], ...], "dp": [...], "pp": [...]}``:
-    ``grid[p, d, t]`` is the rank at those coordinates, and each list holds every group of that
-    dimension, each group's ranks in coordinate order. ``order``: the dimensions from outermost
-    (ranks furthest apart) to innermost (adjacent ranks); Megatron's ``("pp", "dp", "tp")`` by
-    default, ``("pp", "tp", "dp")`` to place tensor parallelism across nodes instead, for example.
+    Returns ``{"grid": tensor (pp, dp, cp, tp), "order", "tp": [[ranks], ...], "cp", "dp", "pp",
+    "dp_cp"}``: ``grid[p, d, c, t]`` is the rank at those coordinates, and each list holds every
+    group of that dimension, each group's ranks in coordinate order (``dp_cp``: dp-major). ``order``:
+    the dimensions from outermost (ranks furthest apart) to innermost (adjacent ranks); Megatron's
+    ``("pp", "dp", "cp", "tp")`` by default, ``("pp", "tp", "dp")`` to place tensor parallelism
+    across nodes instead, for example (an order without ``"cp"`` puts it just outside ``"tp"``).
     """
-    _check_sizes(dp=dp, tp=tp, pp=pp)
+    _check_sizes(dp=dp, tp=tp, pp=pp, cp=cp)
     order = _check_order(order)
-    sizes = {"dp": dp, "tp": tp, "pp": pp}
-    grid = torch.arange(pp * dp * tp).view(*(sizes[d] for d in order))   # the layout, in one line
-    grid = grid.permute(*(order.index(d) for d in DIMS))                  # indexed [pp, dp, tp]
+    sizes = {"dp": dp, "tp": tp, "pp": pp, "cp": cp}
+    grid = torch.arange(pp * dp * cp * tp).view(*(sizes[d] for d in order))   # the layout, in one line
+    grid = grid.permute(*(order.index(d) for d in DIMS))                       # indexed [pp, dp, cp, tp]
     return {"grid": grid, "order": order,
-            "tp": grid.reshape(-1, tp).tolist(),                     # last axis varies: rows
-            "dp": grid.permute(0, 2, 1).reshape(-1, dp).tolist(),    # middle axis varies
-            "pp": grid.permute(1, 2, 0).reshape(-1, pp).tolist()}    # first axis varies
+            "tp": grid.reshape(-1, tp).tolist(),                               # last axis varies: rows
+            "cp": grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist(),
+            "dp": grid.permute(0, 2, 3, 1).reshape(-1, dp).tolist(),
+            "pp": grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist(),           # first axis varies
+            "dp_cp": grid.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()}   # dp and cp vary
 
 
 # the groups made so far, per world (its default group, held weakly): shared by meshes, and let go
@@ -121,66 +154,93 @@ def _new_group(ranks: list[int], local: bool) -> dist.ProcessGroup:
 
 
 class Mesh:
-    """The 3D process-group manager: ``Mesh(dp=2, tp=2, pp=2)`` on 8 ranks.
+    """The process-group manager: ``Mesh(dp=2, tp=2, pp=2)`` on 8 ranks, ``Mesh(dp=2, cp=2)`` on 4.
 
     ``group``: the ranks to lay out (default: all); ranks below are numbered in that group.
     Every rank of ``group`` must build the same mesh (creating the sub-groups is collective).
-    ``coords``: this rank's ``{"dp", "tp", "pp"}``; ``group(dim)``: its group along ``dim``;
-    ``rank_of(dp=, tp=, pp=)``: the rank at those coordinates; ``size(dim)``: the dimension's size.
+    ``coords``: this rank's ``{"dp", "tp", "pp", "cp"}``; ``group(dim)``: its group along ``dim``
+    (or ``"dp_cp"``, the ranks that average gradients together); ``rank_of(dp=, tp=, pp=, cp=)``:
+    the rank at those coordinates; ``size(dim)``: the dimension's size.
     ``order``: outermost dimension first (see :func:`layout`); Megatron's by default.
+    ``ep``: experts sharded over groups of ``ep`` adjacent data-parallel ranks (must divide ``dp``;
+    not an axis of the grid, so not in ``coords``: a rank's place in its group is ``dp % ep``), see
+    "Expert parallelism" in the module docstring.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, group=None, order=DIMS):
-        _check_sizes(dp=dp, tp=tp, pp=pp)
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *, ep: int = 1, group=None, order=DIMS):
+        _check_sizes(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        if dp % ep:
+            raise ValueError(f"Mesh(dp={dp}, ep={ep}): ep={ep} must divide dp={dp}: the experts are sharded over "
+                             f"groups of ep data-parallel ranks, dp/ep copies of each; use an ep that divides {dp}")
         order = _check_order(order)
         view = resolve_group(group)
         if view is None:
             raise ValueError("Mesh(group=...): this rank is not in group; build the mesh on the group's ranks only")
-        if dp * tp * pp != view.size:
-            raise ValueError(f"Mesh(dp={dp}, tp={tp}, pp={pp}): dp x tp x pp = {dp * tp * pp} but the group has "
-                             f"{view.size} ranks; choose sizes whose product is {view.size} "
-                             f"(e.g. dp={view.size // (tp * pp) if view.size % (tp * pp) == 0 else view.size}, "
-                             f"or launch {dp * tp * pp} ranks)")
-        self.shape = {"dp": dp, "tp": tp, "pp": pp}
+        n = dp * tp * pp * cp
+        if n != view.size:
+            rest = tp * pp * cp
+            with_cp = f", cp={cp}" if cp > 1 else ""
+            raise ValueError(f"Mesh(dp={dp}, tp={tp}, pp={pp}{with_cp}): dp x tp x pp{' x cp' if cp > 1 else ''} = "
+                             f"{n} but the group has {view.size} ranks; choose sizes whose product is {view.size} "
+                             f"(e.g. dp={view.size // rest if view.size % rest == 0 else view.size}, "
+                             f"or launch {n} ranks)")
+        self.shape = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
         self.parent = group
         self.rank = view.rank
         self.order = order
-        groups = layout(dp, tp, pp, order=order)
+        groups = layout(dp, tp, pp, cp, order=order)
         self.grid = groups["grid"]
-        p, d, t = (self.grid == self.rank).nonzero()[0].tolist()
-        self.coords = {"dp": d, "tp": t, "pp": p}
+        p, d, c, t = (self.grid == self.rank).nonzero()[0].tolist()
+        self.coords = {"dp": d, "tp": t, "pp": p, "cp": c}
         self._groups: dict[str, dist.ProcessGroup] = {}
         whole = group is None or group == dist.group.WORLD
-        for dim in ("tp", "dp", "pp"):
+        for dim in ("tp", "cp", "dp", "pp", "dp_cp"):  # dp_cp is dp's group when cp = 1 (made once)
             for ranks in groups[dim]:
                 if whole or self.rank in ranks:
                     pg = _new_group([view.global_rank(r) for r in ranks], local=not whole)
                     if self.rank in ranks:
                         self._groups[dim] = pg
-        self.groups = {dim: groups[dim] for dim in ("tp", "dp", "pp")}
+        self.groups = {dim: groups[dim] for dim in ("tp", "cp", "dp", "pp", "dp_cp")}
+        if ep > 1:  # experts over ep adjacent data-parallel ranks ("ep"); the ranks with the same experts ("edp")
+            self.groups["ep"] = [ranks[i:i + ep] for ranks in groups["dp"] for i in range(0, dp, ep)]
+            self.groups["edp"] = [ranks[j::ep] for ranks in groups["dp"] for j in range(ep)] if dp > ep else []
+            for dim in ("ep", "edp"):
+                for ranks in self.groups[dim]:
+                    if whole or self.rank in ranks:
+                        pg = _new_group([view.global_rank(r) for r in ranks], local=not whole)
+                        if self.rank in ranks:
+                            self._groups[dim] = pg
 
     def _dim(self, dim: str) -> str:
-        if dim not in self.shape:
-            raise ValueError(f"Mesh: unknown dimension {dim!r}: use one of 'dp', 'tp', 'pp'")
+        if dim not in self._groups:
+            known = "'dp', 'tp', 'pp', 'cp', 'dp_cp'" + (", 'ep'" if self.shape["ep"] > 1 else "") + \
+                (", 'edp'" if "edp" in self._groups else "")
+            raise ValueError(f"Mesh: unknown dimension {dim!r} here: use one of {known}")
         return dim
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        """This rank's process group along ``dim`` ("dp", "tp" or "pp")."""
+        """This rank's process group along ``dim`` ("dp", "tp", "pp", "cp", or "dp_cp"; with ``ep > 1``
+        "ep", and "edp" where ``dp > ep``)."""
         return self._groups[self._dim(dim)]
 
     def size(self, dim: str) -> int:
-        return self.shape[self._dim(dim)]
+        if dim in ("ep", "edp"):  # sizes even where no group is made (ep = 1; edp when dp = ep)
+            return self.shape["ep"] if dim == "ep" else self.shape["dp"] // self.shape["ep"]
+        dim = self._dim(dim)
+        return self.shape["dp"] * self.shape["cp"] if dim == "dp_cp" else self.shape[dim]
 
-    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
-        """The rank (in the mesh's group) at coordinates ``dp, tp, pp``: in Megatron's order
-        ``(pp dp_size + dp) tp_size + tp``."""
-        for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> int:
+        """The rank (in the mesh's group) at coordinates ``dp, tp, pp, cp``: in Megatron's order
+        ``((pp dp_size + dp) cp_size + cp) tp_size + tp``."""
+        for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.shape[name]:
                 raise ValueError(f"Mesh.rank_of: {name}={value!r} is out of range 0..{self.shape[name] - 1}")
-        return int(self.grid[pp, dp, tp])
+        return int(self.grid[pp, dp, cp, tp])
 
     def __repr__(self) -> str:
-        return (f"Mesh(dp={self.shape['dp']}, tp={self.shape['tp']}, pp={self.shape['pp']}; rank {self.rank} "
+        cp = f", cp={self.shape['cp']}" if self.shape["cp"] > 1 else ""
+        cp += f", ep={self.shape['ep']}" if self.shape["ep"] > 1 else ""
+        return (f"Mesh(dp={self.shape['dp']}, tp={self.shape['tp']}, pp={self.shape['pp']}{cp}; rank {self.rank} "
                 f"at {self.coords})")
 
 
@@ -210,14 +270,17 @@ class ParallelModel(nn.Module):
 
     ``step(batch, targets) -> loss``: one training step on the *global* batch (every rank passes
     the same tensors; the mesh takes its rows), returning the global batch's mean loss on every
-    rank. ``full_state_dict()``: every parameter, unsharded, under the single model's names, on
+    rank (for a Hugging Face model ``batch`` is its ``input_ids`` and ``targets`` its ``labels``,
+    shifted inside; each rank's mean is over its own tokens, so labels of -100 spread unevenly
+    over the ranks make the result differ from the batch's mean). ``full_state_dict()``: every parameter, unsharded, under the single model's names, on
     every rank (a collective). ``module``: the wrapped stage this rank runs; ``optimizer``: its
     optimizer (the training loop may call ``zero_grad`` on it).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh, *, zero_stage: int,
                  schedule, stage_module: nn.Module, owners: dict[str, int], shapes: dict, tp_info,
-                 tp_marks: dict[str, dict], sharded_ties: dict):
+                 tp_marks: dict[str, dict], sharded_ties: dict, cp_layout: str = "zigzag",
+                 hugging_face: bool = False):
         super().__init__()
         self.module = module            # this rank's stage, wrapped for data parallelism
         self.optimizer = optimizer
@@ -229,6 +292,8 @@ class ParallelModel(nn.Module):
         self._shapes = shapes           # name -> (shape, dtype, device) in the single model
         self._tp_info, self._tp_marks = tp_info, tp_marks  # how each parameter is split over tp
         self._sharded_ties = sharded_ties                 # tied name -> its stages (ZeRO-3 sums them here)
+        self.cp_layout = cp_layout      # which positions of each sequence a cp rank holds
+        self._hugging_face = hugging_face  # model(input_ids=, labels=).loss, not our GPT's (logits, loss)
         _, self._dtype, self._device = next(iter(shapes.values()))
 
     def forward(self, *args, **kwargs):
@@ -241,7 +306,12 @@ class ParallelModel(nn.Module):
             raise ValueError(f"ParallelModel.step: {what} has batch size "
                              f"{t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else t!r}, which must split "
                              f"into dp={dp} ranks x n_microbatches={m}: use a multiple of {dp * m}")
-        return t.chunk(dp)[d]
+        rows = t.chunk(dp)[d]
+        if self.mesh.size("cp") > 1:  # this rank's positions of each sequence
+            from workbench.parallel.context_model import shard_batch
+
+            rows = shard_batch(rows, self.mesh.group("cp"), self.cp_layout)
+        return rows
 
     def step(self, batch: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward, backward and optimizer update on the global batch; the global mean loss."""
@@ -255,15 +325,18 @@ class ParallelModel(nn.Module):
 
         ddp = self.module if isinstance(self.module, DistributedDataParallel) else None
         if self.schedule is None:
-            _, loss = self.module(x, y)
+            if self._hugging_face:  # labels shifted inside: the pipeline's causal_lm_loss
+                loss = self.module(input_ids=x, labels=y).loss
+            else:
+                _, loss = self.module(x, y)
             loss.backward()
         else:
             loss = self._pipeline_step(x, y, ddp)
         self.optimizer.step()
         loss = loss.detach().clone().reshape(1)
-        if self.mesh.size("dp") > 1:
-            comm.all_reduce(loss, group=self.mesh.group("dp"))
-            loss /= self.mesh.size("dp")
+        if self.mesh.size("dp_cp") > 1:  # each rank's mean over as many tokens: their mean is the batch's
+            comm.all_reduce(loss, group=self.mesh.group("dp_cp"))
+            loss /= self.mesh.size("dp_cp")
         return loss[0]
 
     def _pipeline_step(self, x, y, ddp) -> torch.Tensor:
@@ -320,11 +393,15 @@ class ParallelModel(nn.Module):
             local = self.module.full_state_dict()
             if self._tp_info is not None:  # mark the gathered tensors as the originals were split
                 for name, value in local.items():
-                    for attr in ("_tp_dim", "_tp_chunks", "_tp_vocab"):
+                    for attr in _TP_MARKS:
                         setattr(value, attr, self._tp_marks.get(name, {}).get(attr))
                 local = tensor.full_state_dict(_StateView(local, self._tp_info))
         elif self._tp_info is not None:
             local = tensor.full_state_dict(self._stage_module)
+        elif self.mesh.size("ep") > 1:  # the experts gathered from the ep group
+            from workbench.parallel import expert
+
+            local = expert.full_state_dict(self._stage_module)
         else:
             local = {k: v.detach().clone() for k, v in self._stage_module.state_dict().items()}
         if self.mesh.size("pp") == 1:
@@ -358,25 +435,45 @@ def _optimizer_factory(optimizer_cls, kwargs) -> Callable:
 
 def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: str = "1f1b",
                 n_microbatches: int | None = None, sequence_parallel: bool = False, recompute: str = "none",
+                cp_method: str = "ring", cp_layout: str = "zigzag", tp_plan=None, pp_split=None,
                 optimizer_cls=torch.optim.AdamW, **optimizer_kwargs) -> ParallelModel:
-    """Compose tensor, pipeline and data parallelism (ZeRO ``zero_stage``) on ``model`` over ``mesh``.
+    """Compose tensor, pipeline, context and data parallelism (ZeRO ``zero_stage``) on ``model`` over ``mesh``.
 
-    ``model``: a workbench GPT (``wte, wpe, blocks, ln_f, lm_head``), built identically on every
-    rank (same seed); it is split in place (tensor parallelism replaces its layers) and this rank
-    keeps its stage: drop your own reference to ``model`` so the other stages' layers are freed.
+    ``model``: a workbench GPT (``wte, wpe, blocks, ln_f, lm_head``) or a Hugging Face causal LM
+    (``GPT2LMHeadModel``, ``LlamaForCausalLM``, or any with a plan and a split), built identically
+    on every rank (same seed); it is split in place (tensor parallelism replaces its layers) and
+    this rank keeps its stage: drop your own reference to ``model`` so the other stages' layers
+    are freed. Our GPT trains as ``model(x, y) -> (logits, loss)``, any other model as Hugging
+    Face's ``model(input_ids=x, labels=y).loss`` (labels shifted inside; its pipeline's loss
+    :func:`~workbench.parallel.pipeline_split.causal_lm_loss`, the same).
+    ``tp_plan`` (with ``tp > 1``): the ``plan`` of :func:`~workbench.parallel.tensor.tensor_parallel`
+    (None: the shipped plan of the detected family, our GPT, ``"gpt2"`` or ``"llama"``; a name; a
+    dict of module globs to styles). ``pp_split`` (with ``pp > 1``): the ``split`` of
+    :func:`~workbench.parallel.pipeline.partition` (None: the built-in split, blocks balanced; the
+    module names each later stage begins at, ``["model.layers.2"]``; or a callable returning the
+    stages).
     ``schedule``:
     ``"1f1b"``, ``"gpipe"`` or ``"zb-h1"`` (with ``pp > 1``; zero-bubble H1, backward split into
     the input gradient B and the weight gradient W; not with recomputation);
     ``n_microbatches``: per data-parallel rank (default ``pp``; 1F1B and ZB-H1 need ``>= pp``).
-    ``sequence_parallel``: split norms and residuals by sequence too (needs ``tp > 1``).
+    ``sequence_parallel``: split norms and residuals by sequence too (needs ``tp > 1``; with
+    ZeRO-3 over ``dp > 1`` only where the norms are ``nn.LayerNorm``: not Llama's RMSNorm).
     ``zero_stage``: 0 DDP, 1-2 :class:`ShardedOptimizer`, 3 :class:`FullyShardedDataParallel`, over
-    ``dp`` (with ``dp = 1`` there is nothing to shard and it has no effect). ``recompute``:
+    ``dp x cp`` (with ``dp = cp = 1`` there is nothing to shard and it has no effect).
+    ``cp_method``: with ``mesh.size("cp") > 1``, attention over the cp group by ``"ring"`` or
+    ``"ulysses"`` (heads per tensor-parallel rank divisible by cp); ``cp_layout``: ``"zigzag"``
+    (sequence length a multiple of ``2 cp``, causal work balanced) or ``"contiguous"`` (a multiple
+    of ``cp``). ``recompute``:
     ``"none"``, ``"full"`` (each block keeps its input and runs again in backward) or
     ``"selective"`` (only the attention core runs again).
+    With ``mesh.size("ep") > 1`` the model's experts are sharded as the module docstring says
+    (``zero_stage`` 0 or 1, tp = pp = cp = 1); a model with experts on a mesh with ``ep = 1`` is plain
+    data parallelism, its load-balancing loss counted over every data-parallel rank's tokens.
     ``optimizer_cls(params, **optimizer_kwargs)`` builds the optimizer.
     Returns a :class:`ParallelModel`.
     """
     from workbench import runtime
+    from workbench.parallel import pipeline_split, tensor_plans
     from workbench.parallel.ddp import DistributedDataParallel
     from workbench.parallel.fsdp import FullyShardedDataParallel
     from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble, partition
@@ -386,15 +483,34 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     # -- every check before any message
     if not isinstance(mesh, Mesh):
         raise ValueError(f"parallelize(mesh={mesh!r}): pass a workbench.parallel.mesh.Mesh")
-    if not isinstance(model, nn.Module) or not all(hasattr(model, a) for a in ("wte", "wpe", "blocks", "lm_head")):
-        raise ValueError(f"parallelize(model={type(model).__name__}): pass a GPT-shaped model (wte, wpe, blocks, "
-                         "ln_f, lm_head), built identically on every rank")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"parallelize(model={type(model).__name__}): pass an nn.Module (our GPT or a Hugging Face "
+                         "causal LM), built identically on every rank")
+    ours = tensor_plans.detect(model) == "gpt"  # model(x, y) -> (logits, loss); else model(input_ids=, labels=).loss
     if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
         raise ValueError(f"parallelize: zero_stage={zero_stage!r} must be 0 (DDP), 1, 2 (ShardedOptimizer) or "
                          "3 (FullyShardedDataParallel)")
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelize: schedule={schedule!r} is not one of {SCHEDULES}")
-    dp, tp, pp = mesh.size("dp"), mesh.size("tp"), mesh.size("pp")
+    dp, tp, pp, cp = mesh.size("dp"), mesh.size("tp"), mesh.size("pp"), mesh.size("cp")
+    from workbench.parallel.context_model import check_args as check_cp_args
+    from workbench.parallel.context_model import context_parallel
+
+    check_cp_args(cp_method, cp_layout)
+    if cp > 1 and not ours:
+        raise ValueError(f"parallelize: cp={cp} on {type(model).__name__}: context parallelism here shards our GPT's "
+                         "positions and attention, and a Hugging Face model computes its own positions and mask from "
+                         "the whole sequence; use cp=1 (tp, pp and dp/ZeRO work on it)")
+    if cp > 1:
+        config = getattr(model, "config", None)
+        heads = getattr(config, "n_head", None)
+        if cp_method == "ulysses" and heads is not None and (heads % tp or (heads // tp) % cp):
+            raise ValueError(f"parallelize: cp_method='ulysses' needs the heads of each tp rank divisible by cp: "
+                             f"n_head={heads}, tp={tp}, cp={cp} (n_head / tp = {heads / tp:g}); use "
+                             "cp_method='ring', or a cp that divides the heads per tp rank")
+        if getattr(config, "dropout", 0.0):
+            raise ValueError(f"parallelize: cp={cp} with dropout={config.dropout}: ring and Ulysses attention apply "
+                             "no dropout; build the model with GPTConfig(dropout=0)")
     if n_microbatches is None:
         n_microbatches = pp
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
@@ -421,14 +537,44 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
                          "each block and keeps what it recomputed for W (measured on GPT tiny, dp2 x pp2: 16.8 MB "
                          "of activations on the last stage against 0.9 MB with 1f1b), which defeats recomputation; "
                          "use schedule='1f1b' with recomputation, or zb-h1 without it")
-    if pp > len(model.blocks):
-        raise ValueError(f"parallelize: pp={pp} stages but the model has {len(model.blocks)} blocks; each stage "
-                         "needs one: use a smaller pp or a deeper model")
-    tied = model.lm_head.weight is model.wte.weight
-    if pp > 1 and tied and zero_stage == 2 and dp > 1:
+    if pp > 1:
+        _check_split(model, pp, pp_split)
+    # a tied embedding and head: one Parameter reached under two names
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    dpc = dp * cp  # the ranks holding the same parameters: gradients averaged over them
+    if pp > 1 and tied and zero_stage == 2 and dpc > 1:
         raise ValueError("parallelize: zero_stage=2 with pp > 1 and a tied embedding is not supported (ZeRO-2 "
                          "frees each gradient during backward, before the first and last stage can add their "
-                         "halves of the tied one); use zero_stage=1 or 3, or GPTConfig(tie_weights=False)")
+                         "halves of the tied one); use zero_stage=1 or 3, or untie it (GPTConfig(tie_weights=False), "
+                         "Hugging Face's tie_word_embeddings=False)")
+    if sequence_parallel and zero_stage == 3 and dpc > 1 and not ours:
+        styles = tensor_plans.match(model, tensor_plans.plan_for(model, tp_plan), "parallelize")
+        hooked = [n for n, style in styles.items() if style.kind == "sequence"
+                  and not isinstance(model.get_submodule(n), (nn.LayerNorm, nn.Dropout))]
+        if hooked:
+            raise ValueError(f"parallelize: zero_stage=3 with sequence_parallel=True is not supported on "
+                             f"{type(model).__name__}: its norms ({hooked[0]} and {len(hooked) - 1} more) are not "
+                             "nn.LayerNorm, so tensor parallelism sums their weights' gradients over tp by hooks on "
+                             "the parameters, which ZeRO-3's flat shards replace; use zero_stage=1 or 2, or "
+                             "sequence_parallel=False")
+    ep, n_experts = mesh.size("ep"), getattr(getattr(model, "config", None), "n_experts", 0)
+    if ep > 1:
+        if not n_experts:
+            raise ValueError(f"parallelize: the mesh has ep={ep} but the model has no experts: build it with "
+                             "GPTConfig(n_experts=...) or use a mesh with ep=1")
+        if n_experts % ep:
+            raise ValueError(f"parallelize: n_experts={n_experts} does not split over ep={ep} ranks: use a multiple "
+                             f"of {ep} experts, or an ep that divides {n_experts}")
+        if tp > 1 or pp > 1 or cp > 1:
+            raise ValueError(f"parallelize: ep={ep} with tp={tp}, pp={pp}, cp={cp} is not supported: expert "
+                             "parallelism composes here with data parallelism only (a pipeline's load-balancing "
+                             "loss would be per micro-batch, not the batch's); use Mesh(dp=..., ep=...)")
+        if zero_stage > 1:
+            raise ValueError(f"parallelize: zero_stage={zero_stage} with ep={ep} is not supported: ZeRO-{zero_stage} "
+                             "shards the gradients (and ZeRO-3 the parameters) of every parameter over the dp ranks "
+                             "as if they all held it, but with ep > 1 they hold different experts (each held by "
+                             "dp/ep of them); use zero_stage=1 (optimizer state: the replicated parameters' over "
+                             "dp, each expert's over its replicas) or 0")
     make_optimizer = _optimizer_factory(optimizer_cls, optimizer_kwargs)
 
     model = model.to(runtime.device())
@@ -438,13 +584,13 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     # 1. tensor parallelism over tp, on the whole model (every stage's layers are then split)
     tp_info = None
     if tp > 1:
-        model = tensor_parallel(model, group=mesh.group("tp"), sequence_parallel=sequence_parallel)
+        model = tensor_parallel(model, group=mesh.group("tp"), plan=tp_plan, sequence_parallel=sequence_parallel)
         tp_info = model._tensor_parallel
 
     # 2. pipeline over pp: this rank keeps its stage
     owners = {name: 0 for name in shapes}
     if pp > 1:
-        stages = partition(model, pp)
+        stages = partition(model, pp, pp_split)
         for k, st in enumerate(stages):
             for name in st.state_dict():
                 owners[name] = k
@@ -452,31 +598,57 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         stage_module = stages[s]
         if tp_info is not None:
             stage_module._tensor_parallel = tp_info  # so tensor.full_state_dict gathers the stage
-            if sequence_parallel and s == 0:
+            if sequence_parallel and s == 0 and ours:  # (a Hugging Face model's hooks split its blocks' input)
                 stage_module.wpe = _SequenceShardedPositions(stage_module.wpe, tp_info.group, tp_info.algorithm)
         del stages
     else:
         stage_module = model
+    # 3. context parallelism over cp: sequence shards, global positions, ring or Ulysses attention
+    if cp > 1:
+        context_parallel(stage_module, mesh.group("cp"), method=cp_method, layout=cp_layout)
     if recompute != "none":   # this rank's blocks, before data parallelism wraps them (its hooks rerun)
-        checkpoint_blocks(stage_module, recompute)
-    marks = {name: {a: getattr(p, a, None) for a in ("_tp_dim", "_tp_chunks", "_tp_vocab")}
+        family = pipeline_split.detect(model)
+        if ours or family is None:  # our GPT (or its stage) keeps them in .blocks; else recompute finds them
+            checkpoint_blocks(stage_module, recompute)
+        else:  # the split's block list: the model's ModuleList, or a stage's ModuleDict of its blocks
+            blocks = stage_module.get_submodule(pipeline_split.SPLITS[family].blocks)
+            blocks = blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
+            checkpoint_blocks(nn.ModuleList(blocks), recompute)  # the same block objects, changed in place
+    marks = {name: {a: getattr(p, a, None) for a in _TP_MARKS}
              for name, p in stage_module.named_parameters(remove_duplicate=False)}
 
     # the tied tensors, under this stage's name for them (the last stage calls wte.weight lm_head.weight)
     ties = {_name_in(stage_module, name): holders
             for name, (_, holders) in getattr(stage_module, "shared_parameters", {}).items()}
 
-    # 3. data parallelism over dp, on this rank's stage
+    # 4. data parallelism over dp x cp, on this rank's stage
     wrapped = stage_module
-    if dp > 1 and zero_stage == 0:
-        wrapped = DistributedDataParallel(stage_module, process_group=mesh.group("dp"))
+    if n_experts and dpc > 1:  # the load-balancing loss counts every data-parallel rank's tokens
+        from workbench.models.moe import MoE
+
+        for layer in stage_module.modules():
+            if isinstance(layer, MoE):
+                layer.group = mesh.group("dp_cp")
+    if ep > 1:  # experts over the ep group; no DDP, which would average every expert with another one
+        from workbench.parallel.expert import expert_parallel
+
+        from workbench.parallel.expert import ExpertShardedOptimizer
+
+        expert_parallel(stage_module, mesh.group("ep"), data_parallel_group=mesh.group("dp"),
+                        expert_data_parallel_group=mesh.group("edp") if dp > ep else None,
+                        average_gradients=zero_stage == 0)
+        optimizer = (ExpertShardedOptimizer(stage_module, make_optimizer) if zero_stage == 1
+                     else make_optimizer(stage_module.parameters()))
+    elif dpc > 1 and zero_stage == 0:  # an expert no token chose this step has no gradient: zeros
+        wrapped = DistributedDataParallel(stage_module, process_group=mesh.group("dp_cp"),
+                                          find_unused_parameters=bool(n_experts))
         optimizer = make_optimizer(wrapped.parameters())
-    elif dp > 1 and zero_stage == 3:
-        wrapped = FullyShardedDataParallel(stage_module, process_group=mesh.group("dp"))
+    elif dpc > 1 and zero_stage == 3:
+        wrapped = FullyShardedDataParallel(stage_module, process_group=mesh.group("dp_cp"))
         optimizer = make_optimizer(wrapped.parameters())
-    elif dp > 1:
+    elif dpc > 1:
         optimizer = ShardedOptimizer(stage_module.parameters(), lambda params: make_optimizer(params),
-                                     process_group=mesh.group("dp"), shard_gradients=zero_stage == 2)
+                                     process_group=mesh.group("dp_cp"), shard_gradients=zero_stage == 2)
     else:
         optimizer = make_optimizer(stage_module.parameters())
     sharded_ties = {}
@@ -494,18 +666,41 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
                       "backward (1F1B's work and memory in ZB-H1's order); use zero_stage=1 to defer W",
                       stacklevel=2)
     if pp > 1:
-        if tp_info is not None:
+        if tp_info is not None and tp_info.loss_parallel:  # our GPT's head: this rank's vocabulary shard
             def loss_fn(logits, target):
                 return vocab_parallel_cross_entropy(logits, target, tp_info.group, vocab_size=tp_info.vocab_size,
                                                     algorithm=tp_info.algorithm)
-        else:
-            loss_fn = _cross_entropy
+        else:  # whole logits: our GPT's loss, or Hugging Face's (labels shifted by one)
+            loss_fn = _cross_entropy if ours else pipeline_split.causal_lm_loss
         cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "zb-h1": ScheduleZeroBubble}[schedule]
         pipeline = cls(PipelineStage(wrapped, mesh.coords["pp"], pp, device=device, group=mesh.group("pp")),
                        n_microbatches, loss_fn=loss_fn)
     return ParallelModel(wrapped, optimizer, mesh, zero_stage=zero_stage, schedule=pipeline,
                          stage_module=stage_module, owners=owners, shapes=shapes, tp_info=tp_info,
-                         tp_marks=marks, sharded_ties=sharded_ties)
+                         tp_marks=marks, sharded_ties=sharded_ties, cp_layout=cp_layout, hugging_face=not ours)
+
+
+def _check_split(model: nn.Module, pp: int, split) -> None:
+    """The pipeline's split, checked before tensor parallelism changes the model (partition
+    checks it again); a callable split is the user's and is checked by partition."""
+    from workbench.parallel import pipeline_split
+
+    if callable(split) and not isinstance(split, str):
+        return
+    family = pipeline_split.detect(model)
+    if family is None:
+        raise ValueError(f"parallelize(model={type(model).__name__}): pp={pp} cuts the model into stages, and it has "
+                         "no built-in split (our GPT, Hugging Face GPT-2 and Llama have one): pass "
+                         "pp_split=callable(model, num_stages) returning the stages, or use pp=1")
+    blocks = len(model.get_submodule(pipeline_split.SPLITS[family].blocks))
+    if pp > blocks:
+        raise ValueError(f"parallelize: pp={pp} stages but the model has {blocks} blocks; each stage "
+                         "needs one: use a smaller pp or a deeper model")
+    if split is not None and not isinstance(split, (list, tuple)):
+        raise ValueError(f"parallelize: pp_split={split!r} must be None, a list of the module names later stages "
+                         f"begin at (for example {pipeline_split.boundaries(model, family)[:1]}) or a callable")
+    if split is not None:
+        pipeline_split.split_points(model, family, pp, split)
 
 
 def _name_in(module: nn.Module, name: str) -> str:
