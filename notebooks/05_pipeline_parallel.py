@@ -57,7 +57,7 @@ from workbench.parallel import pipeline_schedules as plans
 torch.set_num_threads(1)
 SCHEDULES = pp.SCHEDULES  # every schedule by name
 P = 4            # stages for the timing runs (under torchrun, the world size decides)
-SLEEP = 0.02     # seconds per forward (and per backward half) of a whole stage
+SLEEP = 0.01     # seconds per forward (and per backward half) of a whole stage
 SMOKE = workbench.smoke_test()  # the test suite's quick run: tiny sleeps, no timing claim asserted
 if SMOKE:
     SLEEP = 0.002
