@@ -3,6 +3,7 @@ against its source: Korthikanti et al. 2022's activation formulas, Megatron-LM's
 the ZeRO paper's Table 1, the pipeline schedules' micro-batches in flight; and the CPU path (no
 runtime) bit for bit as it was. Pure Python, no launches."""
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -58,7 +59,8 @@ NO_EXTRAS = RuntimeMemory(context_bytes=0.0, allocator_overhead=0.0)
 
 
 def _gpu(runtime=MEGATRON, nodes=1):
-    return Cluster.preset("dgx-h100", nodes=nodes).with_(runtime_memory=runtime)
+    """dgx-h100 with ``runtime`` as given (no framework: a framework would set its kernel and loss)."""
+    return Cluster.preset("dgx-h100", nodes=nodes).with_(framework=None, runtime_memory=runtime)
 
 
 def test_cpu_predictions_are_unchanged_bit_for_bit():
@@ -80,9 +82,13 @@ def test_cpu_predictions_are_unchanged_bit_for_bit():
 
 def test_presets_carry_the_runtime_and_bad_runtimes_are_refused():
     for name in ("dgx-h100", "p4d-a100", "a2-ultra-100g", "dgx-a100"):
-        assert Cluster.preset(name).runtime_memory == MEGATRON
+        c = Cluster.preset(name)   # Megatron's terms, with the framework's kernel, loss and policy
+        fw = c.framework
+        assert c.runtime_memory == replace(MEGATRON, attention=fw.attention, loss_float32_copies=fw.loss_float32_copies,
+                                           selective=fw.selective)
+        assert c.runtime_memory.attention == c.device.attention == fw.attention
     for bad in (dict(context_bytes=-1.0), dict(allocator_overhead=math.nan), dict(main_grad_bytes=3),
-                dict(attention="sdpa")):
+                dict(attention="sdpa"), dict(selective="layer")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RuntimeMemory(**bad)
     with pytest.raises(ValueError, match="runtime_memory"):

@@ -20,6 +20,11 @@ Files, one idea each:
 ``memory``          predicted bytes per device by category
 ``device``          a GPU's compute, operator by operator (shape-dependent matmuls, memory-bound
                     operators, attention kernels, launch costs), and the published device profiles
+``framework``       the training framework a GPU is priced for (eager PyTorch, Megatron-Core, Megatron-LM
+                    2022): its kernels, recomputation policy, overlaps and reductions
+``runtime_memory``  what a GPU process holds beyond the formulas (CUDA context, allocator, float32 loss)
+``nccl``            collectives as NCCL runs them on each link class
+``published``       public GPU measurements predicted beside their published figures
 ``timing``          predicted step time: compute, exposed communication per dimension, bubble
 ``shared_cores``    the contention of ranks sharing CPU cores (a calibrated CPU cluster only)
 ``choose``          :func:`advise`: predict every configuration, rank, explain the choice
@@ -31,6 +36,7 @@ Files, one idea each:
 ==================  ==================================================================================
 """
 from workbench.advise.cluster import Cluster
+from workbench.advise.framework import FRAMEWORKS, Framework
 from workbench.advise.plan import MEMORY_CATEGORIES, TIME_PARTS, Config, Plan
 from workbench.advise.shape import ModelShape
 from workbench.advise.memory import memory_per_device
@@ -38,4 +44,4 @@ from workbench.advise.space import configurations, infeasible_reason
 from workbench.advise.choose import advise, predict
 
 __all__ = ["advise", "predict", "Cluster", "Config", "Plan", "ModelShape", "MEMORY_CATEGORIES", "TIME_PARTS",
-           "memory_per_device", "configurations", "infeasible_reason"]
+           "memory_per_device", "configurations", "infeasible_reason", "Framework", "FRAMEWORKS"]

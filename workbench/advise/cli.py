@@ -29,6 +29,7 @@ from workbench.comm.topology import Topology
 from .choose import advise
 from .cluster import PRESETS as CLUSTERS
 from .cluster import GiB, Cluster
+from .framework import FRAMEWORKS
 from .plan import MEMORY_CATEGORIES, TIME_PARTS, Plan
 from .shape import PRESETS as LLAMAS
 from .shape import ModelShape
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "priced as FLOPs at this rate instead of the preset's device model")
     c.add_argument("--intra", default=None, help="link inside a node, LATENCY@BANDWIDTH, e.g. 2us@450GB/s")
     c.add_argument("--inter", default=None, help="link between nodes, e.g. 5us@50GB/s")
+    c.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS),
+                   help="the training framework a GPU preset is priced for (default: the preset's; dgx-h100: eager, "
+                        "the A100 presets: megatron-2022)")
     s = parser.add_argument_group("space")
     s.add_argument("--batch", type=int, default=512, help="global batch in sequences (default 512)")
     s.add_argument("--precision", nargs="+", default=None, choices=PRECISIONS, help="precisions to try (fp32 bf16)")
@@ -123,6 +127,8 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Cluster]:
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.tflops is not None:   # one achieved rate for every multiply: the device model set aside
         changes["device"] = None
+    if getattr(args, "framework", None):
+        changes["framework"] = FRAMEWORKS[args.framework]
     if args.intra or args.inter:
         changes.update(_links(args.intra, args.inter, cluster))
     return shape, cluster.with_(**changes) if changes else cluster

@@ -40,6 +40,10 @@ preset            devices, memory        inside a node             between nodes
                   [3][6]                 300 GB/s, 2 us [3][6]     25 GB/s, 5 us [6]            (of 312 / 19.5) [3]
 ================  =====================  ========================  ===========================  =================
 
+Memory is what a process can use (``workbench.advise.device``: 81,559 MiB of an H100 "80 GB" as
+nvidia-smi lists it, 85.06e9 bytes of an A100 80 GB as CUDA reports it, 0.99 of the A100 40 GB's
+40 GiB), not the name's 80e9 bytes.
+
 [1] NVIDIA H100 Tensor Core GPU datasheet (SXM: 80 GB, NVLink 900 GB/s both ways, BF16 989 TFLOP/s
 dense, FP32 67 TFLOP/s). [2] NVIDIA DGX H100 user guide (8 x ConnectX-7, 400 Gb/s each).
 [3] NVIDIA A100 Tensor Core GPU datasheet (NVLink 600 GB/s both ways, BF16 312 TFLOP/s dense, FP32
@@ -60,6 +64,14 @@ conventions (:class:`workbench.advise.runtime_memory.RuntimeMemory`: the CUDA co
 allocator's reserve, float32 gradients and loss, the attention kernel); the GPU presets take
 Megatron-LM's (``MEGATRON``); ``None`` (a CPU cluster) keeps the formulas exactly.
 
+``framework``: the training framework (:class:`workbench.advise.framework.Framework`: attention
+kernel, fused or eager elementwise kernels, tensor-parallel overlap, what selective recomputation
+keeps, the optimizer's passes, gradient buckets); it sets the attention kernel of the device and of
+the runtime memory, so both read the same. ``dgx-h100`` runs ``eager`` (PyTorch without
+``torch.compile``: most H100 users' frameworks, and the slower of the two: see
+:mod:`workbench.advise.framework`), the A100 presets ``megatron-2022`` (Megatron-LM as in the
+published A100 runs at scale); ``None`` (a CPU cluster): none of its terms.
+
 ``nccl``: the GPU presets' collectives as NCCL runs them (:class:`workbench.advise.nccl.NcclModel`:
 ring, tree and NVLink SHARP, bus bandwidths from published nccl-tests results, the nodes a group
 spans); without it (a CPU cluster, or one built by hand) a collective is priced on ``intra`` and
@@ -78,6 +90,7 @@ from workbench.comm.topology import Link
 
 from .device import PROFILES as DEVICES
 from .device import Device
+from .framework import EAGER, FRAMEWORKS, MEGATRON_2022, Framework
 from .runtime_memory import MEGATRON, RuntimeMemory
 
 __all__ = ["Cluster", "PRESETS", "GiB", "link_text"]
@@ -108,6 +121,7 @@ class Cluster:
     device: Device | None = None  # a GPU's compute model (workbench.advise.device); None: FLOPs at ``flops``
     runtime_memory: RuntimeMemory | None = None   # GPU runtime's memory terms (None: the formulas only)
     nccl: NcclModel | None = None   # a GPU cluster's collectives as NCCL runs them (workbench.advise.nccl)
+    framework: Framework | None = None   # the training framework's kernels and policies (workbench.advise.framework)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -132,6 +146,19 @@ class Cluster:
         if self.device is not None and not isinstance(self.device, Device):
             raise ValueError(f"Cluster(device={self.device!r}): pass a workbench.advise.device.Device, e.g. "
                              "workbench.advise.device.PROFILES['h100-sxm-80gb'], or None (compute as FLOPs at flops)")
+        if self.framework is not None:
+            if not isinstance(self.framework, Framework):
+                raise ValueError(f"Cluster(framework={self.framework!r}): pass a workbench.advise.framework.Framework, "
+                                 f"e.g. FRAMEWORKS['eager'] (one of {sorted(FRAMEWORKS)}), or None")
+            # one attention kernel and one selective policy for the compute and the memory model
+            fw = self.framework
+            if self.device is not None and self.device.attention != fw.attention:
+                object.__setattr__(self, "device", self.device.with_(attention=fw.attention))
+            rt = self.runtime_memory
+            if rt is not None and (rt.attention, rt.loss_float32_copies, rt.selective) != \
+                    (fw.attention, fw.loss_float32_copies, fw.selective):
+                object.__setattr__(self, "runtime_memory", replace(
+                    rt, attention=fw.attention, loss_float32_copies=fw.loss_float32_copies, selective=fw.selective))
         for name in ("intra", "inter"):
             if not isinstance(getattr(self, name), Link):
                 raise ValueError(f"Cluster({name}={getattr(self, name)!r}): pass a "
@@ -240,24 +267,25 @@ _H100 = "NVIDIA H100 datasheet; DGX H100 user guide; compute: workbench.advise.d
 _A100 = "NVIDIA A100 datasheet; {}; compute: workbench.advise.device.PROFILES['{}']"
 
 PRESETS: dict[str, Cluster] = {
-    "dgx-h100": Cluster(1, 8, 80e9, _H100_SXM.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-3.2tbps"].intra,
-                        TOPOLOGY_PRESETS["nvlink-3.2tbps"].inter, name="dgx-h100", source=_H100,
-                        fp32_flops=_H100_SXM.achieved("fp32"), device=_H100_SXM, communicator_bytes=_NCCL_COMM,
-                        nccl=NCCL_PRESETS["dgx-h100"], runtime_memory=MEGATRON),
-    "p4d-a100": Cluster(1, 8, 40e9, _A100_40.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
-                        TOPOLOGY_PRESETS["nvlink-400gbps"].inter, name="p4d-a100",
-                        source=_A100.format("AWS EC2 P4d (400 Gbps EFA)", "a100-sxm-40gb"),
+    "dgx-h100": Cluster(1, 8, _H100_SXM.memory_bytes, _H100_SXM.achieved("bf16"),
+                        TOPOLOGY_PRESETS["nvlink-3.2tbps"].intra, TOPOLOGY_PRESETS["nvlink-3.2tbps"].inter,
+                        name="dgx-h100", source=_H100, fp32_flops=_H100_SXM.achieved("fp32"), device=_H100_SXM,
+                        communicator_bytes=_NCCL_COMM, nccl=NCCL_PRESETS["dgx-h100"], runtime_memory=MEGATRON,
+                        framework=EAGER),
+    "p4d-a100": Cluster(1, 8, _A100_40.memory_bytes, _A100_40.achieved("bf16"),
+                        TOPOLOGY_PRESETS["nvlink-400gbps"].intra, TOPOLOGY_PRESETS["nvlink-400gbps"].inter,
+                        name="p4d-a100", source=_A100.format("AWS EC2 P4d (400 Gbps EFA)", "a100-sxm-40gb"),
                         fp32_flops=_A100_40.achieved("fp32"), device=_A100_40,
-                        communicator_bytes=_NCCL_COMM, nccl=NCCL_PRESETS["p4d-a100"], runtime_memory=MEGATRON),
-    "a2-ultra-100g": Cluster(1, 8, 80e9, _A100_80.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
-                             Link(30e-6, 100e9 / 8 / 8), name="a2-ultra-100g",
+                        communicator_bytes=_NCCL_COMM, nccl=NCCL_PRESETS["p4d-a100"], runtime_memory=MEGATRON,
+                        framework=MEGATRON_2022),
+    "a2-ultra-100g": Cluster(1, 8, _A100_80.memory_bytes, _A100_80.achieved("bf16"),
+                             TOPOLOGY_PRESETS["nvlink-400gbps"].intra, Link(30e-6, 100e9 / 8 / 8), name="a2-ultra-100g",
                              source=_A100.format("Google Cloud a2-ultragpu-8g (100 Gbps network)", "a100-sxm-80gb"),
                              fp32_flops=_A100_80.achieved("fp32"), device=_A100_80, communicator_bytes=_NCCL_COMM,
-                             nccl=NCCL_PRESETS["a2-ultra-100g"], runtime_memory=MEGATRON),
-    "dgx-a100": Cluster(1, 8, 80e9, _A100_80.achieved("bf16"), TOPOLOGY_PRESETS["nvlink-400gbps"].intra,
-                        Link(5e-6, 200e9 / 8), name="dgx-a100",
+                             nccl=NCCL_PRESETS["a2-ultra-100g"], runtime_memory=MEGATRON, framework=MEGATRON_2022),
+    "dgx-a100": Cluster(1, 8, _A100_80.memory_bytes, _A100_80.achieved("bf16"),
+                        TOPOLOGY_PRESETS["nvlink-400gbps"].intra, Link(5e-6, 200e9 / 8), name="dgx-a100",
                         source=_A100.format("DGX A100 user guide (8 x 200 Gb/s HDR InfiniBand)", "a100-sxm-80gb"),
                         fp32_flops=_A100_80.achieved("fp32"), device=_A100_80, communicator_bytes=_NCCL_COMM,
-                        nccl=NCCL_PRESETS["dgx-a100"],
-                        runtime_memory=MEGATRON),
+                        nccl=NCCL_PRESETS["dgx-a100"], runtime_memory=MEGATRON, framework=MEGATRON_2022),
 }

@@ -37,6 +37,15 @@ figure, not the datasheet's). Each operator's bytes are written beside it in
 :func:`layer_operators`: forward reads its inputs and writes its output; backward reads the
 output's gradient and what forward saved and writes the input's gradient (about twice forward).
 
+Which elementwise kernels run is the framework's (:mod:`workbench.advise.framework`): with
+Megatron-style fused kernels (``framework`` None or ``fused``) a norm, an activation or a residual
+add is one kernel and one pass; under eager PyTorch each is the separate operators its code calls,
+with their real passes (:data:`EAGER_NORM`, :data:`EAGER_ROTARY`: an RMSNorm in float32 moves
+about nine times a fused one's bytes in seven kernels), the gated MLP's and the attention's inputs
+as separate multiplies, GQA's ``repeat_kv`` copies, and the attention output made contiguous; the
+framework's ``selective`` policy says what selective recomputation runs again
+(:func:`layer_seconds`).
+
 Attention by kernel
 -------------------
 ``flash`` (FlashAttention-2, what Megatron and torchtitan run): one kernel forward, one backward;
@@ -82,7 +91,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 
 __all__ = ["Device", "PROFILES", "TILES", "gemm_efficiency", "gemm_seconds", "memory_seconds", "kernel_seconds",
-           "layer_operators", "layer_seconds", "head_seconds", "optimizer_seconds", "kernels_per_layer"]
+           "layer_operators", "layer_seconds", "head_seconds", "optimizer_seconds", "kernels_per_layer",
+           "fsdp_copy_seconds", "EAGER_NORM", "EAGER_ROTARY"]
 
 # (tile rows, tile columns, per-SM rate relative to the large tile): cuBLAS's large Hopper/Ampere
 # bf16 tiles, and the smaller ones its heuristics fall back to when the large ones leave SMs idle
@@ -93,6 +103,13 @@ CAUSAL = 0.5          # a causal flash kernel skips about half the score matrix
 FLASH_SEQ_HALF = 256  # flash attention's efficiency at sequence s: flash_efficiency x s / (s + this)
 FLASH_BACKWARD = 2.5  # flash backward's FLOPs over forward's (it recomputes the scores: 5 products, not 2)
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Device memory a process can use, not the name's "80 GB": an H100 SXM "80 GB" has 80 GiB of HBM3, of which
+# nvidia-smi lists 81,559 MiB (e.g. 'NVIDIA H100 80GB HBM3 ... 1MiB / 81559MiB', in many public logs); an A100
+# SXM4 80 GB reports torch.cuda.get_device_properties(0).total_memory = 85,056,798,720 bytes, 0.990 of 80 GiB,
+# and the same share is taken of the A100 40 GB's and the 96 GB H100's GiB
+H100_80GB_BYTES = 81559 * 2**20
+A100_80GB_BYTES = 85_056_798_720
+VISIBLE = A100_80GB_BYTES / (80 * 2**30)
 # the optimizer's bytes per parameter it updates (mixed precision as Megatron keeps it: fp32 master
 # weights, fp32 gradients and two fp32 Adam moments read, master and moments written, the bf16 copy
 # written, the gradient zeroed): 16 + 12 + 2 + 4; in float32 no copy: 32
@@ -239,11 +256,31 @@ def kernel_seconds(device: Device, gpu_seconds: float, kernels: int) -> float:
 # ----------------------------------------------------------------------------- one layer
 
 def layer_operators(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
-                    precision: str = "bf16") -> list[tuple[str, str, float, int]]:
+                    precision: str = "bf16", framework=None) -> list[tuple[str, str, float, int]]:
     """One layer's operators on one tensor-parallel rank for a micro-batch of ``rows`` sequences:
     ``(name, phase, gpu seconds, kernels)``, ``phase`` "forward", "backward" or "attention" (the
     attention core's forward, which selective recomputation repeats; its backward is under
-    "backward"). Megatron's fused kernels: fused norms, bias-GeLU (or SwiGLU), bias-dropout-add."""
+    "backward"). ``framework`` (:class:`workbench.advise.framework.Framework`; None: Megatron's
+    fused kernels): its ``fused`` decides the elementwise operators (:func:`_operators`)."""
+    return [op[:4] for op in _operators(device, shape, rows, tp, sequence_parallel, precision, framework)]
+
+
+# eager PyTorch's elementwise operators as torchtitan's Llama writes them, bytes per element moved
+# forward (16-bit activations, e bytes) and kernels: RMSNorm in float32 -- x.float() (r e, w 4),
+# pow (r4 w4), mean (r4), add eps and rsqrt (two kernels on a column), mul (r4 w4), type_as (r4 w e),
+# * weight (r e w e) -- 28 + 4e bytes, 7 kernels; the rotary embedding of q or k through complex
+# float32 -- .float() (r e w4), complex mul by freqs_cis (r4 w4), type_as (r4 w e) -- 16 + 2e, 3 kernels;
+# SwiGLU F.silu(w1 x) * (w3 x) -- silu (r e w e), mul (r 2e w e) -- 5e per ffn element, 2 kernels;
+# a residual add (r 2e w e), 1 kernel; GQA's repeat_kv (expand + reshape: a copy of k and v to every
+# head) and the attention output made contiguous (.transpose(1, 2).contiguous()). Backward moves
+# about twice forward's bytes in twice the kernels (autograd's backward of each operator).
+EAGER_NORM = (28, 4, 7)      # (fixed bytes, bytes per e, kernels) per element
+EAGER_ROTARY = (16, 2, 3)
+
+
+def _operators(device: Device, shape, rows: int, tp: int, sequence_parallel: bool, precision: str,
+               framework) -> list[tuple[str, str, float, int, str]]:
+    """:func:`layer_operators` with each operator's kind: "gemm", "attention" or "memory"."""
     e = BYTES[precision]
     s, h, t = shape.seq, shape.hidden, tp
     kv = getattr(shape, "kv_dim", h)
@@ -252,114 +289,196 @@ def layer_operators(device: Device, shape, rows: int, tp: int = 1, sequence_para
     rows_h = n // t if sequence_parallel else n   # rows the norms and residual adds run on
     qkv_out = (h + 2 * kv) // t
     up_out = (2 if shape.gated else 1) * f // t
-    ops: list[tuple[str, str, float, int]] = []
+    eager = framework is not None and not framework.fused
+    ops: list[tuple[str, str, float, int, str]] = []
 
     def gemm(name: str, m: int, k: int, out: int) -> None:
         """A linear layer ``(m x k) @ (k x out)``: forward; backward the input's gradient
         ``(m x out) @ (out x k)`` and the weight's ``(k x m) @ (m x out)``."""
-        ops.append((name, "forward", gemm_seconds(device, m, out, k, precision), 1))
+        ops.append((name, "forward", gemm_seconds(device, m, out, k, precision), 1, "gemm"))
         ops.append((name, "backward", gemm_seconds(device, m, k, out, precision)
-                    + gemm_seconds(device, k, out, m, precision), 2))
+                    + gemm_seconds(device, k, out, m, precision), 2, "gemm"))
 
     def elementwise(name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None) -> None:
-        ops.append((name, "forward", memory_seconds(device, nbytes), kernels))
+        ops.append((name, "forward", memory_seconds(device, nbytes), kernels, "memory"))
         ops.append((name, "backward", memory_seconds(device, 2 * nbytes),
-                    kernels if back_kernels is None else back_kernels))
+                    kernels if back_kernels is None else back_kernels, "memory"))
+
+    def norm(name: str) -> None:
+        if eager and getattr(shape, "norm", "layernorm") == "rmsnorm":
+            fixed, per_e, k = EAGER_NORM
+            elementwise(name, (fixed + per_e * e) * rows_h * h, k, 2 * k)
+        else:
+            elementwise(name, 2 * rows_h * h * e, 1, 2)              # x in, y out; backward dx and dgamma
 
     # attention block
-    elementwise("input norm", 2 * rows_h * h * e, 1, 2)              # x in, y out; backward dx and dgamma
-    gemm("qkv", n, h, qkv_out)
+    norm("input norm")
+    if eager and shape.gated:   # torchtitan's Llama: wq, wk, wv as three multiplies
+        gemm("q", n, h, h // t)
+        gemm("k", n, h, kv // t)
+        gemm("v", n, h, kv // t)
+    else:
+        gemm("qkv", n, h, qkv_out)
     if getattr(shape, "positions", "learned") == "rope":
-        elementwise("rotary", 2 * n * (h + kv) // t * e, 2)           # q and k rotated
+        if eager:
+            fixed, per_e, k = EAGER_ROTARY
+            elementwise("rotary", (fixed + per_e * e) * n * (h + kv) // t, 2 * k, 4 * k)
+        else:
+            elementwise("rotary", 2 * n * (h + kv) // t * e, 2)           # q and k rotated
+    if eager and kv < h:   # repeat_kv: k and v copied out to every query head
+        elementwise("repeat_kv", 2 * n * (kv + h) // t * e, 2)
     heads_width = h // t
     if device.attention == "flash":
-        ops.append(("flash attention", "attention", flash_seconds(device, rows, s, heads_width, precision), 1))
+        ops.append(("flash attention", "attention", flash_seconds(device, rows, s, heads_width, precision), 1,
+                    "attention"))
         ops.append(("flash attention", "backward",
-                    flash_seconds(device, rows, s, heads_width, precision, backward=True), 3))
+                    flash_seconds(device, rows, s, heads_width, precision, backward=True), 3, "attention"))
     else:
         heads = max(1, shape.heads // t)
         d = h // shape.heads
         scores = rows * heads * s * s
-        ops.append(("scores Q K^T", "attention", gemm_seconds(device, s, s, d, precision, rows * heads), 1))
+        ops.append(("scores Q K^T", "attention", gemm_seconds(device, s, s, d, precision, rows * heads), 1,
+                    "attention"))
         # scale, causal mask and softmax fused (fp32 inside), dropout on the probabilities
-        ops.append(("softmax", "attention", memory_seconds(device, 2 * scores * e), 1))
-        ops.append(("attention dropout", "attention", memory_seconds(device, 2 * scores * e + scores), 1))
-        ops.append(("probs @ V", "attention", gemm_seconds(device, s, d, s, precision, rows * heads), 1))
+        ops.append(("softmax", "attention", memory_seconds(device, 2 * scores * e), 1, "attention"))
+        ops.append(("attention dropout", "attention", memory_seconds(device, 2 * scores * e + scores), 1,
+                    "attention"))
+        ops.append(("probs @ V", "attention", gemm_seconds(device, s, d, s, precision, rows * heads), 1, "attention"))
         ops.append(("math attention", "backward",
                     2 * gemm_seconds(device, s, s, d, precision, rows * heads)
                     + 2 * gemm_seconds(device, s, d, s, precision, rows * heads)
-                    + memory_seconds(device, 2 * (4 * scores * e + scores)), 6))
+                    + memory_seconds(device, 2 * (4 * scores * e + scores)), 6, "attention"))
+    if eager:              # the attention output made contiguous for the projection
+        elementwise("attention output copy", 2 * n * h // t * e)
     gemm("attention out", n, h // t, h)
-    elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)   # + the dropout mask (1 byte)
+    if eager:
+        elementwise("residual add", 3 * rows_h * h * e)
+    else:
+        elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)   # + the dropout mask (1 byte)
     # MLP block
-    elementwise("post-attention norm", 2 * rows_h * h * e, 1, 2)
-    gemm("mlp up" + (" (gate, up)" if shape.gated else ""), n, h, up_out)
-    act = (3 if shape.gated else 2) * n * (f // t) * e                   # SwiGLU reads two halves
-    elementwise("swiglu" if shape.gated else "gelu", act)
+    norm("post-attention norm")
+    if eager and shape.gated:
+        gemm("mlp gate (w1)", n, h, f // t)
+        gemm("mlp up (w3)", n, h, f // t)
+        elementwise("silu, mul", 5 * n * (f // t) * e, 2)
+    else:
+        gemm("mlp up" + (" (gate, up)" if shape.gated else ""), n, h, up_out)
+        act = (3 if shape.gated else 2) * n * (f // t) * e                   # SwiGLU reads two halves
+        elementwise("swiglu" if shape.gated else "gelu", act)
     gemm("mlp down", n, f // t, h)
-    elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)
+    if eager:
+        elementwise("residual add", 3 * rows_h * h * e)
+    else:
+        elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)
     return ops
 
 
 def kernels_per_layer(device: Device, shape, rows: int = 1, tp: int = 1, sequence_parallel: bool = False,
-                      precision: str = "bf16") -> dict[str, int]:
+                      precision: str = "bf16", framework=None) -> dict[str, int]:
     """Kernels one layer launches per micro-batch: ``{"forward", "backward"}``."""
     out = {"forward": 0, "backward": 0}
-    for _, phase, _, k in layer_operators(device, shape, rows, tp, sequence_parallel, precision):
+    for _, phase, _, k in layer_operators(device, shape, rows, tp, sequence_parallel, precision, framework):
         out["backward" if phase == "backward" else "forward"] += k
     return out
 
 
 @lru_cache(maxsize=1 << 14)
 def layer_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
-                  recompute: str = "none", precision: str = "bf16") -> dict[str, float]:
+                  recompute: str = "none", precision: str = "bf16", framework=None) -> dict[str, float]:
     """One layer's wall seconds per micro-batch on one tensor-parallel rank: ``{"forward", "backward",
-    "recompute", "total"}``, each pass the slower of its GPU time and its launches
-    (:func:`kernel_seconds`); ``recompute``: what the policy runs again in backward; the collectives
-    are not included. Remembered: a search asks for the same few ``(rows, tp, sequence_parallel,
-    recompute)`` thousands of times."""
+    "recompute", "total", "gemm"}``, each pass the slower of its GPU time and its launches
+    (:func:`kernel_seconds`); ``recompute``: what the policy runs again in backward (selective:
+    the attention core, or under a framework whose ``selective`` is ``"op"`` -- torchtitan's
+    per-operator checkpointing -- every second matrix multiply's forward and every elementwise
+    operator's, the attention kernel's output being saved); ``gemm``: the GPU seconds of the
+    layer's linear multiplies, forward and backward (what tensor-parallel communication can
+    overlap with). The collectives are not included. Remembered: a search asks for the same few
+    ``(rows, tp, sequence_parallel, recompute)`` thousands of times."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"layer_seconds(recompute={recompute!r}): use 'none', 'selective' or 'full'")
     gpu = {"forward": 0.0, "backward": 0.0, "attention": 0.0}
     kernels = {"forward": 0, "backward": 0, "attention": 0}
-    for _, phase, seconds, k in layer_operators(device, shape, rows, tp, sequence_parallel, precision):
+    again_gpu, again_kernels, gemms, matmul = 0.0, 0, 0, 0.0
+    for _, phase, seconds, k, kind in _operators(device, shape, rows, tp, sequence_parallel, precision, framework):
         gpu[phase] += seconds
         kernels[phase] += k
+        if kind == "gemm":
+            matmul += seconds
+        if phase == "forward" and kind == "gemm":
+            gemms += 1
+        if phase == "forward" and (kind == "memory" or (kind == "gemm" and gemms % 2 == 0)):
+            again_gpu += seconds
+            again_kernels += k
     forward = kernel_seconds(device, gpu["forward"] + gpu["attention"], kernels["forward"] + kernels["attention"])
     backward = kernel_seconds(device, gpu["backward"], kernels["backward"])
     attention = kernel_seconds(device, gpu["attention"], kernels["attention"])
-    again = {"none": 0.0, "selective": attention, "full": forward}[recompute]
+    if recompute == "selective" and framework is not None and framework.selective == "op":
+        again = kernel_seconds(device, again_gpu, again_kernels)
+    else:
+        again = {"none": 0.0, "selective": attention, "full": forward}[recompute]
     return {"forward": forward, "backward": backward, "recompute": again,
-            "total": forward + backward + again}
+            "total": forward + backward + again, "gemm": matmul}
 
 
 @lru_cache(maxsize=1 << 12)
 def head_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
-                 precision: str = "bf16") -> dict[str, float]:
+                 precision: str = "bf16", framework=None) -> dict[str, float]:
     """The model's edges per micro-batch on one tensor-parallel rank: ``{"head", "embedding",
     "total"}``. ``head``: the final norm, the output multiply over this rank's share of the
-    (padded) vocabulary, forward and backward, and the vocabulary-parallel cross-entropy (logits
-    cast to float32, max, exp and sums over ``n x V / t`` elements: about 22 bytes per logit
-    forward and 10 backward); ``embedding``: the lookup, its gradient's scatter-add, and
-    ``microbatch_overhead_s``."""
+    (padded) vocabulary, forward and backward, and Megatron-Core's vocabulary-parallel
+    cross-entropy over ``n x V / t`` logits (``tensor_parallel/cross_entropy.py``): forward the cast
+    to float32 (r e w4), the maximum (r4), its subtraction, ``exp`` and the division by the sum in
+    place (r4 w4 each) and the sum (r4), 36 + e bytes per logit; backward the ``mul_`` by the
+    output's gradient (r4 w4) and the cast back (r4 w e), 12 + e; ``embedding``: the lookup, its
+    gradient's scatter-add, and
+    ``microbatch_overhead_s``. Under an eager ``framework`` (not ``fused``) the final norm is eager
+    PyTorch's (:data:`EAGER_NORM`) and the loss ``cross_entropy(logits.float())``: the cast (r e
+    w4) and log-softmax forward, whose rows of a large vocabulary do not fit on chip, so it reads
+    them three times (the maximum, the sum of exponentials, the output: r12 w4), 20 + e bytes per
+    logit; backward the target's gradient scattered into a zeroed float32 tensor (w4),
+    log-softmax's backward (the sum of the gradient, then r8 w4) and the cast back (r4 w e),
+    24 + e."""
     e = BYTES[precision]
     n, h = rows * shape.seq, shape.hidden
     vocab = -(-shape.vocab // tp)
     rows_h = n // tp if sequence_parallel else n
-    forward = memory_seconds(device, 2 * rows_h * h * e + (2 * e + 20) * n * vocab) \
-        + gemm_seconds(device, n, vocab, h, precision)                     # norm, logits, loss: 6 kernels
-    backward = memory_seconds(device, 4 * rows_h * h * e + (e + 8) * n * vocab) \
-        + gemm_seconds(device, n, h, vocab, precision) + gemm_seconds(device, h, vocab, n, precision)   # 6 kernels
-    head = kernel_seconds(device, forward, 6) + kernel_seconds(device, backward, 6)
+    if framework is not None and not framework.fused:
+        fixed, per_e, k = EAGER_NORM if getattr(shape, "norm", "layernorm") == "rmsnorm" else (0, 2, 1)
+        forward = memory_seconds(device, (fixed + per_e * e) * rows_h * h + (20 + e) * n * vocab) \
+            + gemm_seconds(device, n, vocab, h, precision)
+        backward = memory_seconds(device, 2 * (fixed + per_e * e) * rows_h * h + (24 + e) * n * vocab) \
+            + gemm_seconds(device, n, h, vocab, precision) + gemm_seconds(device, h, vocab, n, precision)
+        head = kernel_seconds(device, forward, k + 5) + kernel_seconds(device, backward, 2 * k + 6)
+    else:
+        forward = memory_seconds(device, 2 * rows_h * h * e + (36 + e) * n * vocab) \
+            + gemm_seconds(device, n, vocab, h, precision)                     # norm, logits, loss: 6 kernels
+        backward = memory_seconds(device, 4 * rows_h * h * e + (12 + e) * n * vocab) \
+            + gemm_seconds(device, n, h, vocab, precision) + gemm_seconds(device, h, vocab, n, precision)   # 6
+        head = kernel_seconds(device, forward, 6) + kernel_seconds(device, backward, 6)
     embedding = kernel_seconds(device, memory_seconds(device, n * h * e + n * 8), 1) \
         + kernel_seconds(device, memory_seconds(device, 3 * n * h * 4), 2) + device.microbatch_overhead_s
     return {"head": head, "embedding": embedding, "total": head + embedding}
 
 
-def optimizer_seconds(device: Device, parameters: float, precision: str = "bf16") -> float:
+def optimizer_seconds(device: Device, parameters: float, precision: str = "bf16", framework=None) -> float:
     """Adam's step over ``parameters`` (this rank's, its shard under ZeRO): memory-bound at
-    :data:`OPTIMIZER_BYTES` per parameter (fused multi-tensor kernels: their launches are few)."""
-    return parameters * OPTIMIZER_BYTES[precision] / device.memory_bandwidth
+    :data:`OPTIMIZER_BYTES` per parameter (fused multi-tensor kernels: their launches are few), or
+    the ``framework``'s optimizer's bytes (:meth:`Framework.optimizer_bytes`: foreach AdamW 92)."""
+    per = OPTIMIZER_BYTES[precision] if framework is None else framework.optimizer_bytes(precision)
+    return parameters * per / device.memory_bandwidth
+
+
+def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int) -> float:
+    """FSDP2's copies around one unit's collectives, per micro-batch: each of its two all-gathers
+    (forward, and backward after ``reshard_after_forward``) casts this rank's float32 shard to 16
+    bits into the gather's input (r4 w2 per ``1/dp`` of the unit) and copies the gathered buffer
+    out into the parameters (r2 w2 per parameter: ``foreach_all_gather_copy_out``); the
+    reduce-scatter's input is the 16-bit gradients cast to float32 into one buffer (r2 w4), and its
+    output shard added into the float32 gradient (r8 w4 per ``1/dp``). PyTorch
+    ``torch.distributed.fsdp.fully_shard`` (FSDP2) with ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=float32)``, torchtitan's default."""
+    per = 2 * (4.0 + 6.0 / dp) + 6.0 + 12.0 / dp
+    return unit_parameters * per / device.memory_bandwidth
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -375,7 +494,8 @@ _MICRO = ("microbatch_overhead_s 1 ms: a training loop's Python per micro-batch 
 # The attention kernel is the framework's: the A100 profiles take Megatron-LM's of the A100's published runs
 # (Narayanan et al. 2021, Korthikanti et al. 2022: fused scale-mask-softmax over materialised scores, before
 # FlashAttention), the H100 profile FlashAttention's, which every H100 framework runs (Megatron-Core's
-# TransformerEngine, torchtitan's SDPA, nanotron's flash-attn). ``device.with_(attention=...)`` changes it.
+# TransformerEngine, torchtitan's SDPA, nanotron's flash-attn). On a cluster the framework decides it
+# (``cluster.with_(framework=...)``: workbench.advise.framework), for the device and the memory model alike.
 _MATH_A100 = ("attention 'math': Megatron-LM's fused scale-mask-softmax, as in its A100 runs (Korthikanti et al. "
               "2022: the 22B-1T iteration times of their Table 5 are predicted within 4% with it, 2-13% too fast "
               "with flash); a framework figure")
@@ -387,7 +507,7 @@ PROFILES: dict[str, Device] = {
         # and clock limited), e.g. the Transformer Engine and SemiAnalysis GEMM sweeps: 0.75 of the peak
         gemm_ceiling=0.75,
         # STREAM-like copy / BabelStream on H100 SXM5: about 3.0 of the 3.35 TB/s datasheet figure
-        memory_bandwidth=3.0e12, memory_bytes=80e9,
+        memory_bandwidth=3.0e12, memory_bytes=H100_80GB_BYTES,
         # FlashAttention-2 (Dao 2023): up to 335 TFLOP/s forward + backward on H100 (bf16, head dim 128)
         flash_efficiency=0.34,
         source=("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s bf16 dense, 67 fp32, 494 tf32, 3.35 TB/s, "
@@ -397,12 +517,29 @@ PROFILES: dict[str, Device] = {
                 "flash_efficiency 0.34: FlashAttention-2 paper, 335 TFLOP/s on H100",
                 "attention 'flash': every H100 framework's (TransformerEngine, SDPA, flash-attn); a framework figure",
                 _LAUNCH, _MICRO)),
+    # torchtitan's H100 benchmarks (docs/performance.md, Dec 2024) ran on Meta's Grand Teton hosts: "96GB HBM2e
+    # with 2.4 TB/sec peak memory bandwidth" and "the default 500W power limit" (700 W TDP). The SMs and peaks
+    # are the H100 SXM's; under a power cap the clock falls until the power fits. Of the power, about 70 W is
+    # drawn idle (nvidia-smi on an idle H100 SXM: '70W / 700W' in public logs) and does not scale with the
+    # clock; the rest, dynamic, goes as f V^2 with V about proportional to f (DVFS), so as f^3: a multiply
+    # limited by power at 700 W runs at ((500 - 70) / (700 - 70))^(1/3) = 0.88 of its clock at 500 W, its
+    # efficiency and flash's scaled by that; the bandwidth is the memory's, 0.9 of its peak as for the SXM's
+    # HBM3 (3.0 of 3.35 TB/s)
+    "h100-sxm-96gb-500w": Device(
+        name="H100 96 GB HBM2e at 500 W (Grand Teton)", bf16_flops=989e12, fp16_flops=989e12, fp32_flops=67e12,
+        tf32_flops=494e12, sms=132, gemm_ceiling=round(0.75 * (430 / 630) ** (1 / 3), 3),
+        memory_bandwidth=2.16e12, memory_bytes=round(96 * 2**30 * VISIBLE),
+        flash_efficiency=round(0.34 * (430 / 630) ** (1 / 3), 3),
+        source=("pytorch/torchtitan docs/performance.md: Grand Teton, H100 96GB HBM2e, 2.4 TB/s, 500 W power limit",
+                "gemm_ceiling and flash_efficiency: the H100 SXM's times ((500 - 70)/(700 - 70))^(1/3), the clock "
+                "a 500 W cap leaves a power-limited multiply (dynamic power ~ f V^2, V ~ f; 70 W idle)",
+                "memory_bandwidth 2.16 TB/s: 0.9 of the 2.4 TB/s peak (the SXM's achieved/peak)", _LAUNCH, _MICRO)),
     "a100-sxm-80gb": Device(
         name="A100 SXM 80 GB", bf16_flops=312e12, fp16_flops=312e12, fp32_flops=19.5e12, tf32_flops=156e12, sms=108,
         # cuBLAS bf16 on large shapes: about 270-290 of the 312 TFLOP/s (NVIDIA's Deep Learning Performance
         # guide's GEMM plots; Korthikanti et al. 2022 reach 57% hardware FLOP utilisation end to end)
         gemm_ceiling=0.88,
-        memory_bandwidth=1.8e12, memory_bytes=80e9,      # BabelStream on A100 80 GB: ~1.8 of 2.04 TB/s
+        memory_bandwidth=1.8e12, memory_bytes=A100_80GB_BYTES,      # BabelStream on A100 80 GB: ~1.8 of 2.04 TB/s
         flash_efficiency=0.65,                            # FlashAttention-2: up to 225 TFLOP/s (72%) fwd + bwd
         attention="math",
         source=("NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM: 312 TFLOP/s bf16 dense, 19.5 fp32, 156 tf32, "
@@ -413,7 +550,8 @@ PROFILES: dict[str, Device] = {
                 _MATH_A100, _LAUNCH, _MICRO)),
     "a100-sxm-40gb": Device(
         name="A100 SXM 40 GB", bf16_flops=312e12, fp16_flops=312e12, fp32_flops=19.5e12, tf32_flops=156e12, sms=108,
-        gemm_ceiling=0.88, memory_bandwidth=1.4e12, memory_bytes=40e9,   # BabelStream: ~1.4 of 1.555 TB/s
+        gemm_ceiling=0.88, memory_bytes=round(40 * 2**30 * VISIBLE),
+        memory_bandwidth=1.4e12,   # BabelStream: ~1.4 of 1.555 TB/s
         flash_efficiency=0.65, attention="math",
         source=("NVIDIA A100 Tensor Core GPU datasheet (40 GB SXM: 1,555 GB/s; peaks as the 80 GB)",
                 "gemm_ceiling 0.88 and flash_efficiency 0.65 as the A100 80 GB (same SMs and clocks)",

@@ -17,6 +17,7 @@ batch, the layout as a :class:`Config`, and one figure:
 ``tokens_per_gpu``  tokens per second per GPU (torchtitan's WPS / TPS)
 ``memory_gib``      peak memory per GPU in GiB (the advisor's ``memory["total"]``)
 ``busbw_GBps``      an nccl-tests bus bandwidth in GB/s (:meth:`NcclModel.busbw`)
+``step_s``          seconds per training step (iteration time)
 ==================  ==========================================================================
 
 ``role``: ``calibrated`` where a figure of the model was taken from that very row (its ratio
@@ -81,6 +82,8 @@ class Published:
     nccl: NcclModel | None = None
     role: str = "checked"
     note: str = ""
+    framework: str = ""     # the run's framework (workbench.advise.framework.FRAMEWORKS), "" the preset's
+    device: str = ""        # the run's GPU when it is not the preset's (workbench.advise.device.PROFILES)
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelShape:
@@ -98,26 +101,48 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
         global_batch=batch,
         config=Config(dp=dp, tp=tp, pp=pp, zero=1, schedule="interleaved" if pp > 1 else "1f1b",
                       microbatches=batch // dp, sequence_parallel=tp > 1, precision="bf16", recompute="selective"),
+        framework="megatron",
         note="micro-batch 1, interleaved schedule, distributed optimizer (ZeRO-1) and flash attention (priced as "
-             "selective recomputation: its backward recomputes the scores) assumed: the table gives t, p, d, batch")
+             "selective recomputation: its backward recomputes the scores) assumed: the table gives t, p, d, batch; "
+             "Megatron-Core's kernels and --tp-comm-overlap (framework 'megatron')")
 
 
-_TITAN_NOTE = ("FSDP2 = ZeRO-3 over 64 GPUs on 8 nodes; the cluster's network is not published (dgx-a100's "
-               "8 x 200 Gb/s assumed); 'selective op' priced as selective recomputation")
-_H100_NOTE = ("H100 96 GB HBM2e at 500 W (slower than the preset's H100 SXM), 400 Gb/s per GPU; FSDP = ZeRO-3, "
-              "no torch.compile, no Float8; selective activation checkpointing priced as selective recomputation")
+_TITAN_NOTE = ("FSDP2 = ZeRO-3 over 64 GPUs on 8 nodes, eager PyTorch (framework 'eager': SDPA flash attention, "
+               "unfused norms and rotary, per-op selective AC); the cluster's network is not published (dgx-a100's "
+               "8 x 200 Gb/s assumed)")
+_H100_NOTE = ("H100 96 GB HBM2e, 2.4 TB/s, at 500 W (device 'h100-sxm-96gb-500w'), 400 Gb/s per GPU; FSDP = ZeRO-3, "
+              "no torch.compile, no Float8 (framework 'eager'); selective activation checkpointing is torchtitan's "
+              "per-op policy (its default)")
 
 
 def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str) -> Published:
     return Published(name=f"torchtitan {SHAPES[model].name} {label}, 64 A100", source=TITAN_A100,
                      metric="tokens_per_gpu", value=wps, cluster="dgx-a100", nodes=8, model=SHAPES[model],
                      global_batch=64 * lbs,
-                     config=Config(dp=64, zero=3, precision="bf16", recompute=recompute), note=_TITAN_NOTE)
+                     config=Config(dp=64, zero=3, precision="bf16", recompute=recompute), note=_TITAN_NOTE,
+                     framework="eager")
 
 
 _GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048)
 _KORTHIKANTI_NOTE = ("t 8, p 35, d 8 on 280 DGX A100 and a global batch of 1920 (MT-NLG's layout, Smith et al. "
                      "2022) assumed: the abstract gives the GPU count; 1F1B, micro-batch 1")
+
+KORTHIKANTI_T5 = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models', Tables 3 "
+                  "and 5 (iteration time, A100 80 GB): https://arxiv.org/abs/2205.05198")
+
+
+def _korthikanti(name: str, layers: int, hidden: int, heads: int, pp: int, batch: int, recompute: str,
+                 seconds: float) -> Published:
+    sp = recompute == "selective"
+    return Published(
+        name=f"Korthikanti GPT {name}, {8 * pp} A100, {'SP + selective' if sp else 'full recomputation'}",
+        source=KORTHIKANTI_T5, metric="step_s", value=seconds, cluster="dgx-a100", nodes=pp,
+        model=_gpt(f"gpt-{name.lower()}", layers, hidden, heads, 51200, 2048), global_batch=batch,
+        config=Config(dp=1, tp=8, pp=pp, schedule="1f1b", microbatches=batch, sequence_parallel=sp,
+                      precision="bf16", recompute=recompute),
+        note="t 8, micro-batch 1 and one replica as published (Table 3); 1F1B assumed; Megatron-LM of 2022 "
+             "(the dgx-a100 preset's framework 'megatron-2022': math attention)")
+
 
 ROWS: tuple[Published, ...] = (
     # -- Megatron-LM README, H100 weak scaling: model, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU
@@ -140,16 +165,18 @@ ROWS: tuple[Published, ...] = (
     # -- torchtitan on H100 (Grand Teton): TPS per GPU and peak memory, FSDP without compile or Float8
     Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2", TITAN_H100.format(1), "tokens_per_gpu", 5762,
               "dgx-h100", 1, SHAPES["llama3-8b"], 16, Config(dp=8, zero=3, precision="bf16", recompute="selective"),
-              note=_H100_NOTE),
+              note=_H100_NOTE, framework="eager", device="h100-sxm-96gb-500w"),
     Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2", TITAN_H100.format(1), "memory_gib", 82.4,
               "dgx-h100", 1, SHAPES["llama3-8b"], 16, Config(dp=8, zero=3, precision="bf16", recompute="selective"),
-              note=_H100_NOTE),
+              note=_H100_NOTE, framework="eager", device="h100-sxm-96gb-500w"),
     Published("torchtitan Llama 3.1 8B, 128 H100, local batch 2", TITAN_H100.format(3), "tokens_per_gpu", 5605,
               "dgx-h100", 16, SHAPES["llama3-8b"], 256,
-              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE),
+              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE, framework="eager",
+              device="h100-sxm-96gb-500w"),
     Published("torchtitan Llama 3.1 8B, 128 H100, local batch 2", TITAN_H100.format(3), "memory_gib", 67.0,
               "dgx-h100", 16, SHAPES["llama3-8b"], 256,
-              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE),
+              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE, framework="eager",
+              device="h100-sxm-96gb-500w"),
     # -- Korthikanti et al. 2022: 530B on 2240 A100, MFU with sequence parallelism + selective recomputation,
     #    and with full recomputation
     Published("Korthikanti 530B, 2240 A100, SP + selective", KORTHIKANTI, "mfu", 54.2, "dgx-a100", 280,
@@ -160,6 +187,14 @@ ROWS: tuple[Published, ...] = (
               _GPT_530B, 1920, Config(dp=8, tp=8, pp=35, zero=0, schedule="1f1b", microbatches=240,
                                       precision="bf16", recompute="full"),
               note=_KORTHIKANTI_NOTE),
+    # -- Korthikanti et al. 2022, Tables 3 and 5: iteration time of GPT 22B-1T on DGX A100 80 GB, tensor parallel
+    #    8, micro-batch 1, one data-parallel replica; full recomputation, and sequence parallelism + selective
+    *(_korthikanti(name, L, h, a, pp, batch, recompute, seconds)
+      for name, L, h, a, pp, batch, full_s, sel_s in (("22B", 48, 6144, 64, 1, 4, 1.42, 1.10),
+                                                      ("175B", 96, 12288, 96, 8, 64, 18.13, 13.75),
+                                                      ("530B", 105, 20480, 128, 35, 280, 49.05, 37.83),
+                                                      ("1T", 128, 25600, 160, 64, 512, 94.42, 71.49))
+      for recompute, seconds in (("full", full_s), ("selective", sel_s))),
     # -- nccl-tests bus bandwidths (the NCCL model, workbench.advise.nccl)
     Published("all_reduce 4 GiB, 8 H100 (NVLS)", NCCL_212, "busbw_GBps", 480, "dgx-h100", collective="all_reduce",
               nbytes=4 * GiB, ranks=8, per_node=8, role="calibrated", note="'peak busBw of ~480GB/s'"),
@@ -196,6 +231,21 @@ def _gpu(cluster: Cluster) -> str:
     return "h100" if "h100" in cluster.name else "a100"
 
 
+def row_cluster(row: Published) -> Cluster:
+    """The cluster a training row ran on: its preset, ``nodes`` of them, with the row's framework and GPU
+    where it names them (the GPU's memory with it)."""
+    from .device import PROFILES
+    from .framework import FRAMEWORKS
+
+    changes = {}
+    if row.framework:
+        changes["framework"] = FRAMEWORKS[row.framework]
+    if row.device:
+        changes["device"] = PROFILES[row.device]
+        changes["memory_bytes"] = PROFILES[row.device].memory_bytes
+    return Cluster.preset(row.cluster, nodes=row.nodes, **changes)
+
+
 def predicted(row: Published) -> dict:
     """The advisor's prediction of ``row``'s figure: ``{"value", "feasible", "detail"}``."""
     from .choose import predict
@@ -205,12 +255,14 @@ def predicted(row: Published) -> dict:
         return {"value": model.busbw(row.collective, row.nbytes, row.ranks, row.per_node) / 1e9, "feasible": True,
                 "detail": min((t, a) for a, t in model.algorithms(row.collective, row.nbytes, row.ranks,
                                                                   row.per_node).items())[1]}
-    cluster = Cluster.preset(row.cluster, nodes=row.nodes)
+    cluster = row_cluster(row)
     plan = predict(row.model, cluster, row.global_batch, row.config)
     if row.metric == "memory_gib":
         return {"value": plan.memory["total"] / GiB, "feasible": plan.feasible, "detail": plan.reason or ""}
     seconds = plan.time["total"]
     devices = row.config.devices
+    if row.metric == "step_s":
+        return {"value": seconds, "feasible": plan.feasible, "detail": f"step {seconds:.3g} s"}
     if row.metric == "tokens_per_gpu":
         value = row.global_batch * row.model.seq / seconds / devices
     else:
@@ -238,7 +290,7 @@ def summary(results: list[dict]) -> str:
             f"{len(checked)} that nothing was fitted on)")
 
 
-_UNITS = {"tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU %", "tokens_per_gpu": "tokens/s/GPU",
+_UNITS = {"step_s": "s/step", "tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU %", "tokens_per_gpu": "tokens/s/GPU",
           "memory_gib": "GiB/GPU", "busbw_GBps": "busbw GB/s"}
 
 
@@ -252,7 +304,10 @@ def report(results: list[dict]) -> str:
              "cluster preset (or the preset's NCCL model for a bus bandwidth), with the presets' own figures. "
              f"*ratio* is predicted / published; a row is within when the ratio is within {TOLERANCE:.0%} of 1. "
              "*role*: `calibrated` rows gave the model a figure (their ratio only shows it reproduces its "
-             "input), `checked` rows gave nothing.", "",
+             "input), `checked` rows gave nothing. A row runs on its preset with the framework it was measured "
+             "with (`workbench.advise.framework`: `megatron` for the Megatron-LM README's H100 table, `eager` for "
+             "torchtitan, the A100 presets' `megatron-2022` for Korthikanti et al.) and, where it names one, its "
+             "own GPU (torchtitan's H100 rows: `h100-sxm-96gb-500w`), as its assumptions below say.", "",
              "| # | run | layout | metric | published | predicted | ratio | within | role | source |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"]
     sources: dict[str, int] = {}

@@ -78,6 +78,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["RuntimeMemory", "MEGATRON", "ATTENTION_KERNELS", "korthikanti_layer_bytes", "attention_core_bytes",
+           "op_checkpoint_bytes",
            "model_state", "communicators", "MiB"]
 
 MiB = float(2 ** 20)
@@ -97,7 +98,11 @@ class RuntimeMemory:
     ``loss_float32_copies``: float32 logits-sized tensors alive at once at the loss's busiest
     moment (Megatron's in-place ``vocab_parallel_cross_entropy``: 1; a loss that subtracts the
     maximum out of place, as nanotron's: 2; ``cross_entropy(logits.float())``, as torchtitan's,
-    whose log-softmax also writes its output anew: 3).
+    whose log-softmax also writes its output anew: 3); ``selective``: what selective
+    recomputation keeps, ``"attention"`` (Korthikanti et al.) or ``"op"`` (torchtitan's per-operator
+    checkpointing: :func:`op_checkpoint_bytes`). A cluster with a
+    :class:`~workbench.advise.framework.Framework` sets ``attention``, ``loss_float32_copies`` and
+    ``selective`` from it, so its compute and memory models read one kernel and one policy.
     """
 
     context_bytes: float = 512 * MiB
@@ -106,6 +111,7 @@ class RuntimeMemory:
     attention: str = "flash"
     loss_float32_copies: int = 1
     source: str = "Megatron-LM conventions; CUDA context: pytorch#107667, #109888; allocator: GMLake (ASPLOS 2024)"
+    selective: str = "attention"
 
     def __post_init__(self) -> None:
         for name in ("context_bytes", "allocator_overhead"):
@@ -121,6 +127,9 @@ class RuntimeMemory:
                              "1-4 (Megatron's in-place loss: 1)")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"RuntimeMemory(attention={self.attention!r}): use one of {ATTENTION_KERNELS}")
+        if self.selective not in ("attention", "op"):
+            raise ValueError(f"RuntimeMemory(selective={self.selective!r}): use 'attention' (Korthikanti et al.: the "
+                             "attention core recomputed) or 'op' (torchtitan's per-operator checkpointing)")
 
 
 MEGATRON = RuntimeMemory()
@@ -145,6 +154,26 @@ def korthikanti_layer_bytes(s: int, b: float, h: int, a: int, t: int = 1, sequen
     if sequence_parallel:
         return sbh / t * (34 + kept_core)
     return sbh * (10 + 24 / t + kept_core / t)
+
+
+def op_checkpoint_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = False, e: int = 2) -> float:
+    """Bytes one layer keeps per tensor-parallel rank under torchtitan's per-operator selective
+    checkpointing (``selective_ac_option = "op"``: ``_save_list`` holds ``aten.mm``, the SDPA kernels
+    and ``reduce_scatter``; every second ``mm`` is recomputed), for ``b`` sequences: the layer's
+    input (the checkpoint's), the outputs of the 1st, 3rd, 5th ... matrix multiply in forward order
+    (Llama: ``wq, wk, wv, wo, w1, w3, w2``, so ``q``, ``v``, ``w1 x`` and ``w2``'s output; a GPT:
+    the fused ``qkv`` and the MLP's first), the attention output and its float32 log-sum-exp per
+    head. Column-parallel outputs are ``/t``, row-parallel ones and the input ``/t`` only with
+    sequence parallelism. Every norm, activation, rotary and residual add is recomputed."""
+    s, h, a, f = shape.seq, shape.hidden, shape.heads, shape.ffn
+    kv = getattr(shape, "kv_dim", h)
+    rep = t if sequence_parallel else 1
+    if shape.gated:
+        outputs = [h / t, kv / t, kv / t, h / rep, f / t, f / t, h / rep]
+    else:
+        outputs = [(h + 2 * kv) / t, h / rep, f / t, h / rep]
+    saved = sum(outputs[0::2])
+    return s * b * (e * (h / rep + saved + h / t) + 4 * a / t)
 
 
 def attention_core_bytes(s: int, b: float, a: int, t: int, kernel: str) -> float:

@@ -11,8 +11,10 @@ pipeline schedule      gpipe, 1f1b, interleaved (2 chunks per rank), zb-h1, zbv;
                        ``pp > 1``                                             ``schedules=``
 micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` dividing the rows of each data-parallel
                        rank (and 1, 2, .. below ``pp`` for the schedules that take them);
-                       without a pipeline, gradient accumulation over 1, 2, 4 .. 32
-                       micro-batches (one gradient reduction per step)      ``microbatches=``
+                       without a pipeline, gradient accumulation over every power of two
+                       up to the rows of a data-parallel rank and the rows themselves:
+                       down to one sequence per micro-batch (one gradient reduction per
+                       step)                                                 ``microbatches=``
 sequence parallelism   off, on (with ``tp > 1``)                       ``sequence_parallel=``
 precision              fp32, bf16 (bf16 compute, fp32 masters)               ``precisions=``
 recomputation          none, selective, full                                 ``recompute=``
@@ -153,6 +155,15 @@ def _tuple(value, name: str, allowed) -> tuple:
     return values
 
 
+def _accumulation_counts(rows: int) -> tuple[int, ...]:
+    """Gradient-accumulation steps tried for ``rows`` sequences per data-parallel rank: every power of
+    two up to ``rows`` and ``rows`` itself (one sequence per micro-batch); 1 .. 32 where the batch does
+    not divide (``rows`` 0: the configurations kept only to say why they cannot run)."""
+    if rows < 1:
+        return (1, 2, 4, 8, 16, 32)
+    return tuple(sorted({1 << k for k in range(rows.bit_length()) if 1 << k <= rows} | {rows}))
+
+
 def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2, 3), schedules=SCHEDULES,
                    microbatches=None, sequence_parallel=(False, True), precisions=("fp32", "bf16"),
                    recompute=POLICIES, max_tp: int | None = None, tp_across_nodes: bool = True,
@@ -188,8 +199,9 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
             rows = global_batch // dp if global_batch % dp == 0 else 0
-            if pp == 1:    # gradient accumulation: m micro-batches one after the other, one reduction
-                counts = microbatches or tuple(k for k in (1, 2, 4, 8, 16, 32) if k <= max(rows, 1))
+            if pp == 1:    # gradient accumulation: m micro-batches one after the other, one reduction,
+                # down to one sequence per micro-batch (m = rows) wherever the batch allows
+                counts = microbatches or _accumulation_counts(rows)
                 pipes = [("1f1b", m) for m in counts if not rows or rows % m == 0 or not structural]
             else:
                 counts = microbatches or tuple(sorted({pp * k for k in (1, 2, 4, 8)} | {k for k in (1, 2, 4) if k < pp}))

@@ -31,7 +31,15 @@ wave quantization), the norms, activations, residual adds, cross-entropy and the
 at the achieved memory bandwidth, attention by its kernel, eager PyTorch's launch cost per kernel
 and a fixed cost per micro-batch -- remembered per ``(rows, t, sequence parallelism,
 recomputation, precision)``, so a search pays for each shape once. None of the terms below that
-exist for ranks sharing CPU cores applies there.
+exist for ranks sharing CPU cores applies there. The cluster's ``framework``
+(:mod:`workbench.advise.framework`) decides the rest of what a GPU step pays: which kernels run
+(eager or fused), what selective recomputation repeats, the optimizer's passes (foreach or fused
+Adam), whether tensor-parallel collectives overlap their multiplies (:func:`tp_overlap`: all but
+one chunk of ``t`` hidden), the gradients' bytes on the wire (float32 reductions) and whether
+they overlap backward, its buckets, and the SMs an overlapped collective takes from compute
+(``sm_share``: :func:`prefetch_wait` hides ``1 - sm_share`` of what compute covers); FSDP2's copies around each unit's collectives are GPU work
+(:func:`workbench.advise.device.fsdp_copy_seconds`), and a pipeline's messages are NCCL
+send/recv at the achieved point-to-point bandwidth of their link class.
 
 Small models on a CPU spend as long in fixed per-operator costs (Python, dispatch, a kernel's
 start) and memory-bound operators (norms, GELU, softmax, residual adds) as in matmuls, so a
@@ -163,7 +171,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from workbench.advise import shared_cores
-from workbench.advise.device import head_seconds, layer_seconds, optimizer_seconds
+from workbench.advise.device import fsdp_copy_seconds, head_seconds, layer_seconds, optimizer_seconds
 from workbench.advise.nccl import NcclModel
 from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
@@ -171,7 +179,7 @@ from workbench.comm.topology import Topology
 from workbench.parallel.pipeline_schedules import bubble_formula
 
 __all__ = ["step_time", "flops_per_token", "message_cpu", "zero3_cpu", "stage_layers", "group_topology", "measured_layer",
-           "prefetch_wait", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+           "prefetch_wait", "tp_overlap", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Config.schedule -> the name pipeline_schedules.bubble_formula uses
@@ -538,15 +546,36 @@ def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, crowd: 
     return layer_s, head_s, edges_s, step_over, sync, timed, tp_layer, tp_edges
 
 
-def device_compute(device, shape, rows: int, config: Config) -> tuple[float, float, float]:
+def device_compute(device, shape, rows: int, config: Config, framework=None) -> tuple[float, float, float]:
     """A micro-batch's compute on a GPU (:mod:`workbench.advise.device`), on one tensor-parallel
     rank: ``(layer_s, head_s, edges_s)``, one layer's forward + backward (+ recomputation), the
     head's (final norm, output multiply, cross-entropy), and the edges' (the head, the embedding
-    and the fixed cost per micro-batch). Remembered per ``(rows, tp, sp, recompute, precision)``."""
+    and the fixed cost per micro-batch), under ``framework`` (:mod:`workbench.advise.framework`;
+    None: Megatron's fused kernels). Remembered per ``(rows, tp, sp, recompute, precision)``."""
     sp = bool(config.sequence_parallel and config.tp > 1)
-    layer = layer_seconds(device, shape, rows, config.tp, sp, config.recompute, config.precision)["total"]
-    edges = head_seconds(device, shape, rows, config.tp, sp, config.precision)
+    if framework is None:   # (the calls without it, as before: their results are remembered by these arguments)
+        layer = layer_seconds(device, shape, rows, config.tp, sp, config.recompute, config.precision)["total"]
+        edges = head_seconds(device, shape, rows, config.tp, sp, config.precision)
+    else:
+        layer = layer_seconds(device, shape, rows, config.tp, sp, config.recompute, config.precision,
+                              framework)["total"]
+        edges = head_seconds(device, shape, rows, config.tp, sp, config.precision, framework)
     return layer, edges["head"], edges["total"]
+
+
+def tp_overlap(comm: float, gemm: float, sm_share: float, tp: int = 1) -> float:
+    """Seconds of ``comm`` seconds of tensor-parallel collectives a rank still waits for when they are
+    overlapped with ``gemm`` seconds of the matrix multiplies beside them (Megatron-Core's
+    ``--tp-comm-overlap``: each all-gather split into chunks that the column-parallel multiply
+    consumes as they land, each reduce-scatter fed by the row-parallel one as it produces): the
+    part the multiplies cannot cover -- at least one of the ``tp`` chunks each collective is split
+    into: the first chunk's multiply waits for nothing but the last chunk's transfer (an all-gather)
+    or reduction (a reduce-scatter) has no multiply left beside it -- plus the compute the
+    communication kernels slow by taking ``sm_share`` of the streaming multiprocessors while they
+    run beside it."""
+    hidden = min(comm - comm / tp, gemm)
+    return comm - hidden + sm_share * hidden
+
 
 
 def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list | None = None) -> dict[str, float]:
@@ -580,8 +609,9 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     tail = shared_cores.crowding(contention, d * t, world) if contention and p > 1 else 1.0
 
     tp_layer = tp_edges = None
+    framework = getattr(cluster, "framework", None) if device is not None else None
     if device is not None:   # a GPU: the layer priced operator by operator (workbench.advise.device)
-        layer_s, head_s, edges_s = device_compute(device, shape, rows, config)
+        layer_s, head_s, edges_s = device_compute(device, shape, rows, config, framework)
         step_over, sync, timed = 0.0, 0.0, None
     else:
         layer_s, head_s, edges_s, step_over, sync, timed, tp_layer, tp_edges = _cpu_compute(
@@ -615,6 +645,13 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             scale_l = n_layers * tp_layer / total if total > 0 else 0.0
             scale_e = tp_edges / edge_tp if edge_tp > 0 else 0.0
             tp_f, tp_b = layers_f * scale_l + ef * scale_e, layers_b * scale_l + eb * scale_e
+        if framework is not None and framework.tp_comm_overlap and t > 1:
+            # the layers' collectives behind their multiplies (the edges' stay exposed); forward's third
+            gemm = n_layers * layer_seconds(device, shape, rows, t, bool(config.sequence_parallel), config.recompute,
+                                            config.precision, framework)["gemm"]
+            edge_f, edge_b = _tp_time(rows, shape, config, 0, first, last, e, topo["tp"], machine, sync)
+            tp_f = edge_f + tp_overlap(tp_f - edge_f, gemm / 3, framework.sm_share, t)
+            tp_b = edge_b + tp_overlap(tp_b - edge_b, gemm * 2 / 3, framework.sm_share, t)
         per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b, "split": split})
     per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
     from workbench.parallel.pipeline_schedules import stage_to_rank
@@ -628,7 +665,8 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     psi_rank = _parameters_on_rank(shape, t, p)
     updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
     if device is not None:   # memory-bound: the bytes Adam moves per parameter at the achieved bandwidth
-        optimizer_s = optimizer_seconds(device, updated, config.precision)
+        optimizer_s = optimizer_seconds(device, updated, config.precision, framework) if framework is not None \
+            else optimizer_seconds(device, updated, config.precision)
     else:
         update_s = getattr(cluster, "update_s_per_param", None)
         if update_s is None:
@@ -756,6 +794,10 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         # the share of compute that hides the traffic: 1 on devices with their own copy engines; 0 on a
         # calibrated CPU cluster, where the collectives' threads need the cores (and the GIL) compute has
         overlap, hides = shared_cores.overlap(contention) if contention else (1.0, 1.0)
+        if framework is not None:   # NCCL's kernels take sm_share of the SMs from the compute they hide behind
+            overlap = hides = 1.0 - framework.sm_share
+            if not framework.overlap_grad_reduce:   # the gradients reduced after backward (ZeRO-3's are not)
+                overlap = 0.0
         # after a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
         # gradient reduction and the loss's all-reduce find the cores free (measured, GPT small on dp=2 x
         # pp=2 over 4 ranks on 2 cores: 7-10 ms, against 30 ms at the price with every rank busy)
@@ -764,13 +806,22 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         mb_compute = slowest["compute"] * crowd
         price = lambda c, n: _price(c, n, d, machine, topo["dp"])  # noqa: E731
         if config.zero == 3:
-            dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides, sync,
-                                          price)
+            if framework is not None and framework.grad_reduce_bytes:   # FSDP2's reduce_dtype float32
+                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides,
+                                              sync, price, framework.grad_reduce_bytes / e)
+            else:
+                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides,
+                                              sync, price)
+            if framework is not None:   # FSDP2's copy-in and copy-out around each unit's collectives
+                compute += m * fsdp_copy_seconds(device, psi_rank, d)
             if contention:
                 dp_total = max(dp_total, m * shared_cores.zero3_cpu(contention, shape, config) * crowd)
         else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
             cap = (25 if config.zero == 0 else 5) * 2**20
-            if device is not None and config.zero:   # Megatron's buckets: max(40 M, 1 M x d) parameters
+            if framework is not None:   # the framework's buckets: Megatron's max(40 M, 1 M x d) parameters
+                if framework.dp_bucket_params:
+                    cap = max(framework.dp_bucket_params, 1e6 * d) * e
+            elif device is not None and config.zero:   # Megatron's buckets: max(40 M, 1 M x d) parameters
                 cap = max(40e6, 1e6 * d) * e
             first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
             # the first bucket, the full ones, and the rest in the last (each kind of bucket priced once)
@@ -781,15 +832,17 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             # the buckets are reduced as backward fills them: all but the last (the first layers') behind
             # the last micro-batch's backward; they go back to back, so only the first wait, after
             # compute, pays the drift price (ZeRO-1 reduces them all in its step, after backward)
-            every = sum(k * price(kind, n) for n, k in sizes)
-            last = price(kind, sizes[-1][0])
+            # the framework reduces gradients in float32 (grad_reduce_bytes): 4/e times the bucket's bytes
+            g = framework.grad_reduce_bytes / e if framework is not None and framework.grad_reduce_bytes else 1.0
+            every = sum(k * price(kind, n * g) for n, k in sizes)
+            last = price(kind, sizes[-1][0] * g)
             # on a GPU, ZeRO-1 is Megatron's distributed optimizer (--overlap-grad-reduce): its reduce-scatters
             # leave in buckets as backward fills them, as ZeRO-2's do
             hidden = overlap * mb_compute * 2 / 3 if config.zero != 1 or device is not None else 0.0
             dp_total = last + max(0.0, every - last - hidden) + sync
             if config.zero in (1, 2):   # the updated parameters, all-gathered after the step
                 gather = sum(k * price("all_gather", n) for n, k in sizes)
-                if device is not None:   # --overlap-param-gather: beside the next step's first forward
+                if device is not None and overlap > 0:   # --overlap-param-gather: beside the next step's first forward
                     gather = max(price("all_gather", sizes[0][0]), gather - overlap * mb_compute / 3)
                 dp_total += gather + sync
         dp_total += _price("all_reduce", 4, d, machine, topo["dp"]) + sync  # the loss
@@ -807,7 +860,7 @@ def prefetch_wait(g: float, compute: float, hides: float, drift: float) -> float
 
 
 def _zero3_exposed(shape, config: Config, psi_rank: float, e: int, layer_c: float, edges_c: float,
-                   hides: float, sync: float, price) -> float:
+                   hides: float, sync: float, price, reduce_scale: float = 1.0) -> float:
     """Seconds of ZeRO-3 traffic one micro-batch waits for (:mod:`workbench.parallel.fsdp`).
 
     Units as FSDP wraps them: each layer of the stage (``layer_parameters`` x ``e`` bytes) and the
@@ -821,20 +874,26 @@ def _zero3_exposed(shape, config: Config, psi_rank: float, e: int, layer_c: floa
     c)``: ``hides`` is 1 on devices whose copy engines move bytes while the cores compute, and on a
     calibrated CPU cluster what its ``prefetch`` probe measured (a gather beside a layer). The
     drift price (``sync``) is paid by each wait that follows compute, in the share of the wait
-    the compute is: ranks held up by a slow link are lined up by it, not by each other's cores."""
+    the compute is: ranks held up by a slow link are lined up by it, not by each other's cores.
+    ``reduce_scale``: the reduce-scatters' bytes over the gathers' (2 where gradients are reduced in
+    float32 and parameters gathered in 16 bits)."""
     layers = max(stage_layers(shape.layers, config.pp))
     layer_b = shape.layer_parameters(config.tp) * e
     root_b = max(0.0, psi_rank * e - layers * layer_b)
 
+    def size(kind: str, nbytes: float) -> float:
+        return nbytes * reduce_scale if (kind == "reduce_scatter" and reduce_scale != 1.0) else nbytes
+
     def wait(kinds, compute: float) -> float:
-        return prefetch_wait(sum(price(k, layer_b) for k in kinds), compute, hides, sync)
+        return prefetch_wait(sum(price(k, size(k, layer_b)) for k in kinds), compute, hides, sync)
 
     gather, both = ("all_gather",), ("all_gather", "reduce_scatter")
     forward = price("all_gather", root_b) + price("all_gather", layer_b) + sync \
         + (layers - 1) * wait(gather, layer_c / 3)
     backward = price("all_gather", root_b) + wait(gather, edges_c * 2 / 3) \
         + (layers - 1) * wait(both, layer_c * 2 / 3) \
-        + price("reduce_scatter", layer_b) + price("reduce_scatter", root_b) + sync
+        + price("reduce_scatter", size("reduce_scatter", layer_b)) \
+        + price("reduce_scatter", size("reduce_scatter", root_b)) + sync
     return forward + backward
 
 
@@ -856,8 +915,12 @@ _sync, _crowding = shared_cores.sync_price, shared_cores.crowding
 
 
 def _link_time(a: int, b: int, dpn: int, intra, inter, machine, nbytes: float) -> float:
-    """One message of ``nbytes`` from global rank ``a`` to ``b``: the link between them, or this
-    machine's own one-way time where that link is not emulated."""
+    """One message of ``nbytes`` from global rank ``a`` to ``b``: as NCCL's send/recv runs it on a GPU
+    cluster (its ``nccl`` model: the achieved point-to-point bandwidth and latency of the link class,
+    e.g. about 370 GB/s and 10-20 us on NVLink 4, not the line rate), else the link between them, or
+    this machine's own one-way time where that link is not emulated."""
+    if isinstance(machine, NcclModel):
+        return machine.time("send_recv", nbytes, 2, 2 if a // dpn == b // dpn else 1)
     link = intra if a // dpn == b // dpn else inter
     return link.time(nbytes) if link is not None else machine.one_way(nbytes)
 

@@ -1,0 +1,162 @@
+"""The framework layer of the GPU model (workbench/advise/framework.py) and the terms it brings:
+eager PyTorch's unfused operators, per-operator selective checkpointing (time and memory), Megatron's
+overlapped tensor-parallel collectives, float32 gradient reduction, FSDP2's copies, foreach Adam,
+NCCL-priced pipeline messages, gradient accumulation down to one sequence per micro-batch, and the
+public rows that check them. Pure Python, no launches."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from workbench.advise import Cluster, Config, ModelShape, predict
+from workbench.advise import device as dev
+from workbench.advise import published, space, timing
+from workbench.advise.framework import EAGER, FRAMEWORKS, MEGATRON, MEGATRON_2022, OPTIMIZER_BYTES, Framework
+from workbench.advise.runtime_memory import op_checkpoint_bytes
+
+LLAMA = ModelShape.preset("llama3-8b")
+H100 = dev.PROFILES["h100-sxm-80gb"]
+
+
+def test_framework_is_validated_and_sets_one_attention_kernel():
+    for bad in (dict(attention="sdpa"), dict(selective="layer"), dict(optimizer="sgd"), dict(loss_float32_copies=0),
+                dict(sm_share=1.0), dict(grad_reduce_bytes=3)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Framework("x", **bad)
+    assert Cluster.preset("dgx-h100").framework is EAGER
+    assert {Cluster.preset(n).framework for n in ("dgx-a100", "p4d-a100", "a2-ultra-100g")} == {MEGATRON_2022}
+    for fw in FRAMEWORKS.values():   # the compute and the memory model read the framework's kernel and policy
+        c = Cluster.preset("dgx-a100").with_(framework=fw)
+        assert c.device.attention == c.runtime_memory.attention == fw.attention
+        assert (c.runtime_memory.selective, c.runtime_memory.loss_float32_copies) == (fw.selective,
+                                                                                      fw.loss_float32_copies)
+    with pytest.raises(ValueError, match="framework"):
+        Cluster.preset("dgx-h100").with_(framework="eager")
+
+
+def test_eager_operators_move_their_real_bytes_in_more_kernels():
+    fused = {(n, p): (s, k) for n, p, s, k in dev.layer_operators(H100, LLAMA, 1, framework=MEGATRON)}
+    eager = {(n, p): (s, k) for n, p, s, k in dev.layer_operators(H100, LLAMA, 1, framework=EAGER)}
+    tokens, h, e = LLAMA.seq, LLAMA.hidden, 2
+    # RMSNorm in float32: 28 + 4e bytes per element forward in 7 kernels, against one read and one write fused
+    assert eager["input norm", "forward"] == (pytest.approx((28 + 4 * e) * tokens * h / H100.memory_bandwidth), 7)
+    assert fused["input norm", "forward"] == (pytest.approx(2 * e * tokens * h / H100.memory_bandwidth), 1)
+    assert ("repeat_kv", "forward") in eager and ("repeat_kv", "forward") not in fused   # GQA's copies
+    assert dev.layer_operators(H100, LLAMA, 1) == dev.layer_operators(H100, LLAMA, 1, framework=MEGATRON)
+    k_eager = dev.kernels_per_layer(H100, LLAMA, framework=EAGER)
+    k_fused = dev.kernels_per_layer(H100, LLAMA, framework=MEGATRON)
+    assert k_eager["forward"] > 2 * k_fused["forward"] and k_eager["backward"] > 2 * k_fused["backward"]
+    slow = dev.layer_seconds(H100, LLAMA, 1, framework=EAGER)["total"]
+    assert slow > 1.1 * dev.layer_seconds(H100, LLAMA, 1, framework=MEGATRON)["total"]
+    # the heads: an eager RMSNorm and cross_entropy(logits.float()) (20 + e and 24 + e bytes per logit), or
+    # Megatron's norm and its in-place vocabulary-parallel loss (36 + e and 12 + e)
+    n, v = LLAMA.seq, LLAMA.vocab
+    matmuls = dev.gemm_seconds(H100, n, v, h, "bf16") + dev.gemm_seconds(H100, n, h, v, "bf16") \
+        + dev.gemm_seconds(H100, h, v, n, "bf16")
+    eager_head = dev.head_seconds(H100, LLAMA, 1, framework=EAGER)["head"]
+    fused_head = dev.head_seconds(H100, LLAMA, 1, framework=MEGATRON)["head"]
+    assert eager_head == pytest.approx(matmuls + (3 * (28 + 4 * e) * n * h + (44 + 2 * e) * n * v) / H100.memory_bandwidth)
+    assert fused_head == pytest.approx(matmuls + (6 * e * n * h + (48 + 2 * e) * n * v) / H100.memory_bandwidth)
+
+
+def test_op_selective_recomputes_every_second_matmul_and_the_elementwise_operators():
+    ops = dev._operators(H100, LLAMA, 2, 1, False, "bf16", EAGER)
+    forward_gemms = [s for _, p, s, _, kind in ops if p == "forward" and kind == "gemm"]
+    assert len(forward_gemms) == 7                                    # wq wk wv wo w1 w3 w2
+    again = sum(forward_gemms[1::2]) + sum(s for _, p, s, _, kind in ops if p == "forward" and kind == "memory")
+    sel = dev.layer_seconds(H100, LLAMA, 2, recompute="selective", framework=EAGER)
+    assert sel["recompute"] == pytest.approx(again)                    # GPU-bound at two sequences
+    # Megatron's selective: the attention core again
+    att = dev.layer_seconds(H100, LLAMA, 2, recompute="selective", framework=MEGATRON)
+    assert att["recompute"] == pytest.approx(sum(s for _, p, s, _, kind in
+                                                 dev._operators(H100, LLAMA, 2, 1, False, "bf16", MEGATRON)
+                                                 if p == "attention"))
+
+
+def test_op_checkpoint_keeps_input_every_other_matmul_output_and_attention_output():
+    s, b, h, kv, f, a = LLAMA.seq, 2, LLAMA.hidden, LLAMA.kv_dim, LLAMA.ffn, LLAMA.heads
+    # input, q, v, w1 x, w2's output, attention output (2 bytes each) and the float32 log-sum-exp per head
+    assert op_checkpoint_bytes(LLAMA, b) == s * b * (2 * (h + h + kv + f + h + h) + 4 * a)
+    assert op_checkpoint_bytes(LLAMA, b, t=2) < op_checkpoint_bytes(LLAMA, b)
+    # torchtitan's Llama 3.1 8B on 8 H100 (96 GB, 500 W), local batch 2: published 82.4 GiB, within 15%
+    row = next(r for r in published.ROWS if r.metric == "memory_gib" and r.nodes == 1)
+    assert abs(published.predicted(row)["value"] / row.value - 1) < 0.15
+
+
+def test_tp_overlap_leaves_one_chunk_and_the_sms_it_takes():
+    assert timing.tp_overlap(1.0, 0.0, 0.12, 8) == 1.0                 # nothing to hide behind
+    assert timing.tp_overlap(1.0, 10.0, 0.0, 8) == pytest.approx(1 / 8)  # one chunk of eight exposed
+    assert timing.tp_overlap(1.0, 10.0, 0.12, 8) == pytest.approx(1 / 8 + 0.12 * 7 / 8)
+    # an overlapped data-parallel collective: what compute covers, less the SMs NCCL takes from it
+    assert timing.prefetch_wait(1.0, 0.5, 1 - 0.1, 0.0) == pytest.approx(0.5 + 0.05)
+    shape = ModelShape(layers=8, hidden=8192, heads=64, vocab=32768, seq=4096, ffn=32768)
+    c = Config(tp=8, sequence_parallel=True, microbatches=4, precision="bf16", recompute="selective")
+    on = predict(shape, Cluster.preset("dgx-h100").with_(framework=MEGATRON), 4, c).time
+    off = predict(shape, Cluster.preset("dgx-h100").with_(framework=replace(MEGATRON, tp_comm_overlap=False)), 4,
+                  c).time
+    assert on["tp"] < 0.5 * off["tp"] and on["compute"] == off["compute"]
+
+
+def test_fsdp_copies_foreach_adam_and_float32_reduction():
+    assert dev.fsdp_copy_seconds(H100, 1e9, 8) == pytest.approx(1e9 * (2 * (4 + 6 / 8) + 6 + 12 / 8) / 3.0e12)
+    assert OPTIMIZER_BYTES["foreach"]["bf16"] == 92 and OPTIMIZER_BYTES["fused"]["bf16"] == 34
+    assert dev.optimizer_seconds(H100, 1e9, "bf16", EAGER) == pytest.approx(92e9 / 3.0e12)
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    c = Config(dp=16, zero=3, precision="bf16", recompute="selective")
+    f32 = predict(LLAMA, cluster, 16, c).time
+    f16 = predict(LLAMA, cluster.with_(framework=replace(EAGER, grad_reduce_bytes=0)), 16, c).time
+    assert f32["dp"] > f16["dp"] and f32["compute"] == f16["compute"]
+
+
+def test_pipeline_messages_are_priced_as_nccl_send_recv():
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    nccl = cluster.nccl
+    n = 64 * 2 ** 20
+    assert timing._link_time(0, 1, 8, cluster.intra, cluster.inter, nccl, n) == nccl.time("send_recv", n, 2, 2)
+    assert timing._link_time(0, 8, 8, cluster.intra, cluster.inter, nccl, n) == nccl.time("send_recv", n, 2, 1)
+    # achieved, not line rate: slower than the NVLink's 450 GB/s
+    assert nccl.time("send_recv", n, 2, 2) > cluster.intra.time(n)
+
+
+def test_gradient_accumulation_down_to_one_sequence_per_microbatch():
+    assert space._accumulation_counts(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert space._accumulation_counts(1) == (1,)
+    configs = space.configurations("llama-7b", Cluster.preset("dgx-h100"), 512, precisions=("bf16",),
+                                   recompute=("none",), zero=(1,), sequence_parallel=(False,))
+    assert any(c.pp == 1 and c.dp == 8 and c.microbatches == 64 for c in configs)    # one sequence each
+    assert any(c.pp == 1 and c.dp == 2 and c.microbatches == 256 for c in configs)
+
+
+def test_public_rows_hold_korthikanti_table_5_and_name_their_frameworks():
+    t5 = [r for r in published.ROWS if r.metric == "step_s"]
+    assert len(t5) == 8 and {r.config.recompute for r in t5} == {"full", "selective"}
+    assert all(r.framework == "megatron" for r in published.ROWS if r.source == published.MEGATRON)
+    for row in t5[:2]:   # 22B on one DGX A100: within 15%
+        assert abs(published.predicted(row)["value"] / row.value - 1) < 0.15
+
+
+def test_megatron_2022_reduces_gradients_after_the_flush():
+    shape = ModelShape(layers=8, hidden=4096, heads=32, vocab=32768, seq=2048, ffn=16384)
+    c = Config(dp=16, tp=1, microbatches=2, precision="bf16")
+    cluster = Cluster.preset("dgx-a100", nodes=2)
+    after = predict(shape, cluster, 32, c).time
+    hidden = predict(shape, cluster.with_(framework=replace(MEGATRON_2022, overlap_grad_reduce=True)), 32, c).time
+    assert not MEGATRON_2022.overlap_grad_reduce and EAGER.overlap_grad_reduce and MEGATRON.overlap_grad_reduce
+    assert after["dp"] > 2 * hidden["dp"] and after["compute"] == hidden["compute"]
+
+
+
+def test_cli_takes_the_framework():
+    import argparse
+
+    from workbench.advise import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    _, cluster = cli.build(parser.parse_args(["--cluster", "dgx-h100", "--framework", "megatron"]))
+    assert cluster.framework is MEGATRON
+    _, cluster = cli.build(parser.parse_args(["--cluster", "dgx-a100"]))
+    assert cluster.framework is MEGATRON_2022 and cluster.device.attention == "math"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--framework", "jax"])

@@ -1,0 +1,152 @@
+"""The training framework as the advisor prices it: which kernels run, what is saved, what overlaps.
+
+The same GPU runs the same layer at different speeds and memory under different frameworks, and
+the held-out question -- which layout is fastest -- depends on it: a framework that fuses its
+elementwise operators and overlaps its tensor-parallel collectives with the matrix multiplies
+favours tensor parallelism more than one that launches every operator on its own. A
+:class:`Framework` on a :class:`~workbench.advise.cluster.Cluster` says which:
+
+``attention``
+    ``"flash"`` (FlashAttention-2, PyTorch's fused SDPA, TransformerEngine: no ``s^2`` tensor kept,
+    the scores recomputed in backward) or ``"math"`` (Megatron-LM's fused scale-mask-softmax over
+    materialised scores, as in its 2021-2022 A100 runs). The one choice both the compute model
+    (:mod:`workbench.advise.device`) and the memory model (:mod:`workbench.advise.runtime_memory`)
+    read: a cluster built with a framework passes its kernel to both (:class:`Cluster` aligns them).
+``fused``
+    Megatron-style fused elementwise kernels (a norm, bias-GeLU or SwiGLU, bias-dropout-add,
+    rotary: one kernel each, one read and one write of the tensor) or eager PyTorch's separate
+    kernels with their real passes (:func:`workbench.advise.device.layer_operators`: an RMSNorm in
+    float32 is seven kernels and about 36 bytes per element, not 4; the rotary embedding three per
+    tensor through complex float32; SwiGLU two; GQA's ``repeat_kv`` copies; the attention output
+    made contiguous).
+``tp_comm_overlap``
+    tensor-parallel all-gathers and reduce-scatters overlapped with the matrix multiplies that
+    consume or produce them (Megatron-Core's ``--tp-comm-overlap``, TransformerEngine's userbuffers,
+    in its published H100 runs) rather than waited for.
+``selective``
+    what ``Config(recompute="selective")`` means: ``"attention"``, the attention core recomputed
+    (Korthikanti et al. 2022, Megatron's ``--recompute-granularity selective``), or ``"op"``,
+    torchtitan's per-operator selective checkpointing (``activation_checkpoint.mode = "selective"``,
+    ``selective_ac_option = "op"``: the outputs of the matrix multiplies are saved except every
+    second one, the attention kernel's output is saved, every other operator recomputed).
+``optimizer``
+    ``"fused"`` (Megatron's/Apex's fused Adam, one pass: 34 bytes per parameter in mixed precision)
+    or ``"foreach"`` (``torch.optim.AdamW``'s default multi-tensor path: one pass per operation,
+    about 92 bytes per parameter with gradient clipping; :data:`OPTIMIZER_BYTES`).
+``loss_float32_copies``
+    float32 logits-sized tensors at the loss's busiest moment (Megatron's in-place
+    vocabulary-parallel loss: 1; ``cross_entropy(logits.float())``: 3).
+``grad_reduce_bytes``
+    bytes of a gradient element data parallelism reduces: 4 (float32) by default -- Megatron-LM
+    sets ``accumulate_allreduce_grads_in_fp32`` whenever it trains in bf16 unless
+    ``--grad-reduce-in-bf16`` (``megatron/training/arguments.py``), torchtitan's FSDP2 reduces in
+    ``MixedPrecisionPolicy(reduce_dtype=torch.float32)`` (its ``mixed_precision_reduce`` default)
+    -- so reduce-scatters and all-reduces move twice a 16-bit gradient's bytes while parameter
+    all-gathers move 16 bits. 0 (the compute precision) for ``megatron``: its README's 32B row (TP
+    8, 48 replicas, one per node) reached 460 TFLOP/s per GPU, a step of about 0.89 s, which float32
+    gradients cannot (16 GB of them reduce-scattered over one 400 Gb/s rail per GPU take 0.33 s
+    beside 0.11 s of the last micro-batch's backward), so those benchmarks reduced in bf16: an
+    inference, said here and in the evidence.
+``overlap_grad_reduce``
+    the gradient reduction and the ZeRO-1/2 parameter gather overlapped with backward and the next
+    forward (DDP's buckets, FSDP, Megatron-Core's ``--overlap-grad-reduce`` and
+    ``--overlap-param-gather``); off for ``megatron-2022``, whose ``LocalDDP`` all-reduced the
+    gradient buffer once the pipeline had flushed.
+``dp_bucket_params``
+    gradient buckets in parameters: Megatron's ``max(40 M, 1 M x d)``; 0, the strategy's own
+    (DDP's 25 MB).
+``sm_share``
+    the share of the streaming multiprocessors a communication kernel running beside compute takes
+    from it: NCCL runs one CTA per channel, 16-32 channels on NVLink (``NCCL_MIN_NCHANNELS`` /
+    ``NCCL_MAX_NCHANNELS``), so an overlapped collective slows the compute it hides behind by about
+    ``channels / SMs``: 16 of 132 on an H100 SXM, 0.12; 16 of 108 on an A100, 0.15.
+
+The per-kernel and per-micro-batch launch costs are the device profile's (a calibration measures
+them), not the framework's.
+
+Presets (:data:`FRAMEWORKS`): ``"eager"`` (PyTorch without ``torch.compile``: torchtitan's FSDP2
+runs, nanotron, Hugging Face; flash attention through SDPA, separate elementwise kernels,
+per-operator selective checkpointing, foreach AdamW, torchtitan's float32 loss), ``"megatron"``
+(Megatron-Core with TransformerEngine, as in the Megatron-LM README's H100 table: flash attention,
+fused kernels, TP communication overlap, fused Adam) and ``"megatron-2022"`` (Megatron-LM as in
+Korthikanti et al. 2022 and Narayanan et al. 2021 on A100: fused kernels, math attention, no TP
+overlap). The ``dgx-h100`` preset defaults to ``eager``: most H100 users run PyTorch eager
+frameworks, and an eager step is the slower, so a plan predicted to fit and to run fast under it
+does so under Megatron too; the A100 presets default to ``megatron-2022``, the framework of the
+published A100 runs at scale. Change it with ``cluster.with_(framework=FRAMEWORKS["megatron"])``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Framework", "FRAMEWORKS", "EAGER", "MEGATRON", "MEGATRON_2022", "OPTIMIZER_BYTES"]
+
+# bytes Adam moves per parameter it updates, mixed precision (bf16/fp16 compute, float32 state):
+# fused: master weights, float32 gradient and two moments read (16), master and moments written (12),
+# the 16-bit copy written (2), the gradient zeroed (4): 34. foreach (torch.optim.AdamW, foreach=True,
+# float32 parameters as FSDP2 keeps them): weight decay mul_ (r4 w4), lerp_ of the first moment (r8 w4),
+# mul_ and addcmul_ of the second (r4 w4, r8 w4), sqrt, div_ and add_ of the denominator (3 x r4 w4),
+# addcdiv_ of the parameter (r12 w4): 80; clip_grad_norm_'s norm (r4) and scaling mul_ (r4 w4): 12
+OPTIMIZER_BYTES = {"fused": {"fp32": 32, "bf16": 34, "fp16": 34}, "foreach": {"fp32": 92, "bf16": 92, "fp16": 92}}
+
+
+@dataclass(frozen=True)
+class Framework:
+    """A training framework's choices (see the module docstring for each field and its source)."""
+
+    name: str
+    attention: str = "flash"
+    fused: bool = True
+    tp_comm_overlap: bool = False
+    selective: str = "attention"
+    optimizer: str = "fused"
+    loss_float32_copies: int = 1
+    dp_bucket_params: float = 0.0
+    sm_share: float = 0.12
+    grad_reduce_bytes: int = 4
+    overlap_grad_reduce: bool = True
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("flash", "math"):
+            raise ValueError(f"Framework(attention={self.attention!r}): use 'flash' or 'math'")
+        if self.selective not in ("attention", "op"):
+            raise ValueError(f"Framework(selective={self.selective!r}): use 'attention' (Korthikanti et al.) or "
+                             "'op' (torchtitan's per-operator checkpointing)")
+        if self.optimizer not in OPTIMIZER_BYTES:
+            raise ValueError(f"Framework(optimizer={self.optimizer!r}): use one of {sorted(OPTIMIZER_BYTES)}")
+        if self.grad_reduce_bytes not in (0, 2, 4) or isinstance(self.grad_reduce_bytes, bool):
+            raise ValueError(f"Framework(grad_reduce_bytes={self.grad_reduce_bytes!r}): 4 (float32), 2 (16-bit) or 0 "
+                             "(the compute precision's)")
+        if isinstance(self.loss_float32_copies, bool) or self.loss_float32_copies not in (1, 2, 3, 4):
+            raise ValueError(f"Framework(loss_float32_copies={self.loss_float32_copies!r}): a whole number 1-4")
+        for name in ("dp_bucket_params", "sm_share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name == "sm_share" and v >= 1):
+                raise ValueError(f"Framework({name}={v!r}): must be >= 0" + (" and < 1" if name == "sm_share" else ""))
+
+    def optimizer_bytes(self, precision: str) -> int:
+        """Bytes the optimizer's step moves per parameter it updates (:data:`OPTIMIZER_BYTES`)."""
+        return OPTIMIZER_BYTES[self.optimizer][precision]
+
+
+EAGER = Framework(
+    "eager", attention="flash", fused=False, tp_comm_overlap=False, selective="op", optimizer="foreach",
+    loss_float32_copies=3, dp_bucket_params=0.0,
+    source="PyTorch eager without torch.compile, as torchtitan runs it (pytorch/torchtitan: models/llama3 "
+           "RMSNorm, apply_rotary_emb, repeat_kv, F.silu(w1(x)) * w3(x); activation_checkpoint.mode selective, "
+           "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach)")
+MEGATRON = Framework(
+    "megatron", attention="flash", fused=True, tp_comm_overlap=True, selective="attention", optimizer="fused",
+    loss_float32_copies=1, dp_bucket_params=40e6, sm_share=0.12, grad_reduce_bytes=0,
+    source="Megatron-Core with TransformerEngine (NVIDIA/Megatron-LM README, H100 weak scaling: "
+           "--tp-comm-overlap, fused kernels, flash attention, distributed optimizer buckets of 40 M parameters, "
+           "gradients reduced in bf16 (--grad-reduce-in-bf16): inferred, see the module docstring)")
+MEGATRON_2022 = Framework(
+    "megatron-2022", attention="math", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
+    loss_float32_copies=1, dp_bucket_params=40e6, sm_share=0.15, overlap_grad_reduce=False,
+    source="Megatron-LM on A100 as in Narayanan et al. 2021 and Korthikanti et al. 2022 (fused scale-mask-softmax "
+           "over materialised scores, fused bias-GeLU and bias-dropout-add, no TP overlap; its LocalDDP all-reduces "
+           "the contiguous gradient buffer once the pipeline has flushed, megatron/model/distributed.py "
+           "allreduce_gradients, before --overlap-grad-reduce existed); 16 NCCL channels of 108 SMs")
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (EAGER, MEGATRON, MEGATRON_2022)}
