@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm, plots, show
+from workbench import comm, plots, probes, show
 from workbench.bench import collectives as bench
 from workbench.comm import cost, pictures
 
@@ -176,19 +176,20 @@ plt.show()
 # %%
 # NBVAL_IGNORE_OUTPUT
 SWEEP = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
-SIZES = [1 << k for k in range(10, 23, 2)]  # 1 KiB .. 4 MiB
-TRIALS = 1 if workbench.smoke_test() else 3  # the test suite's quick run takes one trial
+SMOKE = workbench.smoke_test()  # the test suite's quick run: one trial, sizes up to 256 KiB
+SIZES = [1 << k for k in range(10, 19 if SMOKE else 23, 2)]  # 1 KiB .. 4 MiB
+TRIALS = 1 if SMOKE else 3
 
 
 def measure_two_ranks():
     algorithms = {c: list(comm.ALGORITHMS[c]) for c in SWEEP}  # "native" comes first
-    probes = {}  # the model's primitives, timed in the same trials as the collectives
+    probed = {}  # the model's primitives, timed in the same trials as the collectives
     rows = bench.sweep(SWEEP, algorithms, SIZES, trials=TRIALS, warmup=2, iters=10, budget_bytes=8 << 20,
-                       progress=False, probes=probes)
-    fitted = cost.fit(pingpong_sizes=[8 << k for k in range(0, 21, 2)],  # 8 B .. 8 MiB
-                      exchange_sizes=[8192 << k for k in range(0, 10)],  # 8 KiB .. 4 MiB
-                      reduction_sizes=[8192 << k for k in range(0, 10)])
-    fitted["models"] = bench.models_for(fitted["model"], probes)
+                       progress=False, probes=probed)
+    fitted = probes.fit(pingpong_sizes=[8 << k for k in range(0, 21, 2)],  # 8 B .. 8 MiB
+                        exchange_sizes=[8192 << k for k in range(0, 10)],  # 8 KiB .. 4 MiB
+                        reduction_sizes=[8192 << k for k in range(0, 10)])
+    fitted["models"] = bench.models_for(fitted["model"], probed)
     return {"rows": rows, "fit": fitted}
 
 
@@ -404,21 +405,21 @@ show.markdown(
 # processes share the 2 cores, and in every step of a ring or of recursive doubling *all four*
 # ranks send and receive at once: each message then gets half a core on each end. So the race
 # below also fits the model on the 4 ranks themselves, with every pair of ranks exchanging at
-# the same time (`cost.fit(..., all_pairs=True)`), and draws both predictions: from the 2-rank
+# the same time (`probes.fit(..., all_pairs=True)`), and draws both predictions: from the 2-rank
 # curves (dotted) and from the 4-rank ones (dashed).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 RACE = ["recursive_doubling", "ring", "rabenseifner"]
-RACE_SIZES = [1 << k for k in range(6, 23, 2)]  # 64 B .. 4 MiB
+RACE_SIZES = [1 << k for k in range(6, 19 if SMOKE else 23, 2)]  # 64 B .. 4 MiB
 
 
 def race_four_ranks():
     rows = bench.sweep(["all_reduce"], {"all_reduce": ["native"] + RACE}, RACE_SIZES, trials=TRIALS, warmup=2,
                        iters=10, budget_bytes=8 << 20, progress=False)
-    fitted = cost.fit(pingpong_sizes=[8 << k for k in range(0, 21, 2)],  # 8 B .. 8 MiB
-                      exchange_sizes=[64 << k for k in range(0, 17, 2)],  # 64 B .. 4 MiB: every size a step sends
-                      reduction_sizes=[8192 << k for k in range(0, 10, 2)], all_pairs=True)
+    fitted = probes.fit(pingpong_sizes=[8 << k for k in range(0, 21, 2)],  # 8 B .. 8 MiB
+                        exchange_sizes=[64 << k for k in range(0, 17, 2)],  # 64 B .. 4 MiB: every size a step sends
+                        reduction_sizes=[8192 << k for k in range(0, 10, 2)], all_pairs=True)
     return {"rows": rows, "model": fitted["model"]}
 
 

@@ -45,8 +45,7 @@ from IPython.display import Markdown, display
 
 import workbench
 from workbench import everyone
-from workbench import comm, plots
-from workbench.bench import _common
+from workbench import comm, measuring, plots
 from workbench.models import MLP
 from workbench.parallel import DistributedDataParallel, ddp_steps
 from workbench.parallel.buckets import FIRST_BUCKET_BYTES
@@ -122,8 +121,8 @@ def time_steps(trials=5, steps=3, cap=5):
 
     for name in STEP_NAMES:
         step(name)  # warm-up
-    samples = _common.interleaved_trials(
-        STEP_NAMES, trials, lambda n: _common.max_over_ranks(_common.timed(lambda: step(n), steps)))
+    samples = measuring.interleaved_trials(
+        STEP_NAMES, trials, lambda n: measuring.max_over_ranks(measuring.timed(lambda: step(n), steps)))
     tensors = sum(1 for _ in models["no communication"].parameters())
     messages = {"1 after backward": tensors, "2 per-param hooks": tensors, "3 buckets": len(models["3 buckets"].buckets),
                 "4 overlap": len(models["4 overlap"].buckets),
@@ -132,7 +131,7 @@ def time_steps(trials=5, steps=3, cap=5):
 
 
 step_times = workbench.launch(time_steps, world_size=WORLD, kwargs=QUICK, timeout=300)[0]
-med = {n: _common.median(v) for n, v in step_times["ms"].items()}
+med = {n: measuring.median(v) for n, v in step_times["ms"].items()}
 fig, ax = plt.subplots(figsize=(9, 3.8), layout="constrained")
 ax.bar(range(len(STEP_NAMES)), [med[n] for n in STEP_NAMES], color=["0.7"] + [f"C{i}" for i in range(5)])
 for i, n in enumerate(STEP_NAMES):
@@ -229,7 +228,7 @@ def timeline_run(overlap=True, steps=6):
 runs = {overlap: workbench.launch(timeline_run, world_size=WORLD, kwargs={"overlap": overlap, **({"steps": 2} if SMOKE else {})},
                                   timeout=120)[0]
         for overlap in (True, False)}
-exposed_ms = {overlap: 1e3 * _common.median([max(per_step) for per_step in zip(*(r["exposed"] for r in runs[overlap]))])
+exposed_ms = {overlap: 1e3 * measuring.median([max(per_step) for per_step in zip(*(r["exposed"] for r in runs[overlap]))])
               for overlap in runs}
 fig, axes = plt.subplots(2, 1, figsize=(10, 5.5), layout="constrained")
 for ax, overlap in zip(axes, (True, False)):
@@ -295,8 +294,8 @@ def on_the_network(trials=9, steps=2):
     comm.emulate(comm.Topology(1, inter=LINK))  # 2 nodes of 1 rank: every message crosses LINK
     for n in NET_NAMES:
         step(n)
-    samples = _common.interleaved_trials(
-        NET_NAMES, trials, lambda n: _common.max_over_ranks(_common.timed(lambda: step(n), steps)))
+    samples = measuring.interleaved_trials(
+        NET_NAMES, trials, lambda n: measuring.max_over_ranks(measuring.timed(lambda: step(n), steps)))
     comm.emulate(None)  # back to loopback (under torchrun these processes go on to the next sections)
     ddps = {n: models[n] for n in NET_NAMES[1:]}
     return everyone({"ms": {n: [1e3 * s for s in v] for n, v in samples.items()},
@@ -308,12 +307,12 @@ def on_the_network(trials=9, steps=2):
 
 
 net = workbench.launch(on_the_network, world_size=WORLD, kwargs=QUICK, timeout=300)[0]
-net_med = {n: _common.median(v) for n, v in net[0]["ms"].items()}
+net_med = {n: measuring.median(v) for n, v in net[0]["ms"].items()}
 link_ms = 1e3 * sum(2 * (WORLD - 1) * LINK.latency_s + 2 * (WORLD - 1) / WORLD * n / LINK.bandwidth_Bps
                     for n in net[0]["bucket_bytes"])
-net_gain = _common.median([a - b for a, b in zip(net[0]["ms"]["overlap=False"], net[0]["ms"]["overlap=True"])])
+net_gain = measuring.median([a - b for a, b in zip(net[0]["ms"]["overlap=False"], net[0]["ms"]["overlap=True"])])
 net_hidden = {n: sum(r["hidden"][n] for r in net) / WORLD for n in NET_NAMES[1:]}
-net_exposed = {n: 1e3 * _common.median([max(s) for s in zip(*(r["exposed"][n] for r in net))]) for n in NET_NAMES[1:]}
+net_exposed = {n: 1e3 * measuring.median([max(s) for s in zip(*(r["exposed"][n] for r in net))]) for n in NET_NAMES[1:]}
 fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), height_ratios=[2, 2, 1.4], layout="constrained")
 for ax, n in zip(axes, ("overlap=True", "overlap=False")):
     plots.timeline(ax, [e for r in net for e in r["events"][n]],
@@ -377,15 +376,15 @@ def sweep(trials=5, steps=3):
 
     for n in names:
         step(n)  # warm-up
-    samples = _common.interleaved_trials(
-        names, trials, lambda n: _common.max_over_ranks(_common.timed(lambda: step(n), steps)))
+    samples = measuring.interleaved_trials(
+        names, trials, lambda n: measuring.max_over_ranks(measuring.timed(lambda: step(n), steps)))
     buckets = {n: len(m.buckets) for n, m in models.items() if hasattr(m, "buckets")}
     return everyone({"ms": {n: [1e3 * s for s in samples[n]] for n in names}, "buckets": buckets})[0]
 
 
 swept = workbench.launch(sweep, world_size=WORLD, kwargs=QUICK, timeout=300)[0]
-sw_med = {n: _common.median(v) for n, v in swept["ms"].items()}
-print(_common.format_table(
+sw_med = {n: measuring.median(v) for n, v in swept["ms"].items()}
+print(measuring.format_table(
     [{"candidate": n, "buckets": swept["buckets"].get(n), "median": sw_med[n], "min": min(v), "max": max(v)}
      for n, v in swept["ms"].items()],
     [("candidate", "candidate", "s"), ("buckets", "buckets", "{:d}"), ("median", "median ms", "{:.1f}"),

@@ -49,8 +49,7 @@ from IPython.display import Markdown, display
 
 import workbench
 from workbench import everyone
-from workbench import plots
-from workbench.bench import _common
+from workbench import measuring, plots
 from workbench.bench import zero as zero_bench
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import zero
@@ -79,7 +78,7 @@ PSI = rows[0]["psi"]
 for r in rows:
     r.update({k + "_mib": r[k] / MIB for k in ("params", "grads", "optimizer", "total", "formula", "sent")},
              ratio=r["total"] / r["formula"])
-print(_common.format_table(rows, [
+print(measuring.format_table(rows, [
     ("N", "N", "{:d}"), ("stage", "stage", "{:d}"), ("params_mib", "params MiB", "{:.2f}"),
     ("grads_mib", "grads MiB", "{:.2f}"), ("optimizer_mib", "optimizer MiB", "{:.2f}"),
     ("total_mib", "total MiB", "{:.2f}"), ("formula_mib", "formula MiB", "{:.2f}"),
@@ -158,8 +157,8 @@ display(explorer)
 # %%
 for r in rows:
     r["sent_ratio"] = r["sent"] / (4 * 2 * r["psi"] * (r["N"] - 1) / r["N"])
-print(_common.format_table(rows, [("N", "N", "{:d}"), ("stage", "stage", "{:d}"), ("sent_mib", "MiB sent", "{:.2f}"),
-                                  ("sent_ratio", "x 2 psi (N-1)/N", "{:.3f}")], title="bytes sent per rank per step"))
+print(measuring.format_table(rows, [("N", "N", "{:d}"), ("stage", "stage", "{:d}"), ("sent_mib", "MiB sent", "{:.2f}"),
+                                    ("sent_ratio", "x 2 psi (N-1)/N", "{:.3f}")], title="bytes sent per rank per step"))
 fig, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
 for i, n in enumerate(SIZES):
     sel = [r for r in rows if r["N"] == n]
@@ -201,7 +200,7 @@ bench = {label: workbench.launch(zero_bench.run, world_size=2, args=(CANDIDATES,
 by = {label: {r["candidate"]: r for r in res["rows"]} for label, res in bench.items()}
 FEW, MANY = RUNS
 for label in RUNS:
-    print(_common.format_table(
+    print(measuring.format_table(
         [{**r, "peak_mib": r["peak"] / MIB, "x0": r["step_ms"] / by[label]["stage0"]["step_ms"],
           **{f"{c}_mib": v / MIB for c, v in r["peak_by_category"].items()}} for r in bench[label]["rows"]],
         [("candidate", "candidate", "s"), ("step_ms", "step ms", "{:.1f}"), ("x0", "x stage0", "{:.2f}"),

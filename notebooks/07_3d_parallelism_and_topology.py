@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm, plots, show
-from workbench.bench import _common
+from workbench import comm, measuring, plots, show
 from workbench.bench import placement
 from workbench.busy import busy_fraction, were_free
 from workbench.comm import cost
@@ -147,10 +146,10 @@ def time_all_reduce(sizes, trials=TRIALS):
         buf = torch.ones(n // 4)
 
         def once(algo):
-            return _common.max_over_ranks(_common.timed(lambda: comm.all_reduce(buf, algorithm=algo), 1))
+            return measuring.max_over_ranks(measuring.timed(lambda: comm.all_reduce(buf, algorithm=algo), 1))
 
-        samples = _common.interleaved_trials(ALGOS, trials, once)
-        out[n] = {a: _common.median(s) for a, s in samples.items()}
+        samples = measuring.interleaved_trials(ALGOS, trials, once)
+        out[n] = {a: measuring.median(s) for a, s in samples.items()}
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import sys
 import types
 
 import pytest
@@ -549,12 +548,10 @@ def test_cli_delegates_calibrate_and_validate(monkeypatch, capsys):
     fake_val = types.ModuleType("workbench.advise.validate")
     fake_val.add_arguments = lambda p: p.add_argument("--samples", type=int, default=3)
     fake_val.main = lambda args: calls.setdefault("val", args.samples) and 0
-    import workbench.advise as pkg
+    from workbench.advise import cli as advise_cli
 
-    monkeypatch.setitem(sys.modules, "workbench.advise.calibrate", fake_cal)
-    monkeypatch.setitem(sys.modules, "workbench.advise.validate", fake_val)
-    monkeypatch.setattr(pkg, "calibrate", fake_cal, raising=False)
-    monkeypatch.setattr(pkg, "validate", fake_val, raising=False)
+    monkeypatch.setattr(advise_cli, "calibrate", fake_cal)   # the modules the CLI hands the work to
+    monkeypatch.setattr(advise_cli, "validate", fake_val)
     rc, text = _run(capsys, "--calibrate", "--world-size", "2", "--topology", "ranks_per_node=1,inter=1ms@20MB/s",
                     "--model", "tiny", "--batch", "8", "--precision", "fp32", "--recompute", "none")
     assert rc == 0 and calls["cal"][0] == 2 and "inter=1ms@20MB/s" in calls["cal"][1] and "test: 1 node(s)" in text

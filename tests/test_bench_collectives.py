@@ -18,58 +18,57 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm
-from workbench.bench import _common
+from workbench import comm, measuring, probes
 from workbench.bench import collectives as bc
 from workbench.comm import cost
 
-# ------------------------------------------------------------------------------- _common helpers
+# ------------------------------------------------------------------------------- measuring helpers
 
 
 def test_parse_and_format_bytes():
-    assert _common.parse_bytes("8") == 8
-    assert _common.parse_bytes("4K") == 4096
-    assert _common.parse_bytes("64M") == 64 << 20
-    assert _common.parse_bytes("1g") == 1 << 30
-    assert _common.parse_bytes(12) == 12
+    assert measuring.parse_bytes("8") == 8
+    assert measuring.parse_bytes("4K") == 4096
+    assert measuring.parse_bytes("64M") == 64 << 20
+    assert measuring.parse_bytes("1g") == 1 << 30
+    assert measuring.parse_bytes(12) == 12
     for bad in ("", "12X", "-3", "1.5M"):
         with pytest.raises(ValueError, match="size"):
-            _common.parse_bytes(bad)
-    assert _common.format_bytes(64 << 20) == "64M"
-    assert _common.format_bytes(1536) == "1.5K"
-    assert _common.format_bytes(8) == "8"
+            measuring.parse_bytes(bad)
+    assert measuring.format_bytes(64 << 20) == "64M"
+    assert measuring.format_bytes(1536) == "1.5K"
+    assert measuring.format_bytes(8) == "8"
 
 
 def test_size_sweep_is_nccl_tests_b_e_f():
-    sizes = _common.size_sweep(8, 64 << 20, 4)
+    sizes = measuring.size_sweep(8, 64 << 20, 4)
     # 8 * 4^11 = 32M, the next step (128M) is past the end: 64M itself closes the sweep
     assert sizes[0] == 8 and sizes[-2:] == [32 << 20, 64 << 20] and len(sizes) == 13
     assert all(b == 4 * a for a, b in zip(sizes[:-1], sizes[1:-1]))
-    assert _common.size_sweep(8, 128 << 20, 4) == [8 * 4 ** k for k in range(13)]
+    assert measuring.size_sweep(8, 128 << 20, 4) == [8 * 4 ** k for k in range(13)]
     with pytest.raises(ValueError, match="max_bytes"):
-        _common.size_sweep(64, 8, 4)
+        measuring.size_sweep(64, 8, 4)
     with pytest.raises(ValueError, match="factor"):
-        _common.size_sweep(8, 64, 1)
+        measuring.size_sweep(8, 64, 1)
 
 
 def test_scaled_iterations():
-    assert _common.scaled_iterations(8, 20, 64 << 20) == 20
-    assert _common.scaled_iterations(16 << 20, 20, 64 << 20) == 4
-    assert _common.scaled_iterations(256 << 20, 20, 64 << 20) == 1
+    assert measuring.scaled_iterations(8, 20, 64 << 20) == 20
+    assert measuring.scaled_iterations(16 << 20, 20, 64 << 20) == 4
+    assert measuring.scaled_iterations(256 << 20, 20, 64 << 20) == 1
 
 
 def test_interleaved_trials_rotate_the_order():
     calls = []
-    samples = _common.interleaved_trials(["a", "b", "c"], 6, lambda name: calls.append(name) or len(calls))
+    samples = measuring.interleaved_trials(["a", "b", "c"], 6, lambda name: calls.append(name) or len(calls))
     assert calls[:3] == ["a", "b", "c"] and calls[3:6] == ["b", "c", "a"] and calls[6:9] == ["c", "a", "b"]
     # every candidate runs first, second and third equally often
     for name in "abc":
         positions = [calls[3 * t:3 * t + 3].index(name) for t in range(6)]
         assert sorted(positions) == [0, 0, 1, 1, 2, 2]
     assert {k: len(v) for k, v in samples.items()} == {"a": 6, "b": 6, "c": 6}
-    assert _common.median([3.0, 1.0, 2.0, float("nan")]) == 2.0
+    assert measuring.median([3.0, 1.0, 2.0, float("nan")]) == 2.0
     with pytest.raises(ValueError, match="trials"):
-        _common.interleaved_trials(["a"], 0, lambda name: 0.0)
+        measuring.interleaved_trials(["a"], 0, lambda name: 0.0)
 
 
 def test_interleaved_trials_run_after_last_so_a_different_candidate_follows_it():
@@ -77,20 +76,20 @@ def test_interleaved_trials_run_after_last_so_a_different_candidate_follows_it()
     trial's first candidate) changes from trial to trial, where rotating it with the others put
     the same candidate after it in every trial but one."""
     calls = []
-    samples = _common.interleaved_trials(["a", "b", "c"], 4, lambda name: calls.append(name) or 0.0, after=["cal"])
+    samples = measuring.interleaved_trials(["a", "b", "c"], 4, lambda name: calls.append(name) or 0.0, after=["cal"])
     assert calls == ["a", "b", "c", "cal", "b", "c", "a", "cal", "c", "a", "b", "cal", "a", "b", "c", "cal"]
     followers = [calls[k + 1] for k in range(len(calls) - 1) if calls[k] == "cal"]
     assert followers == ["b", "c", "a"]
     assert {k: len(v) for k, v in samples.items()} == {"a": 4, "b": 4, "c": 4, "cal": 4}
     # the plain rotation with "cal" among the candidates: "a" follows it in every trial but the first
     calls.clear()
-    _common.interleaved_trials(["a", "b", "c", "cal"], 4, lambda name: calls.append(name) or 0.0)
+    measuring.interleaved_trials(["a", "b", "c", "cal"], 4, lambda name: calls.append(name) or 0.0)
     assert [calls[k + 1] for k in range(len(calls) - 1) if calls[k] == "cal"] == ["b", "a", "a", "a"]
 
 
 def test_format_table_aligns_and_marks_missing():
-    text = _common.format_table([{"x": 1, "y": 2.5}, {"x": 100, "y": float("nan")}],
-                                [("x", "size", "{:d}"), ("y", "busbw", "{:.2f}")], title="t")
+    text = measuring.format_table([{"x": 1, "y": 2.5}, {"x": 100, "y": float("nan")}],
+                                  [("x", "size", "{:d}"), ("y", "busbw", "{:.2f}")], title="t")
     lines = text.splitlines()
     assert lines[0] == "# t" and lines[1].startswith("#") and "busbw" in lines[1]
     assert lines[2].split() == ["1", "2.50"] and lines[3].split() == ["100", "-"]
@@ -128,7 +127,7 @@ def _sweep_all(sizes):
         case = bc._make_case(c, 16 if c != "all_to_all_single" else 16 * dist.get_world_size(), "out-of-place",
                              torch.float32)
         case.fill()
-        unrun[c] = int(_common.sum_over_ranks(case.wrong()))
+        unrun[c] = int(measuring.sum_over_ranks(case.wrong()))
     return {"rows": rows, "unrun": unrun, "algorithms": algorithms}
 
 
@@ -188,7 +187,7 @@ def test_cli_is_discovered_and_defaults_match_the_issue():
     assert (args.world_size, args.min_bytes, args.max_bytes, args.factor) == (2, "8", "64M", 4)
     assert args.trials >= 5
     config = bc.configure(args)
-    assert config["sizes"] == _common.size_sweep(8, 64 << 20, 4)
+    assert config["sizes"] == measuring.size_sweep(8, 64 << 20, 4)
     assert config["collectives"] == list(bc.COLLECTIVES)
     for c in bc.COLLECTIVES:
         assert config["algorithms"][c][0] == "native"
@@ -367,8 +366,8 @@ def test_fit_line_recovers_a_line():
 
 
 def _fit_tiny():
-    return cost.fit(pingpong_sizes=(8, 4096, 1 << 18), reduction_sizes=(1 << 16, 1 << 18, 1 << 20),
-                    exchange_sizes=(1 << 12, 1 << 16))
+    return probes.fit(pingpong_sizes=(8, 4096, 1 << 18), reduction_sizes=(1 << 16, 1 << 18, 1 << 20),
+                      exchange_sizes=(1 << 12, 1 << 16))
 
 
 def test_fit_on_ranks_and_compare():
@@ -430,11 +429,11 @@ def test_measured_curves_price_each_step_at_the_size_it_sends():
 
 def _probe_on_three_ranks():
     out = {}
-    for kind in cost.Probe.KINDS:
-        probe = cost.Probe(kind, 4096)
+    for kind in probes.Probe.KINDS:
+        probe = probes.Probe(kind, 4096)
         probe()
         out[kind] = (probe.peer, probe.comm.bytes_sent if probe.comm else 0, probe.comm.bytes_received if probe.comm else 0)
-    return out, cost.call_overheads(calls=3, repeats=2)
+    return out, probes.call_overheads(calls=3, repeats=2)
 
 
 def test_probe_runs_between_ranks_0_and_1_only():
@@ -447,16 +446,16 @@ def test_probe_runs_between_ranks_0_and_1_only():
     assert set(o0) == {f"{c}/{a}" for c, algs in comm.ALGORITHMS.items() for a in algs if a != "native"}
     assert all(0 < t < 0.01 for t in o0.values())
     with pytest.raises(ValueError, match="kind='broadcast'"):
-        cost.Probe("broadcast", 8)
+        probes.Probe("broadcast", 8)
 
 
 def _probes_all_pairs_and_faults():
     out = {}
-    for kind in cost.Probe.KINDS:
-        probe = cost.Probe(kind, 4096, all_pairs=True)
+    for kind in probes.Probe.KINDS:
+        probe = probes.Probe(kind, 4096, all_pairs=True)
         probe()
         out[kind] = (probe.peer, probe.comm.bytes_sent if probe.comm else 0, probe.comm.bytes_received if probe.comm else 0)
-    ex = cost.exchange([1024, 4096], iterations=2, repeats=1, all_pairs=True)
+    ex = probes.exchange([1024, 4096], iterations=2, repeats=1, all_pairs=True)
     faults = bc.page_faults(["all_gather"], {"all_gather": ["native", "ring"]}, 1 << 16, calls=2)
     return out, ex, faults
 

@@ -154,7 +154,6 @@ def test_every_strategy_trains_on_cuda_like_one_process(device, world_size, prec
     from workbench import compare
     from workbench.train import TrainConfig
 
-    compare._load_strategy_modules()
     names = None if world_size == 2 else ["single", "ddp", "zero1", "zero2", "zero3", "torch-fsdp"] + \
         (["torch-ddp"] if precision == "fp32" else [])
     rows = compare.run(TrainConfig(model="tiny", steps=3, batch_size=8, precision=precision), names, world_size,
@@ -172,7 +171,6 @@ def test_torch_ddp_mixed_precision_refuses_a_tied_head_with_the_reason():
     from workbench import compare, strategies
     from workbench.train import TrainConfig
 
-    compare._load_strategy_modules()
     config = TrainConfig(model="tiny", steps=1, batch_size=8, precision="bf16")
     with pytest.raises(ValueError, match="torch-ddp cannot train in mixed precision on cuda: PyTorch DDP's"):
         compare.run(config, ["single", "torch-ddp"], 1, log=lambda *a: None)

@@ -14,18 +14,18 @@ import importlib
 import pkgutil
 import sys
 
+import workbench.bench as bench
+from workbench import compare
+from workbench.advise import cli as advise_cli
+
 
 def _benchmarks() -> list[str]:
-    import workbench.bench as bench
-
     return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from workbench import compare
 
     p = sub.add_parser("compare", help="train with every strategy and write a report")
     compare.add_arguments(p)
@@ -38,8 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
         bp = bsub.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
         module.add_arguments(bp)
         bp.set_defaults(run=module.main)
-
-    from workbench.advise import cli as advise_cli
 
     a = sub.add_parser("advise", help="predict memory and step time of every strategy for a model and a cluster, "
                                       "rank them and explain the choice")

@@ -16,23 +16,21 @@ others -- from the same seed-initialised model on the same global batches. The r
 * ``throughput.png``, ``memory.png`` (stacked by category, per rank), ``loss.png``;
 * ``results.json``: every number, for notebooks and tests.
 
-Strategies come from :mod:`workbench.strategies`; modules under ``workbench.parallel`` are
-imported first so that the strategies they register appear too.
+Strategies come from :mod:`workbench.strategies`, the one registry.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib
 import json
 import math
 import os
-import pkgutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from workbench import strategies
+import workbench
+from workbench import plots, runtime, strategies
 from workbench.memory import format_bytes
 from workbench.models import GPTConfig
 from workbench.train import TrainConfig, preload, summarize, train
@@ -69,17 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "them, over gloo")
 
 
-def _load_strategy_modules() -> None:
-    """Import every ``workbench.parallel`` module: strategies register themselves on import."""
-    try:
-        import workbench.parallel as parallel
-    except ImportError:
-        return
-    for module in pkgutil.iter_modules(parallel.__path__):
-        if not module.name.startswith("_"):
-            importlib.import_module(f"workbench.parallel.{module.name}")
-
-
 def _selected(requested: list[str] | None) -> list[strategies.Strategy]:
     if not requested:
         return [s for s in strategies.all_strategies() if s.default]
@@ -99,12 +86,8 @@ def run(config: TrainConfig, names: list[str] | None = None, world_size: int = 2
     strategy's ranks on this machine's GPUs, over NCCL where each rank has its own GPU, else over
     gloo (several ranks on one GPU).
     """
-    import workbench
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size {world_size!r} must be a whole number >= 1")
-    from workbench import runtime
-
     chosen = _selected(names)
     config.check_world_size(world_size)
     runtime.check_device(device, runtime.default_backend(world_size) if device != "cpu" else "gloo")
@@ -154,13 +137,11 @@ def format_table(rows: list[dict]) -> str:
 
 def write_report(rows: list[dict], out: Path, config: TrainConfig, world_size: int) -> Path:
     """Write ``report.md``, ``results.json`` and the figures into ``out``; return the report's path."""
-    import matplotlib
+    import matplotlib  # heavy, and its backend is chosen here: imported only to write a report
 
     if "matplotlib.pyplot" not in sys.modules:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from workbench import plots
 
     out.mkdir(parents=True, exist_ok=True)
     figures = {
@@ -215,7 +196,6 @@ def _default_out() -> Path:
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        _load_strategy_modules()
         config = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                              seed=args.seed, precision=getattr(args, "precision", "fp32"),
                              recompute=getattr(args, "recompute", "none"))

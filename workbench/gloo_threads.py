@@ -11,22 +11,13 @@ sends, which writes the message into the socket itself: the rank's main thread f
 ``isend``/``irecv`` (every hand-written collective), a ``pt_gloo_runloop`` worker for
 torch's own collectives.
 
-With more runnable threads than cores, which is the normal case here (2 ranks x main thread,
-network thread and gloo worker on 2 vCPUs), the scheduler sometimes takes the core away from the
+With more runnable threads than cores, the normal case where ranks share a few cores (each
+rank runs a main thread, a network thread and a gloo worker), the scheduler sometimes takes the core away from the
 sender while it holds the lock and gives it to the spinning network threads. Nothing progresses
-until their time slice ends: about 3-5 ms. ``perf sched timehist`` shows both ranks'
-``gloo_tcp_loop`` running for 5.1 ms while both main threads wait, and ``perf record`` shows those
-5 ms spent in ``epoll_wait``. Measured on this 2-vCPU machine, 2 ranks, 100 calls each:
-
-=====================  ========================  ========================
-all_reduce             median, calls > 2 ms      median, calls > 2 ms
-                       (network thread normal)   (network thread SCHED_IDLE)
-=====================  ========================  ========================
-64 KiB, torch gloo     2965 us, 56 %             326 us, 1 %
-1 MiB,  torch gloo      696 us, 33 %             357 us, 2 %
-1 MiB,  our ring       3526 us, 58 %             433 us, 1 %
-16 MiB, torch gloo    10124 us                   7609 us
-=====================  ========================  ========================
+until their time slice ends, a few milliseconds. ``perf sched timehist`` shows both ranks'
+``gloo_tcp_loop`` running a whole time slice while both main threads wait, and ``perf record``
+shows that time spent in ``epoll_wait``. The stalls and what demoting the thread changes, on one
+2-vCPU machine: ``docs/benchmarks/2026-11-23-collectives-and-placement-2vcpu.md``.
 
 The fix
 -------
@@ -42,10 +33,8 @@ changes the scheduling of torch's own collectives exactly as it does ours, so co
 The cost: while every core is busy with normal-priority work (all ranks computing), the network
 thread gets almost no CPU, so messages move only when a rank waits. That holds for the receiver
 too: a rank blocked in a receive gets its message only once a core is free to read it out of the
-socket. Measured on this 2-vCPU machine, 4 ranks: rank 0 sends 4 KiB to rank 1 (blocked in its
-receive) and then computes for 10 ms while rank 2 computes too; rank 1 got the message a median
-11.1 ms after the send (30 ms of compute after it: 29.6 ms), against 0.8 ms with the network
-thread left normal, and 0.1-1.0 ms demoted where a core was free. A pipeline stage whose ranks
+socket: a message to a rank blocked in its receive, whose sender then computes beside other busy
+ranks, arrives about when the sender's computation ends (figures in the same file). A pipeline stage whose ranks
 fill the cores therefore delivers its gradient to the stage before it only when it next waits.
 Set the environment variable ``WORKBENCH_GLOO_LOOP=normal`` to leave gloo's threads as they are
 (to see the stall, or on a machine with cores to spare). Linux only; elsewhere, or without ``/proc``, it does nothing.
@@ -60,8 +49,8 @@ that would hold every message until the end of backward, which no NIC does: a NI
 while the GPU computes. So :func:`promoted` gives the network threads the normal class back while
 a thread of this process waits for a held-back message (``workbench.comm.group`` does so around the
 wait for the bytes of every message on an emulated link, not around its emulated hold-back, which
-sleeps): they then take their fair share of the core, as the bytes' CPU cost on this machine is
-real, and a waiting thread holds no connection lock, so nothing spins on one. Messages that are not
+sleeps): they then take their fair share of the core, as moving the bytes over loopback costs
+real CPU, and a waiting thread holds no connection lock, so nothing spins on one. Messages that are not
 emulated keep the idle class throughout: on loopback, moving the bytes costs the same core that
 backward needs (lesson 03 measures both).
 """

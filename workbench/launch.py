@@ -16,7 +16,8 @@ How a launch works
   there to exchange the addresses gloo (or NCCL) connects through, on ports the operating system
   picks. No server runs in the parent, so nothing half-alive is copied into a forked child, and
   two launches (in a row, or from two notebooks) never collide. (A ``TCPStore`` served from the
-  parent made about one launch in a few hundred hang in gloo's connection phase.)
+  parent would be a server thread copied half-alive into every forked child; launches through one
+  now and then hung in gloo's connection phase.)
 * Children are forked by default, so a function defined in a notebook cell just works (spawn
   would have to pickle it by name, and a notebook's ``__main__`` cannot be imported). The first
   thing a child does is set one intra-op thread: a forked child of a parent that already ran
@@ -36,6 +37,10 @@ How a launch works
   cluster (:mod:`workbench.comm.topology`): checked in the parent before any rank starts, then
   set up in every rank once its process group exists (:func:`workbench.comm.emulate`, which
   measures this machine's floor and refuses links faster than it).
+
+Layer: starting ranks sits above :mod:`workbench.comm`, whose emulated network it sets up in every
+rank, and below the models, strategies and apps, none of which starts ranks (a rank's own context,
+:mod:`workbench.runtime`, is below comm). pyproject.toml's import contracts hold it there.
 """
 from __future__ import annotations
 
@@ -61,6 +66,8 @@ import torch
 import torch.distributed as dist
 
 from workbench import gloo_threads, runtime
+from workbench.comm import emulation
+from workbench.comm.topology import Topology
 
 
 
@@ -282,8 +289,6 @@ def _redirect_output(fd: int) -> None:
 def _resolve_topology(topology, world_size: int):
     """``topology=`` (a Topology, a spec string, or None: ``WORKBENCH_TOPOLOGY`` if set), checked
     against the world size here, in the parent, before any rank starts."""
-    from workbench.comm.topology import Topology  # the emulated network belongs to comm
-
     if topology is None:
         topology = Topology.from_env()
     elif isinstance(topology, str):
@@ -298,8 +303,6 @@ def _resolve_topology(topology, world_size: int):
 
 def _emulate(topology) -> None:
     if topology is not None:
-        from workbench.comm import emulation
-
         emulation.emulate(topology)
 
 
@@ -335,7 +338,7 @@ def init_group(rank, world_size, store_path, backend, pg_timeout) -> None:
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=pg_timeout))
-    gloo_threads.demote_loop_threads()  # see gloo_threads.py: no 4 ms stalls on a busy machine
+    gloo_threads.demote_loop_threads()  # see gloo_threads.py: no time-slice stalls on a busy machine
 
 
 def _rank_main(rank, world_size, store_path, backend, fn, args, kwargs, queue, out_conn, dump_conn, pg_timeout,
@@ -423,7 +426,7 @@ class _Progress:
         if record["rank"] != 0 or "step" not in record:
             return
         if self.bar is None:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # optional: only when a progress bar is shown (it loads ipywidgets)
 
             self.bar = tqdm(total=record.get("total"), desc="rank 0", unit="step", leave=True)
         if record.get("total") is not None and self.bar.total != record["total"]:
@@ -724,8 +727,6 @@ def _launch_in_process(fn, world_size, args, kwargs, backend, timeout, topology=
             rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, backend=backend,
             device=runtime.rank_device(backend, device, local)))
     if topology is not None:
-        from workbench.comm import emulation
-
         if emulation.current() != topology:  # every rank sees the same topology: all call emulate
             emulation.emulate(topology)
     ctx = runtime._context

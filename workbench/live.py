@@ -36,10 +36,10 @@ A rank that dies (a segfault, ``os._exit``, the OOM killer) takes its state with
 group is restarted, with a message saying so, and :class:`RankFailed` names the rank that died.
 So is a rank that does not come back within a few seconds of being interrupted.
 
-Costs, measured with 2 ranks on the 2-vCPU machine under a load average of 15: an empty cell
-is one request/reply round trip over pipes (median 0.13 ms); joining a fresh group after an
-interrupt, 32 ms; restarting the ranks, 0.8 s. Each figure is rendered to PNG in the rank and
-each pulled or pushed value is pickled once (tensors travel as CPU tensors).
+Costs: an empty cell is one request/reply round trip over pipes per rank; joining a fresh group
+after an interrupt is one ``FileStore`` rendezvous; restarting the ranks is a new launch (one
+machine's figures: ``docs/benchmarks/2026-11-27-figures-from-the-code-2vcpu.md``). Each figure is rendered to PNG in the rank and each pulled or
+pushed value is pickled once (tensors travel as CPU tensors).
 """
 from __future__ import annotations
 

@@ -57,6 +57,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
+from workbench import runtime
+
 __all__ = ["CATEGORIES", "MemoryMeter", "Metered", "tag", "category", "storages_of", "storage_bytes",
            "format_bytes"]
 
@@ -209,8 +211,6 @@ class MemoryMeter:
 
     def __init__(self, *track, device: torch.device | str | None = None, history: bool = False):
         if device is None:
-            from workbench import runtime
-
             device = runtime.device()
         self.device = torch.device(device)
         self._track = track

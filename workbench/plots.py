@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from workbench.parallel import pipeline_schedules as plans
+from workbench.parallel.zero_memory import STAGES, model_state_per_rank
+
 __all__ = ["throughput", "memory_breakdown", "loss_curves", "timeline", "pipeline_schedule", "zero_model_state",
            "holdings", "CATEGORY_COLORS"]
 
@@ -215,8 +218,6 @@ def pipeline_schedule(plan, ax=None, *, num_stages: int | None = None, style: st
     ``timeline`` (records with rank, stage, kind, microbatch, start, end: drawn *measured*, in
     ms). ``messages=True`` also draws the (thin) send and receive waits of a measured timeline.
     """
-    from workbench.parallel import pipeline_schedules as plans
-
     plan = list(plan)
     measured = bool(plan) and isinstance(plan[0], Mapping)
     if measured:
@@ -335,8 +336,6 @@ def zero_model_state(ax=None, *, psi: float, world_size: int, optimizer: str = "
     and ``optimizer`` bytes (``workbench.bench.zero.state_and_traffic``), drawn hatched beside the
     formula's bars, labelled with ``measured_world_size``, so the predictor sits next to a run.
     """
-    from workbench.parallel.zero_memory import STAGES, model_state_per_rank
-
     fig, ax = _axes(ax, figsize=(7, 4))
     cats = ("params", "grads", "optimizer")
     width = 0.38 if measured else 0.7

@@ -221,8 +221,8 @@ def destroy_process_group() -> None:
     """Leave the default group and free it: torch's caches of meshes emptied first
     (:func:`forget_torch_meshes`), then ``torch.distributed.destroy_process_group``; where those
     caches held something, a garbage collection too (the meshes sit in reference cycles, which would
-    hold their groups until the next one; about 0.3 s in a rank that imported torch, so not paid where
-    no mesh was made)."""
+    hold their groups until the next one; a full collection walks every object torch created, so it
+    is not paid where no mesh was made)."""
     meshes = forget_torch_meshes()
     dist.destroy_process_group()
     if meshes:

@@ -32,7 +32,8 @@ step. ``distributed=False`` means one process trains on the whole global batch (
 ``workbench compare`` run that names none (one too slow for every run, e.g. 8 ranks on 2 cores);
 ``--strategies NAME`` still runs it.
 
-Adding a strategy is one call, typically at the end of the module that implements it::
+Adding a strategy is one call in this module, the one place that names them (a strategy's own
+module in :mod:`workbench.parallel` registers nothing: the registry is the app's, a layer above)::
 
     register(Strategy("zero1", "ZeRO-1: optimizer state sharded", True, wrap_zero1))
     register(Strategy("tp", "tensor parallel", True, wrap_tp, batch=whole_batch))
@@ -54,6 +55,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from workbench import runtime
+from workbench.data import shard_batch
+from workbench.parallel import DistributedDataParallel, FullyShardedDataParallel, ShardedOptimizer
+from workbench.parallel.mesh import Mesh, ParallelModel, parallelize
+from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, partition
+from workbench.parallel.tensor import tensor_parallel
+
 __all__ = ["Strategy", "OptimizerFactory", "register", "get", "names", "all_strategies",
            "shard_rows", "whole_batch", "data_parallel_step", "mean_over_ranks", "same_on_every_rank",
            "supports_mixed_precision", "mixed_precision_refusal"]
@@ -65,8 +73,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 def shard_rows(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Data parallelism: rank r keeps rows ``[r B/N, (r+1) B/N)`` of the global batch."""
-    from workbench.data import shard_batch
-
     return tuple(shard_batch((x, y), rank, world_size))
 
 
@@ -210,8 +216,6 @@ def _wrap_single(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=N
     With ``mp_policy``: our DDP on this one rank, which applies the policy (16-bit compute on
     copies of float32 masters) and communicates nothing but one-rank reductions."""
     if mp_policy is not None:
-        from workbench.parallel import DistributedDataParallel
-
         ddp = DistributedDataParallel(model, mp_policy=mp_policy)
         return ddp, make_optimizer(ddp.parameters())
     return model, make_optimizer(model.parameters())
@@ -221,10 +225,6 @@ def _wrap_torch_ddp(model: nn.Module, make_optimizer: OptimizerFactory, mp_polic
     """PyTorch's DistributedDataParallel: replicas, gradients all-reduced (averaged) in buckets
     during backward. Memory per rank: the full model state (16 psi bytes with Adam). With
     ``mp_policy``: DDP's own ``mixed_precision`` (``_MixedPrecision``, the same three dtypes)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from workbench import runtime
-
     dev = runtime.device()
     model = model.to(dev)
     extra = {}
@@ -237,15 +237,15 @@ def _wrap_torch_ddp(model: nn.Module, make_optimizer: OptimizerFactory, mp_polic
                              "train it in fp32, or untie the parameters")
         extra["mixed_precision"] = _MixedPrecision(param_dtype=mp_policy.param_dtype,
                                                    reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype)
-    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, **extra)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                                    **extra)
     return ddp, make_optimizer(ddp.parameters())
 
 
 _wrap_torch_ddp.mixed_precision_devices = ("cuda",)  # its mixed_precision records CUDA events
-# Seen on an H100 (torch 2.11, GPT tiny, tied head): DDP's private _MixedPrecision hooks every use of
-# a parameter's low-precision copy, so a tied one is "marked ready twice" and DDP stops; with
-# static_graph=True, its error's advice, it trains, but 0.30 off a single process at world size 1,
-# where our DDP, ZeRO and FSDP match it exactly.
+# DDP's private _MixedPrecision hooks every use of a parameter's low-precision copy, so a tied one
+# is "marked ready twice" and DDP stops; static_graph=True, its error's advice, trains but does not
+# match a single process (docs/benchmarks/2026-11-23-cuda-h100.md), where our DDP, ZeRO and FSDP do.
 _wrap_torch_ddp.mixed_precision_untied_only = ("PyTorch DDP's mixed precision (_MixedPrecision) cannot train a "
                                                "parameter used twice, such as a head tied to the embedding")
 
@@ -264,9 +264,7 @@ def _wrap_torch_fsdp(model: nn.Module, make_optimizer: OptimizerFactory, mp_poli
     """PyTorch's FSDP2 (``fully_shard``): each transformer block is a unit whose parameters,
     gradients and optimizer state are sharded over ranks (ZeRO-3), all-gathered for its forward
     and backward and reduce-scattered after. The root unit takes the embeddings and head."""
-    from torch.distributed.fsdp import fully_shard
-
-    from workbench import runtime
+    from torch.distributed.fsdp import fully_shard  # torch's FSDP2, imported only when it runs
 
     model = model.to(runtime.device())
     extra = {}
@@ -293,9 +291,6 @@ register(Strategy("torch-fsdp", "PyTorch FSDP2 fully_shard per block: parameters
 def _wrap_ddp(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):
     """Ours (workbench.parallel.DistributedDataParallel): the same algorithm as torch-ddp, in Python,
     talking through workbench.comm. Memory per rank: the full model state, as torch-ddp."""
-    from workbench import runtime
-    from workbench.parallel import DistributedDataParallel
-
     ddp = DistributedDataParallel(model.to(runtime.device()), mp_policy=mp_policy)
     return ddp, make_optimizer(ddp.parameters())
 
@@ -308,9 +303,6 @@ def _wrap_zero(stage: int):
     """Ours (workbench.parallel.zero): ZeRO stage 1 or 2 (ShardedOptimizer around the optimizer
     make_optimizer builds), or 3 (FullyShardedDataParallel, optimizer on the local shards)."""
     def wrap(model: nn.Module, make_optimizer: OptimizerFactory, mp_policy=None):
-        from workbench import runtime
-        from workbench.parallel import FullyShardedDataParallel, ShardedOptimizer
-
         model = model.to(runtime.device())
         if stage == 3:
             model = FullyShardedDataParallel(model, mp_policy=mp_policy)
@@ -334,9 +326,6 @@ def _wrap_tp(sequence_parallel: bool):
     split by sequence too). Every rank sees the whole batch. Memory per rank: about 1/t of the
     model state (norms, biases and positions stay replicated)."""
     def wrap(model: nn.Module, make_optimizer: OptimizerFactory):
-        from workbench import runtime
-        from workbench.parallel.tensor import tensor_parallel
-
         model = tensor_parallel(model.to(runtime.device()), sequence_parallel=sequence_parallel)
         return model, make_optimizer(model.parameters())
     return wrap
@@ -361,9 +350,6 @@ def _wrap_pp(model: nn.Module, make_optimizer: OptimizerFactory):
     embedding on the first and last, with the summed gradient). Returns this rank's stage
     module, carrying its schedule. Memory per rank: its stage's model state, plus the
     activations of up to p - r micro-batches."""
-    from workbench import runtime
-    from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, partition
-
     rank, world = runtime.rank(), runtime.world_size()
     stage = partition(model.to(runtime.device()), world)[rank]
     stage.pipeline_schedule = Schedule1F1B(PipelineStage(stage, rank, world), 4, loss_fn=_gpt_loss)
@@ -394,3 +380,25 @@ def _pp_global_loss(loss: Optional[torch.Tensor], world_size: int) -> float:
 register(Strategy("pp", "ours: pipeline parallel, 2 stages (one per rank), 1F1B over 4 micro-batches "
                   "(activations through workbench.comm isend/irecv)", True, _wrap_pp, batch=whole_batch,
                   step=_pp_step, global_loss=_pp_global_loss, world_size=2))
+
+
+def _wrap_mesh(dp: int, tp: int, pp: int, zero_stage: int):
+    """Ours (workbench.parallel.mesh): the mesh over all ranks of the launch, the optimizer the
+    loop gives."""
+    def wrap(model: nn.Module, make_optimizer: OptimizerFactory):
+        trained = parallelize(model, Mesh(dp=dp, tp=tp, pp=pp), zero_stage=zero_stage,
+                              optimizer_cls=lambda params: make_optimizer(params))
+        return trained, trained.optimizer
+    return wrap
+
+
+def _mesh_step(model: ParallelModel, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mesh takes the whole global batch and returns its mean loss on every rank."""
+    return model.step(x, y)
+
+
+_MESH = dict(batch=whole_batch, step=_mesh_step, global_loss=same_on_every_rank)
+register(Strategy("2d", "ours: mesh dp=2 x tp=2 (4 ranks): tensor parallelism inside pairs of adjacent ranks, DDP "
+                  "across them", True, _wrap_mesh(2, 2, 1, 0), world_size=4, **_MESH))
+register(Strategy("3d", "ours: mesh dp=2 x tp=2 x pp=2 (8 ranks): 1F1B over 2 stages of tensor-parallel pairs, ZeRO-1 "
+                  "across replicas", True, _wrap_mesh(2, 2, 2, 1), world_size=8, default=False, **_MESH))

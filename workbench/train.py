@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from workbench import runtime, strategies
-from workbench.data import get_batch
+from workbench.data import encoded_corpus, get_batch
 from workbench.metrics import MemoryMeter, Throughput, model_state_bytes
 from workbench.models import GPT, GPTConfig
+from workbench.parallel import MixedPrecision, recompute
 
 __all__ = ["TrainConfig", "train", "summarize", "make_optimizer", "preload", "PRECISIONS"]
 
@@ -113,7 +114,6 @@ def preload() -> None:
     second) and tokenize the corpus. Ranks forked afterwards inherit it all."""
     import torch.distributed.fsdp  # noqa: F401
     import torch.nn.parallel  # noqa: F401
-    from workbench.data import encoded_corpus
 
     make_optimizer([torch.zeros(1, requires_grad=True)])
     encoded_corpus("train")
@@ -143,13 +143,9 @@ def train(strategy: str | strategies.Strategy, config: TrainConfig | None = None
     model = GPT(config.gpt_config()).to(device)
     n_params = model.num_parameters()
     if config.recompute != "none":
-        from workbench.parallel import recompute
-
         recompute(model, config.recompute)
     extra = {}
     if PRECISIONS[config.precision] is not None:
-        from workbench.parallel import MixedPrecision
-
         why = strategies.mixed_precision_refusal(strategy, device.type, config.gpt_config().tie_weights)
         if why:
             raise ValueError(f"strategy {strategy.name!r} cannot train with precision={config.precision!r} on "

@@ -15,7 +15,8 @@ Files, one idea each:
 ``cluster``         :class:`Cluster` (nodes, devices per node, memory, FLOP/s, intra/inter links) and
                     its presets, with sources
 ``shape``           :class:`ModelShape`: a transformer's sizes (ours, a preset, or a Llama-shaped one)
-``plan``            :class:`Config` (one point of the space) and :class:`Plan` (its prediction)
+``plan``            :class:`Config` (one point of the space, checked), :class:`Plan` (its prediction) and
+                    :meth:`Plan.explain` (why a ranked plan wins)
 ``space``           the configurations to try, and why some are infeasible
 ``memory``          predicted bytes per device by category
 ``device``          a GPU's compute, operator by operator (shape-dependent matmuls, memory-bound
@@ -27,7 +28,7 @@ Files, one idea each:
 ``published``       public GPU measurements predicted beside their published figures
 ``timing``          predicted step time: compute, exposed communication per dimension, bubble
 ``shared_cores``    the contention of ranks sharing CPU cores (a calibrated CPU cluster only)
-``choose``          :func:`advise`: predict every configuration, rank, explain the choice
+``choose``          :func:`advise`: predict every configuration, rank
 ``calibrate``       measure this machine (matmul rate, link costs) into a :class:`Cluster`
 ``calibrate_cuda``  measure a GPU into a device profile (``--calibrate --device cuda``)
 ``validate``        run a sample of configurations here and put measured beside predicted

@@ -35,7 +35,7 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           (2 on an idle 2-core machine; less when other work shares it).
                           :mod:`workbench.advise.timing` shares them among the ranks computing
                           at each moment, so a pipeline stage working alone in a bubble runs
-                          at full speed, as it does here.
+                          at full speed, as it does when the other ranks wait.
 ``sync_by_size``          every rank computes then all-reduces one float (over all ranks, and over
                           pairs), less the two timed apart (the long compute in turns with the
                           compute and the collective, in one loop, so that both see the same load): what a collective costs beyond its
@@ -50,14 +50,15 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           rank (64 KiB and 1 MiB, as a pipeline stage passes activations and
                           gradients): the CPU seconds (``time.thread_time``) the rank's thread spends
                           per message end, posting, waiting (a sleeping thread woken) and copying.
-                          After compute that is several times the cost of the same message back to
-                          back: 4 ranks on 2 cores, 64 KiB, 46 us per end back to back, 130-210 us
-                          after a block. :mod:`workbench.advise.timing` charges each end to the
+                          After compute that is several times the cost of the same message sent
+                          back to back. :mod:`workbench.advise.timing` charges each end to the
                           pipeline action that sends or receives it, as work that shares the cores.
+                          (One machine's figures for this and the probes below:
+                          ``docs/benchmarks/2026-11-27-figures-from-the-code-2vcpu.md``.)
 ``time_slice_s``          every rank spins on small matmuls, reading the clock, for ``SLICE_SPIN_S``:
                           the median gap between two readings longer than 0.2 ms is how long a rank
-                          stays off a core while the others run, the scheduler's time slice (4 ms
-                          here: 4 ranks on 2 cores each run about 4 ms, then wait about 4 ms). A
+                          stays off a core while the others run, the scheduler's time slice (4 ranks
+                          on 2 cores: each runs one slice, then waits about one). A
                           message that lands while every core computes reaches its waiting rank
                           when a running rank's slice ends, half a slice later on average:
                           :func:`workbench.advise.timing.simulate` charges that to pipeline
@@ -65,29 +66,26 @@ Each number is turned into what one rank achieves with the machine to itself (ti
 ``collective_cpu``        a block on ``r2`` rows, then an all-gather (or a reduce-scatter) of one
                           block's parameters sharded over every rank, as ZeRO-3 gathers and reduces a
                           unit: the CPU seconds of the whole process (``getrusage``: the rank's
-                          thread, gloo's, the communication thread) per collective. GPT ``tiny``, 4
-                          ranks on 2 cores: 1.2-1.8 ms per gather and 1.6-3.3 ms per reduce-scatter,
-                          where the message curves price the same gather at 0.6-0.8 ms.
-                          :mod:`workbench.advise.timing` bounds ZeRO-3's traffic below by it.
+                          thread, gloo's, the communication thread) per collective. Where ranks
+                          share cores it can exceed what the message curves price the same
+                          collective at: :mod:`workbench.advise.timing` bounds ZeRO-3's traffic
+                          below by it.
 ``split_overhead_s``      the block on ``r1`` rows with its backward split into B (input gradient)
                           and W (weight gradient) as a zero-bubble pipeline stage runs it, less the
                           block unsplit, timed in turns: the split's walk of the autograd graph, per
-                          layer and micro-batch (GPT ``tiny`` here: 0.4-0.8 ms, as long as the
-                          block's own forward and backward at 2 rows).
+                          layer and micro-batch (for a small model, comparable to the block's own
+                          forward and backward).
 ``split_w_share``         in the same loop, W's share of the split backward (B + W), each phase
-                          timed: where a zero-bubble replay puts the backward's time. Here GPT
-                          ``tiny`` 0.20-0.29 and ``small`` 0.43-0.45, where the FLOPs' share
-                          (``weights / forward`` per layer) is 0.46 and 0.48: B keeps the attention
-                          core's backward, the elementwise work and most of the walk.
+                          timed: where a zero-bubble replay puts the backward's time. It can be
+                          well below the FLOPs' share (``weights / forward`` per layer): B keeps the
+                          attention core's backward, the elementwise work and most of the walk.
 ``pipeline_action_s``     each pair of ranks runs the block as a 2-stage 1F1B pipeline
                           (:mod:`workbench.parallel.pipeline`, ``PIPELINE_PROBE_MICROBATCHES``
                           micro-batches of ``r1`` rows) and, in turns, the same forwards and backwards
                           directly: the thread CPU the pipeline spends beyond them, per action, less
                           the action's message end (``message_cpu``, charged apart) -- the schedule's
                           own loop (posting, bookkeeping, its timeline, the line-up) and the actions
-                          run slower between messages than back to back. Here, with its message:
-                          GPT ``tiny`` 0.25-0.33 ms per action, ``small`` 0.40-0.56 (run 12's
-                          settings); without it 0.17-0.22 and 0.14-0.32.
+                          run slower between messages than back to back.
 ``microbatch_overhead_s`` the whole model's forward + backward on ``r1`` rows, less its layers:
                           embedding, head, loss, per micro-batch.
 ``layer_costs``           the model's own layers at the runs' real micro-batch shapes (vTrain's way:
@@ -99,9 +97,8 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           and with none (the edges: embedding, head, loss; the difference over the
                           layers: one layer, its collectives included). The whole model, not the
                           block above times its layers: each of its layers has its own weights and
-                          activations, which a block timed over and over keeps in cache (GPT
-                          ``tiny`` here: the model 6-10% over its layers timed as one block, in
-                          one launch, at 1, 4 and 16 rows). Per-operator
+                          activations, which a block timed over and over keeps in cache, so the
+                          model takes longer than its layers timed as one block. Per-operator
                           costs (Python, dispatch, small kernels below the matmul rate) and the
                           collectives' waits are inside; :mod:`workbench.advise.timing` uses these
                           where a configuration's shape was timed, and the formulas elsewhere.
@@ -109,8 +106,8 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           group of ``t`` ranks alone, the others asleep (``alone``: that time over
                           the time with every rank busy), as a pipeline stage computes in its
                           ramp-up and drain: its ranks wait for each other within every layer,
-                          which no core speeds up (2 groups of 2 on 2 cores: GPT ``tiny`` 0.59-0.63,
-                          ``small`` 0.52-0.55, where sharing the cores alone would give 0.5).
+                          which no core speeds up (so ``alone`` is above what sharing the cores
+                          alone would give, ``1 / groups``).
 ``prefetch_overlap``      ZeRO-3's prefetch: a block's parameters all-gathered (asynchronously) while
                           a block's forward + backward runs on ``r2`` rows, timed in turns with the
                           block alone and the gather alone. The pair's excess over the block is the
@@ -122,14 +119,14 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           costs included (gradients of training's size: gradients of zeros
                           decay the moments into denormal numbers, several times slower; and
                           one flat tensor of the model's size allocates temporaries as large,
-                          whose page faults cost more than the step, 3-9x with 4 ranks on 2 cores);
+                          whose page faults can cost several times the step);
 ``step_overhead_s``       a whole training step on ``r1`` rows (``zero_grad(set_to_none=True)``,
                           forward, backward, AdamW's step) less its forward and backward (timed in
                           turns in one loop) and the update: the gradients' allocation and
                           whatever else a step does once.
 ``machine``               a :class:`~workbench.comm.cost.CostModel` whose curves are this
                           machine's messages, timed with every pair of ranks exchanging at once
-                          (:class:`workbench.comm.cost.Probe` with ``all_pairs``): the cost of a
+                          (:class:`workbench.probes.Probe` with ``all_pairs``): the cost of a
                           link that is not emulated.
 ``links``                 the emulated topology's links, where one is given: a message on an
                           emulated link costs ``latency + bytes / bandwidth`` whatever the load.
@@ -149,8 +146,21 @@ from types import SimpleNamespace
 
 import torch
 
+import workbench
+from workbench import comm
+from workbench import probes as measure
 from workbench.advise.cluster import Cluster
+from workbench.advise.shape import ModelShape
+from workbench.advise.shared_cores import message_cpu, sync_price
+from workbench.advise.timing import flops_per_token, group_topology, prefetch_wait
+from workbench.comm import cost
 from workbench.comm.topology import Link, Topology
+from workbench.models import GPT, GPTConfig
+from workbench.models.gpt import Block
+from workbench.parallel import pipeline_backward as split_backward
+from workbench.parallel.pipeline import PipelineStage, Schedule1F1B
+from workbench.parallel.tensor import activation_bytes_per_layer, parameters_per_rank, tensor_parallel
+from workbench.probes import Probe
 
 __all__ = ["Calibration", "CalibratedCluster", "calibrate", "load_average"]
 
@@ -206,8 +216,6 @@ class CalibratedCluster(Cluster):
 
 
 def _gpt_config(model):
-    from workbench.models import GPTConfig
-
     if isinstance(model, GPTConfig):
         return model
     if isinstance(model, str):
@@ -231,10 +239,6 @@ class Calibration:
     def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, tp_shapes=(), sizes=PROBE_SIZES,
                  iterations: int = 2, budget_s: float = 0.1, seed: int = 0):
         import torch.distributed as dist
-
-        from workbench.comm.cost import Probe
-        from workbench.models import GPT
-        from workbench.models.gpt import Block
 
         rows = tuple(sorted(set(rows))) if isinstance(rows, (tuple, list)) else rows
         if not isinstance(rows, tuple) or len(rows) < 2 or not all(
@@ -283,8 +287,6 @@ class Calibration:
         # _pipeline_action_cpu: the first stage fed a batch that needs no gradient, the last a loss
         self.pipe = None
         if self.pair is not None:
-            from workbench.parallel.pipeline import PipelineStage, Schedule1F1B
-
             m, me = PIPELINE_PROBE_MICROBATCHES, dist.get_rank(self.pair)
             self.pipe = Schedule1F1B(PipelineStage(self.block, me, 2, group=self.pair), m,
                                      loss_fn=lambda out, target: out.pow(2).mean())
@@ -321,16 +323,14 @@ class Calibration:
     def _split_layer(self, rows: int) -> None:
         """The block's forward and backward split into B and W as a zero-bubble pipeline stage runs
         them (:mod:`workbench.parallel.pipeline_backward`): the same work and a walk of the graph."""
-        from workbench.parallel import pipeline_backward as split
-
         x = self.inputs[rows]
         params = list(self.block.parameters())
-        with split.SavedActivations() as saved:
+        with split_backward.SavedActivations() as saved:
             out = self.block(x)
         start = time.perf_counter()
-        _, state = split.backward_input(out, torch.ones_like(out), [x], params, saved)
+        _, state = split_backward.backward_input(out, torch.ones_like(out), [x], params, saved)
         middle = time.perf_counter()
-        split.backward_weight(state, params)
+        split_backward.backward_weight(state, params)
         self.split_phases[0] += middle - start
         self.split_phases[1] += time.perf_counter() - middle
 
@@ -344,13 +344,9 @@ class Calibration:
         loss.backward()
 
     def _sync(self, group=None) -> None:
-        from workbench import comm
-
         comm.all_reduce(self.one, group=group)   # the door the strategies' collectives go through
 
     def _gather(self):
-        from workbench import comm
-
         return comm.all_gather(list(self.unit_full.chunk(self.world)), self.unit_shard, async_op=True)
 
     def _gather_alone(self) -> None:
@@ -367,8 +363,6 @@ class Calibration:
         the pair's other rank, as a pipeline stage sends its output and receives the next input.
         The mean over every rank."""
         import torch.distributed as dist
-
-        from workbench import comm
 
         out, into = self.wire[nbytes]
         peer = 1 - dist.get_rank(self.pair)
@@ -434,8 +428,6 @@ class Calibration:
         import resource
 
         import torch.distributed as dist
-
-        from workbench import comm
 
         def cpu() -> float:
             r = resource.getrusage(resource.RUSAGE_SELF)
@@ -561,8 +553,6 @@ class Calibration:
         """Every probe once (call on every rank)."""
         import torch.distributed as dist
 
-        from workbench.comm import cost
-
         r1, r2 = self.rows[0], self.rows[-1]
         layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
         probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
@@ -615,7 +605,7 @@ class Calibration:
         for (kind, n), probe in self.probes.items():
             iters = max(2, min(10, (4 << 20) // max(n, 1)))
             self._add(f"{kind}:{n}", self._time(probe, alone=False, iterations=iters, span=False))
-        for n, t in cost.reduction_time([n for n in self.sizes if n >= 1024], iterations=5, repeats=1):
+        for n, t in measure.reduction_time([n for n in self.sizes if n >= 1024], iterations=5, repeats=1):
             self._add(f"reduction:{n}", max_over(t))
 
     def result(self) -> dict[str, float]:
@@ -647,13 +637,9 @@ def _gpt(config, layers: int, group, sequence_parallel: bool, seed: int, t: int 
     by tensor parallelism over ``group`` where ``t > 1``."""
     from dataclasses import replace
 
-    from workbench.models import GPT
-
     torch.manual_seed(seed)
     model = GPT(replace(config, n_layer=max(1, layers)))
     if t > 1:
-        from workbench.parallel.tensor import tensor_parallel
-
         model = tensor_parallel(model, group=group, sequence_parallel=sequence_parallel)
     if layers == 0:
         model.blocks = torch.nn.ModuleList()
@@ -698,11 +684,6 @@ def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) ->
 def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_size: int,
                  topology: Topology | None = None, *, load: float = float("nan")) -> CalibratedCluster:
     """The :class:`CalibratedCluster` the probes' medians (``Calibration.result()``) describe."""
-    from workbench.advise.shared_cores import message_cpu
-    from workbench.advise.timing import flops_per_token
-    from workbench.comm import cost
-    from workbench.parallel.tensor import activation_bytes_per_layer
-
     c = _gpt_config(config)
     rows = tuple(sorted(set(rows)))
     r1, r2 = rows[0], rows[-1]
@@ -784,10 +765,6 @@ def _prefetch_overlap(result: dict, config, world_size: int, machine, topology, 
     ``drift`` the price of a wait after compute (``sync_by_size``); solved for ``hides``, kept
     between 0 (the gather's messages wait while the ranks compute: its thread needs a core they
     hold) and 1 (they move beside the compute, as a GPU's copy engines move them)."""
-    from workbench.advise.shared_cores import sync_price
-    from workbench.advise.timing import group_topology, prefetch_wait
-    from workbench.comm import cost
-
     if "prefetch_both" not in result:
         return 0.0
     c, x = result["prefetch_layer"], result["prefetch_both"] - result["prefetch_layer"]
@@ -808,15 +785,11 @@ def _sizes(result: dict, kind: str) -> list[int]:
 
 
 def _psi(config) -> int:
-    from workbench.parallel.tensor import parameters_per_rank
-
     return parameters_per_rank(config, 1)
 
 
 def _shape(config):
     """The advisor's view of a GPTConfig (ModelShape.from_gpt where it exists)."""
-    from workbench.advise.shape import ModelShape
-
     if hasattr(ModelShape, "from_gpt"):
         return ModelShape.from_gpt(config)
     return ModelShape(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head, vocab=config.vocab_size,
@@ -850,8 +823,6 @@ def calibrate(world_size: int = 4, topology: Topology | str | None = None, *, mo
     and return it as a :class:`CalibratedCluster`; ``model``: the GPT whose blocks are timed;
     ``rows``: micro-batch sizes to time its layers at; ``tp_shapes``: ``(rows, t, sequence_parallel)``
     to time its tensor-parallel layers at; ``trials``: calls of every probe (the median is kept)."""
-    import workbench
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"calibrate(world_size={world_size!r}): must be a whole number >= 2 (the links need a pair)")
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:

@@ -40,9 +40,15 @@ import time
 
 import torch
 
-from .cluster import PRESETS as CLUSTERS
+import workbench
+from workbench.comm.topology import Link
+from workbench.models import GPTConfig
+from workbench.models.gpt import Block
+
 from .cluster import Cluster
-from .device import PROFILES, Device, gemm_efficiency
+from .cluster import PRESETS as CLUSTERS
+from .device import PROFILES, Device, gemm_efficiency, layer_seconds
+from .shape import ModelShape
 
 __all__ = ["GEMM_SHAPES", "measure", "device_from_measurements", "calibrate_cuda", "profile_for"]
 
@@ -131,9 +137,6 @@ def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int 
 
 def _layer(dtype, rows: int = 1, hidden: int = 2048, heads: int = 16, seq: int = 2048) -> dict:
     """One of :class:`workbench.models.GPT`'s blocks, forward + backward under autocast."""
-    from workbench.models import GPTConfig
-    from workbench.models.gpt import Block
-
     block = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=hidden, block_size=seq)).cuda()
     x = torch.randn(rows, seq, hidden, device="cuda", requires_grad=True)
 
@@ -147,8 +150,6 @@ def _layer(dtype, rows: int = 1, hidden: int = 2048, heads: int = 16, seq: int =
 def _nccl(world: int) -> dict:
     """Bus bandwidth of an NCCL all-reduce over ``world`` GPUs of this node (nccl-tests' busbw:
     ``2 (w - 1) / w x bytes / time``), per message size."""
-    import workbench
-
     return workbench.launch(_nccl_rank, world_size=world, backend="nccl", timeout=300)[0]
 
 
@@ -222,8 +223,6 @@ def calibrate_cuda(base: str = "dgx-h100", path: str | None = None, measured: di
     device = device_from_measurements(measured, profile_for(measured["name"], measured["memory_bytes"]))
     layer = measured.get("layer")
     if layer:   # the whole model's check on this GPU: the layer as the device model prices it, beside its time
-        from .device import layer_seconds
-        from .shape import ModelShape
 
         shape = ModelShape(layers=1, hidden=layer["hidden"], heads=layer["heads"], vocab=64, seq=layer["seq"],
                            ffn=4 * layer["hidden"], name="gpt block")
@@ -233,7 +232,6 @@ def calibrate_cuda(base: str = "dgx-h100", path: str | None = None, measured: di
                "source": device.source[0]}
     nccl = measured.get("nccl")
     if nccl:   # the largest message's bus bandwidth inside the node as the intra-node link
-        from workbench.comm.topology import Link
 
         largest = nccl[max(nccl, key=int)]
         changes["intra"] = Link(CLUSTERS[base].intra.latency_s, largest["bus_bandwidth"])

@@ -26,13 +26,16 @@ import sys
 
 from workbench.comm.topology import Topology
 
+from . import calibrate, published, validate
+from .calibrate_cuda import calibrate_cuda
 from .choose import advise
-from .cluster import PRESETS as CLUSTERS
 from .cluster import GiB, Cluster
+from .cluster import PRESETS as CLUSTERS
+from .figure import time_memory
 from .framework import FRAMEWORKS
 from .plan import MEMORY_CATEGORIES, TIME_PARTS, Plan
-from .shape import PRESETS as LLAMAS
 from .shape import ModelShape
+from .shape import PRESETS as LLAMAS
 from .space import PRECISIONS, SCHEDULES
 
 __all__ = ["add_arguments", "main", "table", "build"]
@@ -86,7 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--validate-published", action="store_true",
                    help="predict every published GPU measurement (workbench/advise/published.py): predicted beside "
                         "published, the ratio and the source, as docs/advisor-evidence.md holds them")
-    from . import validate
 
     validate.add_arguments(parser.add_argument_group("validation (with --validate)"))
 
@@ -109,12 +111,8 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Cluster]:
     if changes:
         shape = shape.with_(name=f"{shape.name}*", **changes)
     if args.calibrate and getattr(args, "device", "cpu") == "cuda":
-        from .calibrate_cuda import calibrate_cuda
-
         cluster = calibrate_cuda(base=args.cluster, path=args.profile)
     elif args.calibrate:
-        from . import calibrate
-
         topology = Topology.parse(args.topology) if args.topology else None
         cluster = calibrate.calibrate(world_size=args.world_size, topology=topology)
     elif getattr(args, "profile", None):
@@ -191,12 +189,8 @@ def as_json(shape: ModelShape, cluster: Cluster, global_batch: int, plans: list[
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "validate_published", False):
-        from . import published
-
         return published.main()
     if args.validate is not None:
-        from . import validate
-
         vparser = argparse.ArgumentParser(prog="workbench advise --validate",
                                           description="run a sample of configurations here: predicted beside measured")
         validate.add_arguments(vparser)
@@ -232,8 +226,6 @@ def main(args: argparse.Namespace) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        from .figure import time_memory
 
         fig, ax = plt.subplots(figsize=(11, 5), layout="constrained")
         time_memory(plans, ax, memory_limit=cluster.memory_bytes,

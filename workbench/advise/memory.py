@@ -159,7 +159,7 @@ from workbench.parallel.zero_memory import model_state_per_rank
 
 from . import runtime_memory as runtime
 from .cluster import Cluster
-from .plan import MEMORY_CATEGORIES, Config
+from .plan import MEMORY_CATEGORIES, Config, check_config
 from .runtime_memory import RuntimeMemory
 from .shape import ModelShape
 
@@ -482,7 +482,7 @@ def _pipeline_activations(shape: ModelShape, config: Config, global_batch: int,
     logits = e * shape.seq * b * shape.padded_vocab(config.tp) / config.tp if rt is None else 0.0
     transient = _grads_are_transient(config)
     unit = _zero3_unit(shape, config)
-    # the end of a split B, at the first layer's first product (measured, GPT tiny): beside the kept
+    # the end of a split B, at the first layer's first product (where MemoryMeter finds the peak): beside the kept
     # tensors, the gradient along the residual stream and -- one rank -- the query, key and value
     # gradients before they are joined; with tensor parallelism the gradient flowing into the norm
     # and dX = dY W, whole before its all-reduce (or reduce-scatter under sequence parallelism)
@@ -796,8 +796,6 @@ def _rank_parameters(shape: ModelShape, n_stages: int, stages: tuple[int, ...], 
 def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | None = None,
                    optimizer: str = "adam") -> list[dict[str, float]]:
     """Bytes per device by category (and ``"total"``) for each pipeline rank ``0 .. pp-1``."""
-    from .space import check_config
-
     shape = ModelShape.coerce(shape, "shape")
     check_config(config)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:

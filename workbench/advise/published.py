@@ -32,12 +32,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .choose import predict
 from .cluster import GiB, Cluster
-from .nccl import PRESETS as NCCL_PRESETS
+from .device import PROFILES
+from .framework import FRAMEWORKS
 from .nccl import NcclModel
+from .nccl import PRESETS as NCCL_PRESETS
 from .plan import Config
-from .shape import PRESETS as SHAPES
 from .shape import ModelShape
+from .shape import PRESETS as SHAPES
 
 __all__ = ["Published", "ROWS", "PEAK_BF16", "TOLERANCE", "megatron_flops", "predicted", "validate", "report",
            "summary"]
@@ -234,9 +237,6 @@ def _gpu(cluster: Cluster) -> str:
 def row_cluster(row: Published) -> Cluster:
     """The cluster a training row ran on: its preset, ``nodes`` of them, with the row's framework and GPU
     where it names them (the GPU's memory with it)."""
-    from .device import PROFILES
-    from .framework import FRAMEWORKS
-
     changes = {}
     if row.framework:
         changes["framework"] = FRAMEWORKS[row.framework]
@@ -248,8 +248,6 @@ def row_cluster(row: Published) -> Cluster:
 
 def predicted(row: Published) -> dict:
     """The advisor's prediction of ``row``'s figure: ``{"value", "feasible", "detail"}``."""
-    from .choose import predict
-
     if row.metric == "busbw_GBps":
         model = row.nccl or NCCL_PRESETS[row.cluster]
         return {"value": model.busbw(row.collective, row.nbytes, row.ranks, row.per_node) / 1e9, "feasible": True,

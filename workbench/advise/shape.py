@@ -34,6 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from workbench.models import GPTConfig
+from workbench.parallel.pipeline_split import balanced
+
 __all__ = ["ModelShape", "PRESETS"]
 
 _NORMS = ("layernorm", "rmsnorm")
@@ -94,8 +97,6 @@ class ModelShape:
     @classmethod
     def from_gpt(cls, config, name: str = "custom") -> "ModelShape":
         """The shape of ``workbench.models.GPT(config)`` (a :class:`~workbench.models.GPTConfig`)."""
-        from workbench.models import GPTConfig
-
         if not isinstance(config, GPTConfig):
             raise ValueError(f"ModelShape.from_gpt(config={config!r}): pass a workbench.models.GPTConfig, "
                              "e.g. GPTConfig.preset('small')")
@@ -107,8 +108,6 @@ class ModelShape:
     def preset(cls, name: str) -> "ModelShape":
         """A named shape: our GPT's ``"tiny"``, ``"small"``, ``"medium"``, or a Llama-shaped model
         (``"llama-7b"``, ``"llama-13b"``, ``"llama-70b"``: Llama 2; ``"llama3-8b"``, ``"llama3-70b"``)."""
-        from workbench.models import GPTConfig
-
         if name in GPTConfig.PRESETS:
             return cls.from_gpt(GPTConfig.preset(name), name=name)
         if name not in PRESETS:
@@ -122,7 +121,6 @@ class ModelShape:
         """A :class:`ModelShape` from what a user passes: itself, a ``GPTConfig`` or a preset name."""
         if isinstance(model, ModelShape):   # first: a search coerces the same shape for every configuration
             return model
-        from workbench.models import GPTConfig
 
         if isinstance(model, GPTConfig):
             return cls.from_gpt(model)
@@ -188,7 +186,7 @@ class ModelShape:
         if pp > self.layers:
             raise ValueError(f"pp={pp} stages but the model has {self.layers} layers: each stage needs at least one; "
                              f"use pp <= {self.layers}")
-        return [self.layers // pp + (1 if s < self.layers % pp else 0) for s in range(pp)]
+        return balanced(self.layers, pp)
 
     def stage_parameters(self, pp: int, stage: int, tp: int = 1) -> int:
         """Parameters one rank of pipeline stage ``stage`` (of ``pp``) holds, on one of ``tp`` ranks."""

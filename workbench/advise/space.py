@@ -41,42 +41,12 @@ from workbench.parallel.pipeline_schedules import min_microbatches
 from workbench.parallel.recompute import POLICIES
 
 from .cluster import Cluster
-from .plan import Config
+from .memory import memory_per_device
+from .plan import PRECISIONS, SCHEDULES, Config, _whole, check_config
 from .shape import ModelShape
 
 __all__ = ["SCHEDULES", "PRECISIONS", "check_config", "configurations", "infeasible_reason", "structural_reason",
            "memory_reason"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-def _whole(value, name: str, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Config.{name}={value!r}: must be a whole number >= {minimum}")
-
-
-def check_config(config: Config) -> None:
-    """Raise ValueError (naming the field, the value and the fix) for a configuration that is
-    malformed whatever the model and cluster; :func:`infeasible_reason` judges the rest."""
-    if not isinstance(config, Config):
-        raise ValueError(f"config={config!r}: pass a workbench.advise.Config(dp=, tp=, pp=, ...)")
-    for name in ("dp", "tp", "pp", "microbatches"):
-        _whole(getattr(config, name), name)
-    if config.zero not in (0, 1, 2, 3) or isinstance(config.zero, bool):
-        raise ValueError(f"Config.zero={config.zero!r}: the ZeRO stage is 0 (DDP), 1, 2 or 3")
-    if config.schedule not in SCHEDULES:
-        raise ValueError(f"Config.schedule={config.schedule!r}: use one of {SCHEDULES}")
-    if not isinstance(config.sequence_parallel, bool):
-        raise ValueError(f"Config.sequence_parallel={config.sequence_parallel!r}: must be True or False")
-    if config.sequence_parallel and config.tp == 1:
-        raise ValueError("Config.sequence_parallel=True splits norms and residuals over the tensor-parallel ranks "
-                         "and needs tp > 1; set tp >= 2 or sequence_parallel=False")
-    if config.precision not in PRECISIONS:
-        raise ValueError(f"Config.precision={config.precision!r}: use one of {PRECISIONS}")
-    if config.recompute not in POLICIES:
-        raise ValueError(f"Config.recompute={config.recompute!r}: use one of {POLICIES}")
-
 
 def _check_batch(global_batch) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -133,8 +103,6 @@ def memory_reason(memory: dict, cluster: Cluster) -> str:
 def infeasible_reason(shape, cluster: Cluster, config: Config, global_batch: int) -> str:
     """Why ``config`` cannot train ``shape`` with ``global_batch`` on ``cluster``, in words; ""
     when it can. ``shape``: a ModelShape, a GPTConfig or a preset name."""
-    from .memory import memory_per_device
-
     shape = ModelShape.coerce(shape, "shape")
     _check_batch(global_batch)
     reason = structural_reason(shape, cluster, config, global_batch)

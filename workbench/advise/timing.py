@@ -116,15 +116,15 @@ by it (``cost._ring_on_links``).
   link's time only, not the price of a collective after compute (``sync_by_size`` below): its
   receiver waits idle, its core given to the ranks that compute. Where the ranks share cores (a
   calibrated CPU cluster), each message's two ends also cost their ranks CPU (``message_cpu``:
-  posting, a sleeping thread woken, copying; 0.13-0.34 ms per end here, at 64 KiB to 1 MiB): the
+  posting, a sleeping thread woken, copying): the
   replay charges it to the action that receives its input or sends its output (F: the
   activations, B: the gradients), as work sharing the cores, and reports it under ``pp``; and
   every action costs the schedule's own loop CPU beyond its work and its message
   (``pipeline_action_s``: posting, bookkeeping, the timeline; calibrated as a 2-stage pipeline
-  of a block against the same forwards and backwards run directly: GPT ``tiny`` here 0.17-0.22
-  ms, ``small`` 0.14-0.32), charged and reported the same way. On a
+  of a block against the same forwards and backwards run directly), charged and reported the
+  same way. On a
   calibrated cluster whose links are all this machine's own, a message that lands while every
-  core computes waits half the scheduler's time slice more (``time_slice_s``: 4 ms here, so 2 ms):
+  core computes waits half the scheduler's time slice more on average (``time_slice_s``):
   its rank, and gloo's network thread that reads it, get a core when a running rank's slice ends
   (:mod:`workbench.gloo_threads`); the replay decides it per message (``simulate``'s ``late``).
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
@@ -150,7 +150,7 @@ by it (``cost._ring_on_links``).
   held-back time the sender sleeps through). Where the ranks share cores, ZeRO-3's traffic is
   also bounded below by its CPU: each of the ``3 (L/p + 1)`` collectives per micro-batch costs
   every rank's process CPU (``collective_cpu``: the rank's thread, gloo's, the communication
-  thread's; GPT ``tiny`` here: 1.2-1.8 ms per gather, which idle links move in 0.6-0.8 ms),
+  thread's, which can exceed the gather's time on idle links),
   which all the ranks share with compute, so the traffic costs at least that CPU times
   ``world / cores`` (:func:`zero3_cpu`). The ZeRO-1/2 parameter all-gather after the step is exposed.
 
@@ -176,7 +176,10 @@ from workbench.advise.nccl import NcclModel
 from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
-from workbench.parallel.pipeline_schedules import bubble_formula
+from workbench.parallel import pipeline_schedules as plans
+from workbench.parallel.pipeline_schedules import bubble_formula, stage_to_rank
+from workbench.parallel.pipeline_split import balanced
+from workbench.parallel.tensor import activation_bytes_per_layer, communication_per_layer
 
 __all__ = ["step_time", "flops_per_token", "message_cpu", "zero3_cpu", "stage_layers", "group_topology", "measured_layer",
            "prefetch_wait", "tp_overlap", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
@@ -200,7 +203,7 @@ def _flops(cluster, precision: str) -> float:
 
 def stage_layers(layers: int, pp: int) -> list[int]:
     """Layers per pipeline stage, balanced as :func:`workbench.parallel.pipeline.partition` cuts them."""
-    return [layers // pp + (1 if k < layers % pp else 0) for k in range(pp)]
+    return balanced(layers, pp)
 
 
 def flops_per_token(shape, *, tp: int = 1, recompute: str = "none") -> dict[str, float]:
@@ -306,8 +309,6 @@ def _remembered_tp_time(key: tuple) -> tuple[float, float]:
 
 def _tp_time_of(rows: int, shape, t: int, sequence_parallel: bool, recompute: str, layers: int, first: bool,
                 last: bool, e: int, topo, machine, sync: float) -> tuple[float, float]:
-    from workbench.parallel.tensor import communication_per_layer
-
     config = Config(tp=t, sequence_parallel=sequence_parallel, recompute=recompute)
     s, h = shape.seq, shape.hidden
     if t == 1:
@@ -346,8 +347,6 @@ def _tp_time_of(rows: int, shape, t: int, sequence_parallel: bool, recompute: st
 
 def _schedule(config: Config, p: int, m: int):
     """The schedule's compute actions per rank, its number of stages and their placement style."""
-    from workbench.parallel import pipeline_schedules as plans
-
     name = SCHEDULE_NAMES[config.schedule]
     if name == "gpipe":
         return plans.gpipe(p, m), p, "loop"
@@ -404,8 +403,6 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     seconds from the step's start), so the replay can be drawn beside a run
     (:func:`workbench.plots.pipeline_schedule` draws both).
     """
-    from workbench.parallel.pipeline_schedules import stage_to_rank
-
     ranks = len(actions)
     owner = stage_to_rank(num_stages, ranks, style)
     keys = _work_keys(actions)
@@ -506,8 +503,6 @@ def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, crowd: 
     (head, embedding, loss), the step's fixed cost, a tensor-parallel collective's drift price, the
     timing of the layers at this shape (None where not timed), and, where the layers were timed with
     their collectives, the timed part beyond the formulas' compute."""
-    from workbench.parallel.tensor import activation_bytes_per_layer
-
     t, e = config.tp, ELEMENT_BYTES[config.precision]
     s, h = shape.seq, shape.hidden
     tokens = rows * s
@@ -654,7 +649,6 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             tp_b = edge_b + tp_overlap(tp_b - edge_b, gemm * 2 / 3, framework.sm_share, t)
         per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b, "split": split})
     per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
-    from workbench.parallel.pipeline_schedules import stage_to_rank
 
     for k, owner in enumerate(stage_to_rank(num_stages, p, style)):
         per_rank[owner]["compute"] += per_stage[k]["compute"]
@@ -689,7 +683,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
         pp_extra += _price("broadcast", 4, p, machine, topo["pp"])
         # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
-        # it (an all-reduce of one float, two small all-gathers): part of what it costs here
+        # it (an all-reduce of one float, two small all-gathers): part of what its step costs
         pp_extra += PIPELINE_STEP_COLLECTIVES * _price("all_reduce", 8, p, machine, topo["pp"])
         # the price of ranks drifted apart is paid by a collective that follows compute: the line-up
         # (after the previous step's optimizer) and the timeline's gather (after the schedule); the
@@ -711,8 +705,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         shared = tp_layer is not None and bool(cores)
         # Alone, such a stage is faster only as far as its group's own time alone says: processor sharing
         # makes it ``p`` times faster than with every stage busy (its d x t ranks outnumber the cores), but
-        # its ranks also wait for each other within every layer, which no core speeds up (measured, 2 x 2
-        # ranks on 2 cores, GPT tiny: 0.59-0.63 of the crowded time alone, small 0.52-0.55). ``alone``: that
+        # its ranks also wait for each other within every layer, which no core speeds up. ``alone``: that
         # ratio, timed (the model's first tensor-parallel group alone, the others asleep). The replay runs
         # a stage at full speed alone and at ``alone`` of it with every stage busy: each action's work is
         # its time alone, and the cores ``alone x world``; ``alone`` is never taken under ``1 / p``, what
@@ -799,8 +792,8 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             if not framework.overlap_grad_reduce:   # the gradients reduced after backward (ZeRO-3's are not)
                 overlap = 0.0
         # after a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
-        # gradient reduction and the loss's all-reduce find the cores free (measured, GPT small on dp=2 x
-        # pp=2 over 4 ranks on 2 cores: 7-10 ms, against 30 ms at the price with every rank busy)
+        # gradient reduction and the loss's all-reduce find the cores free, at a fraction (``tail``) of
+        # the price with every rank busy
         sync = shared_cores.sync_price(contention, d) * tail if contention else 0.0
         grad_bytes = psi_rank * e
         mb_compute = slowest["compute"] * crowd

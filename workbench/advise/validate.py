@@ -27,13 +27,13 @@ configuration's prediction beside its measurement:
 
 One launch per setting: every configuration of the setting is built once (same seed, so the
 same model), warmed up, measured for memory, then timed in trials whose order rotates
-(``bench._common.interleaved_trials``), the calibration probes last in each trial, so that the configuration
+(``workbench.measuring.interleaved_trials``), the calibration probes last in each trial, so that the configuration
 that follows them (and runs slower for it) changes from trial to trial.
 
-The figures the issue asks for: memory within 3% (model state exactly, activations within 5%),
-step time within 15%, the predicted best the measured best (or within 5%) in 9 of 10 settings.
-On a shared 2-core machine the timings drift with the others' load; the load average seen is
-printed with every setting.
+The bar: memory within 3% (model state exactly, activations within 5%), step time within 15%,
+the predicted best the measured best (or within 5%) in 9 of 10 settings. On a machine shared with
+other work the timings drift with its load; the load average seen is printed with every setting
+(runs: ``docs/benchmarks/2026-11-24-advisor-validation-2vcpu.md``).
 """
 from __future__ import annotations
 
@@ -46,15 +46,25 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import workbench
+from workbench import measuring, plots
+from workbench.advise.calibrate import Calibration, _shape, cluster_from, load_average
+from workbench.advise.memory import memory_by_rank
 from workbench.advise.plan import MEMORY_CATEGORIES, Config
+from workbench.advise.timing import step_time
+from workbench.comm.topology import Topology
+from workbench.memory import MemoryMeter
+from workbench.metrics import model_state_bytes
+from workbench.models import GPT, GPTConfig
+from workbench.parallel.mesh import Mesh, parallelize
 
 __all__ = ["Setting", "SETTINGS", "measure", "measure_memory", "validate", "validate_memory", "memory_summary",
            "memory_report", "summary", "report", "figure",
            "memory_errors", "timeline_figure", "add_arguments", "main", "DEFAULT_TOPOLOGY"]
 
 WORLD = 4
-# 2 nodes of 2 ranks; inside a node this machine's own loopback (~50 us, 1-3 GB/s), between nodes
-# 1 ms and 50 MB/s: 20x the latency and 20-60x less bandwidth
+# 2 nodes of 2 ranks; inside a node this machine's own loopback (not emulated), between nodes
+# 1 ms and 50 MB/s: well above loopback's latency and below its bandwidth, as a network is
 DEFAULT_TOPOLOGY = "ranks_per_node=2,inter=1ms@50MB/s"
 SLOW_TOPOLOGY = "ranks_per_node=2,inter=2ms@20MB/s"
 TIME_TOLERANCE = 0.15
@@ -108,9 +118,6 @@ SETTINGS: tuple[Setting, ...] = (
 # ============================================================================= inside the ranks
 
 def _build(config, c: Config):
-    from workbench.models import GPT
-    from workbench.parallel.mesh import Mesh, parallelize
-
     torch.manual_seed(0)
     return parallelize(GPT(config), Mesh(dp=c.dp, tp=c.tp, pp=c.pp), zero_stage=c.zero, schedule=c.schedule,
                        n_microbatches=c.microbatches if c.pp > 1 else None, sequence_parallel=c.sequence_parallel,
@@ -120,9 +127,6 @@ def _build(config, c: Config):
 def _memory(trained, x, y) -> dict[str, int]:
     """This rank's bytes by category for one step: model state after it (exact), the step's peak
     split by the meter (activations, communication buffers)."""
-    from workbench.memory import MemoryMeter
-    from workbench.metrics import model_state_bytes
-
     with MemoryMeter(trained.module, trained.optimizer) as meter:
         trained.step(x, y)
     state = model_state_bytes(trained.module, trained.optimizer)
@@ -152,10 +156,6 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
 
     import torch.distributed as dist
 
-    from workbench.advise.calibrate import Calibration, load_average
-    from workbench.bench import _common
-    from workbench.models import GPTConfig
-
     warnings.filterwarnings("ignore", message=".*cannot be held back.*")
     config = GPTConfig.preset(model)
     gen = torch.Generator().manual_seed(1)
@@ -178,17 +178,17 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
             cal.once()
             return 0.0
         trained = built[name]
-        seconds = _common.max_over_ranks(_common.timed(lambda: trained.step(x, y), steps))
+        seconds = measuring.max_over_ranks(measuring.timed(lambda: trained.step(x, y), steps))
         if name in timelines:   # the trial's last step, as this rank's pipeline measured it
             timelines[name].append(list(trained.schedule.timeline))
         return seconds
 
     # each trial: the configurations in rotating order, then the calibration. What runs right after the
-    # calibration's seconds of probes is slower (GPT tiny DDP on 4 ranks: 26.9 ms after it, 22.3-23.6 ms
-    # elsewhere in one launch); rotated with the configurations, it had the first one after it in all
-    # trials but one: here a different one follows it in each trial, and no median takes that twice
+    # calibration's seconds of probes is slower (figures: docs/benchmarks/2026-11-27-figures-from-the-
+    # code-2vcpu.md); rotated with the configurations, the same one could follow it in most trials: here
+    # a different one follows it in each trial, and no median takes that twice
     after = ["calibration"] if calibrate else []
-    samples = _common.interleaved_trials(labels, trials, one, after=after) if trials \
+    samples = measuring.interleaved_trials(labels, trials, one, after=after) if trials \
         else {k: [] for k in labels + after}
     loads.append(load_average())
     # every rank's memory, on every rank
@@ -199,16 +199,13 @@ def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: in
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         rows_mem[label] = {k: [float(t[i]) for t in everyone] for i, k in enumerate(keys)}
-    return {"time": {label: _common.median(samples[label]) for label in labels},
+    return {"time": {label: measuring.median(samples[label]) for label in labels},
             "samples": {label: samples[label] for label in labels}, "timelines": timelines, "memory": rows_mem,
             "calibration": cal.result() if cal is not None else None, "load": loads}
 
 
 def _launch(setting: Setting, trials: int, steps: int, warmup: int, calibrate: bool = True,
             world_size: int = WORLD) -> dict:
-    import workbench
-    from workbench.comm.topology import Topology
-
     rows = _calibration_rows(setting)
     topo = Topology.parse(setting.topology) if setting.topology else None
     out = workbench.launch(_run_setting, world_size=world_size, topology=topo, timeout=900,
@@ -275,10 +272,6 @@ def _check_config(c: Config, world_size: int = WORLD) -> None:
 
 def _predict_memory(shape, c: Config, batch: int) -> list[dict] | None:
     """Predicted bytes by category for each of the 4 ranks (a rank's pipeline stage decides)."""
-    try:
-        from workbench.advise.memory import memory_by_rank
-    except ImportError:
-        return None
     stages = memory_by_rank(shape, c, batch)
     return [stages[r // (c.dp * c.tp)] for r in range(c.devices)]
 
@@ -309,11 +302,6 @@ def validate(settings=None, *, trials: int = 5, steps: int = 2, warmup: int = 2,
     """Run every setting (default :data:`SETTINGS`) and return one row per configuration: the
     prediction, the measurement, their errors, and per setting whether the predicted best is the
     measured best (within 5%). ``progress``: called with a line per setting (None: quiet)."""
-    from workbench.advise.calibrate import _shape, cluster_from
-    from workbench.advise.timing import step_time
-    from workbench.comm.topology import Topology
-    from workbench.models import GPTConfig
-
     settings = _checked(settings)
     rows = []
     for k, setting in enumerate(settings):
@@ -417,9 +405,6 @@ def validate_memory(settings=None, *, warmup: int = 2, progress=print) -> list[d
     (:func:`measure_memory` under the setting's topology; byte counts, so the machine's load
     does not change them) and one row per configuration with the prediction and its errors, as
     :func:`validate` gives them."""
-    from workbench.advise.calibrate import _shape
-    from workbench.models import GPTConfig
-
     settings = _checked(settings)
     rows = []
     for k, setting in enumerate(settings):
@@ -445,8 +430,6 @@ def validate_memory(settings=None, *, warmup: int = 2, progress=print) -> list[d
 def memory_report(rows: list[dict], title: str = "") -> str:
     """Predicted beside measured memory per configuration: the worst rank's total (MiB) and the
     errors by category (``predicted / measured - 1``, the worst rank's)."""
-    from workbench.bench import _common
-
     table = []
     for r in rows:
         mem, err = r["memory_measured"], r["memory_error"]
@@ -457,15 +440,13 @@ def memory_report(rows: list[dict], title: str = "") -> str:
                       "act": max(mem["activations"][k] + mem["buffers"][k] for k in ranks) / 2**20,
                       "state_err": 100 * err["model_state"], "act_err": 100 * err["activations+buffers"],
                       "total_err": 100 * err["total"]})
-    return _common.format_table(table, [
+    return measuring.format_table(table, [
         ("config", "configuration", "s"), ("pred", "pred MiB", "{:.2f}"), ("meas", "meas MiB", "{:.2f}"),
         ("act", "meas act+buf MiB", "{:.2f}"), ("state_err", "state err %", "{:+.2f}"),
         ("act_err", "act+buf err %", "{:+.2f}"), ("total_err", "total err %", "{:+.2f}")], title=title)
 
 
 def report(rows: list[dict], title: str = "") -> str:
-    from workbench.bench import _common
-
     table = []
     for r in rows:
         p = r["predicted_parts"]
@@ -479,7 +460,7 @@ def report(rows: list[dict], title: str = "") -> str:
             line["state_err"] = 100 * r["memory_error"]["model_state"]
             line["act_err"] = 100 * r["memory_error"]["activations+buffers"]
         table.append(line)
-    text = _common.format_table(table, [
+    text = measuring.format_table(table, [
         ("config", "configuration", "s"), ("pred", "pred ms", "{:.1f}"), ("meas", "meas ms", "{:.1f}"),
         ("err", "err %", "{:+.0f}"), ("compute", "compute", "{:.1f}"), ("tp", "tp", "{:.1f}"), ("dp", "dp", "{:.1f}"),
         ("pp", "pp", "{:.1f}"), ("bubble", "bubble", "{:.1f}"), ("mem_pred", "pred MiB", "{:.2f}"),
@@ -589,8 +570,6 @@ def timeline_figure(row: dict, axes=None):
     was the median), one row per pipeline rank, on one time axis in ms. The schedule only: the
     step's line-up before it and its gradient reduction and optimizer after it are not drawn."""
     import matplotlib.pyplot as plt
-
-    from workbench import plots
 
     if not row.get("timeline_measured") or not row.get("timeline_predicted"):
         raise ValueError(f"timeline_figure: row {row.get('config')!r} has no pipeline timelines (a configuration "

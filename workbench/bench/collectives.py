@@ -31,21 +31,21 @@ in-place column includes one local copy.
 Fair comparison
 ---------------
 All algorithms of a collective, ``native`` included, run in the same trials, in an order that
-rotates from trial to trial (``workbench.bench._common.interleaved_trials``), so machine noise
+rotates from trial to trial (``workbench.measuring.interleaved_trials``), so machine noise
 falls on all of them alike; the ratio compares medians. Big messages run fewer iterations
 (at most ``--budget`` bytes per measurement, at least one): the ``iters`` column says how many.
-The defaults (7 trials of 50 calls, at most 256 MiB per trial: 4 calls of 64 MiB) are set by this
-2-vCPU machine, where a call now and then takes a few milliseconds longer (a descheduled rank):
-with one 64 MiB call per trial the ring's ratio there ranged from 0.84 to 1.15 over seven runs,
-and with five trials about one full sweep in four had a ratio cell 0.05 below where the others
-put it. Until gloo's network thread was demoted (``workbench/gloo_threads.py``) slow calls were
-30-60% of all calls, and the ratio at 1 MiB swung between 0.44 and 2.7 from one run to the next.
+The defaults (7 trials of 50 calls, at most 256 MiB per trial: 4 calls of 64 MiB) are set for a
+machine with fewer cores than ranks and threads, where a call now and then takes a few
+milliseconds longer (a descheduled rank): a median needs several calls of even the largest size
+per trial, and enough trials that one slow trial does not move it (how far the ratios moved with
+fewer: ``docs/benchmarks/2026-11-27-figures-from-the-code-2vcpu.md``). Gloo's network thread is demoted
+(``workbench/gloo_threads.py``), without which slow calls are a large share of all calls.
 
 Predictions (``pred``, ``err%``)
 --------------------------------
-Unless ``--no-predict``, the cost model is fitted after the sweep (``comm.cost.fit``), and an
+Unless ``--no-predict``, the cost model is fitted after the sweep (``workbench.probes.fit``), and an
 exchange and a one-way message of size/p and size bytes are timed *inside* each size's trials as
-extra candidates (``comm.cost.Probe``), so the model's curves come from the same moments as the
+extra candidates (``workbench.probes.Probe``), so the model's curves come from the same moments as the
 collectives they predict. ``err%`` = predicted / measured in-place time - 1.
 
 Under an emulated cluster (``--topology``)
@@ -83,7 +83,9 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench.bench import _common
+from workbench import comm, measuring
+from workbench import probes as probing
+from workbench.comm import Topology, cost
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
                "all_to_all_single")
@@ -137,8 +139,6 @@ class _Case:
 
 
 def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) -> _Case:
-    from workbench import comm
-
     r, n = dist.get_rank(), dist.get_world_size()
     inplace = placement == "in-place"
 
@@ -266,7 +266,7 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
     checked once; times are the slowest rank's.
 
     ``probes``: a dict to fill with the cost model's primitives timed in the same trials: for
-    each collective and size, an exchange and a one-way message (:class:`~workbench.comm.cost.Probe`)
+    each collective and size, an exchange and a one-way message (:class:`~workbench.probes.Probe`)
     of the sizes its algorithms send (size/p and size) join the candidates, and their medians are
     added as ``probes[collective]["exchange"]`` and ``probes[collective]["one_way"]``, lists of
     ``(bytes, seconds)`` (see :func:`models_for`).
@@ -274,8 +274,6 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
     ``baseline``: the algorithm the ratios compare with (``native``; ``ring`` under an emulated
     topology, where native is not run).
     """
-    from workbench.comm import cost
-
     world = dist.get_world_size()
     torch_dtype = DTYPES[dtype]
     esize = torch.tensor([], dtype=torch_dtype).element_size()
@@ -283,43 +281,43 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
     rows = []
     for step, (collective, nbytes) in enumerate(plan):
         numel, reported = counts(collective, nbytes, world, esize)
-        n_iter = _common.scaled_iterations(reported, iters, budget_bytes)
-        n_warm = _common.scaled_iterations(reported, warmup, budget_bytes) if warmup else 0
+        n_iter = measuring.scaled_iterations(reported, iters, budget_bytes)
+        n_warm = measuring.scaled_iterations(reported, warmup, budget_bytes) if warmup else 0
         cases = {p: _make_case(collective, numel, p, torch_dtype) for p in PLACEMENTS}
         candidates = [f"{a}|{p}" for a in algorithms[collective] for p in PLACEMENTS]
         calls = {cand: (lambda a, p: lambda: cases[p].call(a))(*cand.split("|")) for cand in candidates}
         if probes is not None:
             for m in sorted({max(reported // world, 1), reported}):
-                for kind in cost.Probe.KINDS:
-                    calls[f"probe|{kind}|{m}"] = cost.Probe(kind, m)
+                for kind in probing.Probe.KINDS:
+                    calls[f"probe|{kind}|{m}"] = probing.Probe(kind, m)
             candidates = list(calls)
         for cand in candidates:  # warm-up: first calls pay for buffers, connections, pages
             for _ in range(n_warm):
                 calls[cand]()
 
         def measure(cand):
-            return _common.max_over_ranks(_common.timed(calls[cand], n_iter))
+            return measuring.max_over_ranks(measuring.timed(calls[cand], n_iter))
 
-        samples = _common.interleaved_trials(candidates, trials, measure)
+        samples = measuring.interleaved_trials(candidates, trials, measure)
         for cand in candidates:
             if cand.startswith("probe|"):
                 _, kind, m = cand.split("|")
                 probes.setdefault(collective, {}).setdefault(kind, []).append(
-                    (int(m), _common.median(samples[cand])))
+                    (int(m), measuring.median(samples[cand])))
         wrong = {}
         for cand in (c for c in candidates if not c.startswith("probe|")):  # the check, outside the timed loop
             a, p = cand.split("|")
             cases[p].fill()
             dist.barrier()
             cases[p].call(a)
-            wrong[cand] = int(_common.sum_over_ranks(cases[p].wrong()))
+            wrong[cand] = int(measuring.sum_over_ranks(cases[p].wrong()))
         del cases, calls
         for a in algorithms[collective]:
             row = {"collective": collective, "algorithm": a, "bytes": reported, "count": numel,
                    "dtype": dtype, "world_size": world, "iters": n_iter}
             for p in PLACEMENTS:
                 times = samples[f"{a}|{p}"]
-                t = _common.median(times)
+                t = measuring.median(times)
                 algbw = reported / t if t > 0 else math.nan
                 row[p] = {"time_s": t, "trials_s": times, "algbw": algbw,
                           "busbw": algbw * bus_factor(collective, world), "wrong": wrong[f"{a}|{p}"]}
@@ -354,7 +352,7 @@ def page_faults(collectives, algorithms, nbytes: int, *, calls: int = 10, placem
     world = dist.get_world_size()
     torch_dtype = DTYPES[dtype]
     esize = torch.tensor([], dtype=torch_dtype).element_size()
-    per_fault = _common.max_over_ranks(fault_cost())
+    per_fault = measuring.max_over_ranks(fault_cost())
     rows = []
     for collective in collectives:
         numel, reported = counts(collective, nbytes, world, esize)
@@ -364,11 +362,11 @@ def page_faults(collectives, algorithms, nbytes: int, *, calls: int = 10, placem
                 case.call(a)
             dist.barrier()
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            seconds = _common.timed(lambda: case.call(a), calls)
+            seconds = measuring.timed(lambda: case.call(a), calls)
             faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
-            faults = _common.max_over_ranks(faults)
+            faults = measuring.max_over_ranks(faults)
             rows.append({"collective": collective, "algorithm": a, "bytes": reported, "placement": placement,
-                         "faults_per_call": faults, "time_s": _common.max_over_ranks(seconds),
+                         "faults_per_call": faults, "time_s": measuring.max_over_ranks(seconds),
                          "fault_s": per_fault, "faulting_s": faults * per_fault})
     return rows
 
@@ -407,8 +405,6 @@ def gloo_structure(nbytes: int, *, calls: int = 10, trials: int = 7) -> list[dic
     import concurrent.futures
     import resource
 
-    from workbench import comm
-
     world, rank = dist.get_world_size(), dist.get_rank()
     n = counts("all_gather", nbytes, world, 4)[0]
     x, out = torch.randn(n), torch.empty(n)
@@ -443,17 +439,17 @@ def gloo_structure(nbytes: int, *, calls: int = 10, trials: int = 7) -> list[dic
 
         def measure(key) -> float:
             w0, f0 = _bytes_written(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            seconds = _common.timed(variants[key], calls)
+            seconds = measuring.timed(variants[key], calls)
             w1, f1 = _bytes_written(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             sent[key] = None if w0 is None or w1 is None else (w1 - w0) / calls
             faults[key] += (f1 - f0) / calls / trials
-            return _common.max_over_ranks(seconds)
+            return measuring.max_over_ranks(seconds)
 
-        samples = _common.interleaved_trials(list(variants), trials, measure)
+        samples = measuring.interleaved_trials(list(variants), trials, measure)
     finally:
         worker.shutdown()
     return [{"collective": c, "variant": v, "bytes": counts(c, nbytes, world, 4)[1],
-             "time_s": _common.median(samples[(c, v)]), "sent_bytes": sent[(c, v)],
+             "time_s": measuring.median(samples[(c, v)]), "sent_bytes": sent[(c, v)],
              "faults_per_call": faults[(c, v)]} for c, v in variants]
 
 
@@ -483,12 +479,10 @@ def fault_cost(nbytes: int = 64 << 20) -> float:
                 samples.append(max(first - second, 0.0) / faults)
     finally:
         torch.set_num_threads(threads)
-    return _common.median(samples) if samples else 0.0
+    return measuring.median(samples) if samples else 0.0
 
 
 def _rank_main(config: dict) -> dict:
-    from workbench.comm import cost
-
     emulated = _emulated(config)
     probes = {} if config["predict"] and not emulated else None
     out = {"rows": sweep(config["collectives"], config["algorithms"], config["sizes"],
@@ -497,21 +491,19 @@ def _rank_main(config: dict) -> dict:
                          baseline="ring" if emulated else "native")}
     if config["predict"]:
         if emulated:  # the links come from the topology; the fit gives the machine's reductions and copies
-            fitted = cost.fit(pingpong_sizes=tuple(8 << k for k in range(0, 19, 3)), exchange_sizes=None,
-                              curves=False)
+            fitted = probing.fit(pingpong_sizes=tuple(8 << k for k in range(0, 19, 3)), exchange_sizes=None,
+                                 curves=False)
             # reductions and copies at their measured cost per size (a line fitted from 8 KiB up
             # prices an 8 MiB reduction at the speed of a cache-hot one)
             fitted["model"] = cost.with_curves(fitted["model"], reduction=fitted["reduction"], copy=fitted["copy"])
         else:
-            fitted = cost.fit()
+            fitted = probing.fit()
         fitted["probes"] = probes
         out["cost"] = fitted
     return out
 
 
 def _topology(config: dict):
-    from workbench.comm import Topology
-
     return Topology.parse(config["topology"]) if config.get("topology") else None
 
 
@@ -527,8 +519,6 @@ def models_for(model, probes: dict | None) -> dict:
     A message costs more while a big collective keeps the caches busy than in the fit's quiet
     loop, so each collective is predicted from what its own trials measured.
     """
-    from workbench.comm import cost
-
     return {c: cost.with_curves(model, **kinds) for c, kinds in (probes or {}).items()}
 
 
@@ -564,7 +554,7 @@ def table(rows: list[dict], collective: str, model=None, topology=None, baseline
              f"busbw factor {bus_factor(collective, world):.3g}  median of trials; time = slowest rank")
     if topology is not None:
         title += f"\ntopology {topology}"
-    return _common.format_table(flat, columns, title=title)
+    return measuring.format_table(flat, columns, title=title)
 
 
 def speedups(rows: list[dict], model, topology, fast: str = "hierarchical", slow: str = "ring") -> list[dict]:
@@ -591,7 +581,7 @@ def speedup_table(rows: list[dict], fast: str = "hierarchical", slow: str = "rin
                ("measured", "measured x", "{:.2f}"), ("predicted", "predicted x", "{:.2f}"),
                ("err", "err%", "{:+.0f}")]
     flat = [{**r, "slow_us": r["slow_s"] * 1e6, "fast_us": r["fast_s"] * 1e6, "err": 100 * r["error"]} for r in rows]
-    return _common.format_table(flat, columns, title=f"{fast} against {slow}: speed-up measured (in-place "
+    return measuring.format_table(flat, columns, title=f"{fast} against {slow}: speed-up measured (in-place "
                                                       "medians) and predicted by the cost model")
 
 
@@ -614,7 +604,7 @@ def plot(rows: list[dict], path, placement: str = "in-place", cols: int = 2):
             ax.plot(*zip(*pts), marker="o", ms=3, lw=2.5 if a == "native" else 1.3,
                     color="black" if a == "native" else None, label=a)
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _common.format_bytes(v)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: measuring.format_bytes(v)))
         ax.set_title(f"{c} ({rows[0]['world_size']} ranks)")
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
@@ -668,8 +658,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configure(args: argparse.Namespace) -> dict:
     """Validate the parsed arguments against ``comm.ALGORITHMS``; return the sweep's config."""
-    from workbench import comm
-
     topology = None
     if getattr(args, "topology", None):
         try:
@@ -712,9 +700,9 @@ def configure(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup} must be >= 0")
-    sizes = _common.size_sweep(_common.parse_bytes(args.min_bytes), _common.parse_bytes(args.max_bytes), args.factor)
+    sizes = measuring.size_sweep(measuring.parse_bytes(args.min_bytes), measuring.parse_bytes(args.max_bytes), args.factor)
     return {"collectives": collectives, "algorithms": algorithms, "sizes": sizes, "trials": args.trials,
-            "warmup": args.warmup, "iters": args.iters, "budget": _common.parse_bytes(args.budget),
+            "warmup": args.warmup, "iters": args.iters, "budget": measuring.parse_bytes(args.budget),
             "dtype": args.dtype, "world_size": args.world_size, "predict": args.predict,
             "topology": str(topology) if topology is not None else None}
 
@@ -724,7 +712,7 @@ def run(config: dict, timeout: float = 1800.0) -> dict:
     start = time.time()
     result = workbench.launch(_rank_main, config["world_size"], args=(config,), timeout=timeout,
                               topology=_topology(config))[0]
-    out = {"config": config, "machine": _common.machine_info(), "elapsed_s": time.time() - start,
+    out = {"config": config, "machine": measuring.machine_info(), "elapsed_s": time.time() - start,
            "rows": result["rows"]}
     if "cost" in result:
         out["cost"] = dict(result["cost"])  # model, pingpong, exchange, reduction
@@ -757,12 +745,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"# cost model: {model}")
     print(f"# #wrong total: {worst}   elapsed {result['elapsed_s']:.0f} s   "
           f"load average at end {result['machine'].get('load_average')}")
-    out = Path(args.out) if args.out else _common.default_out_dir("bench-collectives")
+    out = Path(args.out) if args.out else measuring.default_out_dir("bench-collectives")
     out.mkdir(parents=True, exist_ok=True)
     data = dict(result)
     if model is not None:
         data["cost"] = dict(result["cost"], model=model.as_dict())
-    _common.write_json(out / "results.json", data)
+    measuring.write_json(out / "results.json", data)
     import matplotlib.pyplot as plt
 
     plt.close(plot(result["rows"], out / "busbw.png"))

@@ -44,7 +44,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from workbench.bench import _common
+import workbench
+from workbench import comm, measuring
+from workbench.parallel import context as cp
 
 CANDIDATES = ("sdpa", "ring", "ring-contiguous", "ulysses", "torch-ring")
 
@@ -94,9 +96,6 @@ def measure(seq_lens, batch: int, heads: int, head_dim: int, candidates, trials:
     """In every rank: time every candidate at every sequence length (interleaved trials, slowest
     rank), count bytes, check against one process; ``{"rows", "skipped"}`` (the same on every rank)."""
     import torch.distributed as dist
-
-    from workbench import comm
-    from workbench.parallel import context as cp
 
     p = dist.get_world_size()
     skipped = {}
@@ -151,7 +150,7 @@ def measure(seq_lens, batch: int, heads: int, head_dim: int, candidates, trials:
                 counted[c] = (fwd.total_bytes_sent, bwd.total_bytes_sent)
             if c != "sdpa":
                 wanted = [cp.shard_sequence(t, layout=layout[c]) for t in wanted]
-            diff[c] = _common.max_over_ranks(max((a - b).abs().max().item() for a, b in zip(got, wanted)))
+            diff[c] = measuring.max_over_ranks(max((a - b).abs().max().item() for a, b in zip(got, wanted)))
         timed = [f"{c}|fwd" for c in names] + [f"{c}|fwd+bwd" for c in names if c != "torch-ring"]
         run = {name: (forward if name.endswith("|fwd") else forward_backward) for name in timed}
         for name in timed:
@@ -160,15 +159,15 @@ def measure(seq_lens, batch: int, heads: int, head_dim: int, candidates, trials:
 
         def time_one(name):
             c = name.split("|")[0]
-            return _common.max_over_ranks(_common.timed(lambda: run[name](c), steps))
+            return measuring.max_over_ranks(measuring.timed(lambda: run[name](c), steps))
 
-        samples = _common.interleaved_trials(timed, trials, time_one)
+        samples = measuring.interleaved_trials(timed, trials, time_one)
         for c in names:
-            row = {"seq_len": s, "candidate": c, "fwd_ms": 1e3 * _common.median(samples[f"{c}|fwd"]),
+            row = {"seq_len": s, "candidate": c, "fwd_ms": 1e3 * measuring.median(samples[f"{c}|fwd"]),
                    "fwd_samples_ms": [1e3 * x for x in samples[f"{c}|fwd"]],
                    "scores_MiB": scores_bytes(c, batch, heads, s, p) / 2**20, "max_diff": diff[c]}
             if c != "torch-ring":
-                row["total_ms"] = 1e3 * _common.median(samples[f"{c}|fwd+bwd"])
+                row["total_ms"] = 1e3 * measuring.median(samples[f"{c}|fwd+bwd"])
                 row["total_samples_ms"] = [1e3 * x for x in samples[f"{c}|fwd+bwd"]]
             formula = formula_bytes(c, batch, heads, s, head_dim, p)
             if c in counted and formula is not None:
@@ -244,7 +243,7 @@ def table(res: dict) -> str:
     for r in res["rows"]:
         cells = dict(r)
         for key in ("sent_fwd", "sent_bwd", "formula_fwd"):
-            cells[key] = _common.format_bytes(r[key]) if key in r else None
+            cells[key] = measuring.format_bytes(r[key]) if key in r else None
         cells["match"] = {True: "yes", False: "NO"}.get(r.get("bytes_match"))
         flat.append(cells)
     columns = [("seq_len", "S", "{:d}"), ("candidate", "candidate", "s"), ("fwd_ms", "fwd ms", "{:.2f}"),
@@ -256,7 +255,7 @@ def table(res: dict) -> str:
     title = (f"bench context: causal attention, B={c['batch']} H={c['heads']} D={c['head_dim']} float32, "
              f"P = {res['world_size']} ranks, median of {c['trials']} interleaved trials x {c['steps']} calls; "
              "time = slowest rank; x ideal = time / (sdpa / P)")
-    return _common.format_table(flat, columns, title=title)
+    return measuring.format_table(flat, columns, title=title)
 
 
 def summary(res: dict) -> list[str]:
@@ -274,8 +273,6 @@ def summary(res: dict) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    import workbench
-
     try:
         config = configure(args)
     except ValueError as e:
@@ -289,8 +286,8 @@ def main(args: argparse.Namespace) -> int:
     print(table(res))
     lines = summary(res)
     print("\n".join(lines))
-    _common.save_outputs(args, "context", {"results": res, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: plot(res)))
+    measuring.save_outputs(args, "context", {"results": res, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: plot(res)))
     return 0 if all(r.get("bytes_match", True) for r in res["rows"]) else 1
 
 

@@ -20,7 +20,7 @@ on the ``MLP`` (8 x Linear(1024, 1024), batch 64 per rank) and the GPT ``small``
 of 128 tokens per rank), world size 2. ``--models mlp-reversed`` adds the same MLP with its
 layers *defined* in the reverse of the order they run in: reverse parameter order is then the
 opposite of the order gradients become ready, the first bucket is ready last, and only the
-bucket rebuild (compare ``ours`` with ``ours-no-rebuild``, column "hidden") restores overlap. Discipline (``workbench.bench._common``): candidates take
+bucket rebuild (compare ``ours`` with ``ours-no-rebuild``, column "hidden") restores overlap. Discipline (``workbench.measuring``): candidates take
 turns inside every trial in rotating order; a trial's number is the slowest rank's mean step
 time; the report gives the median over trials and the ratio to ``torch`` measured in the same
 run. Each candidate owns its own copy of the model and optimizer; since all of them see the same
@@ -42,7 +42,11 @@ import time
 import torch
 from torch import nn
 
-from workbench.bench import _common
+import workbench
+from workbench import measuring
+from workbench.data import synthetic_batch
+from workbench.models import GPT, MLP, GPTConfig
+from workbench.parallel import DistributedDataParallel
 
 CANDIDATES = ("torch", "ours", "ours-1MB", "ours-5MB", "ours-100MB", "ours-no-overlap", "ours-per-param",
               "ours-ring", "ours-no-rebuild")
@@ -88,9 +92,6 @@ class _DefinedBackwards(nn.Module):
 
 
 def _model_and_batch(name: str, rank: int):
-    from workbench.data import synthetic_batch
-    from workbench.models import GPT, MLP, GPTConfig
-
     torch.manual_seed(0)
     if name == "mlp":
         model = MLP(width=1024, depth=8)
@@ -108,8 +109,6 @@ def _model_and_batch(name: str, rank: int):
 
 def _wrap(candidate: str, model: nn.Module):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    from workbench.parallel import DistributedDataParallel
 
     if candidate == "torch":
         return TorchDDP(model)
@@ -145,22 +144,22 @@ def _run(models: list[str], candidates: list[str], trials: int, steps: int, warm
                 wrapped[c].events.clear()
 
         def measure(c):
-            seconds = _common.timed(lambda: step(c), steps)
-            return _common.max_over_ranks(seconds)
+            seconds = measuring.timed(lambda: step(c), steps)
+            return measuring.max_over_ranks(seconds)
 
-        samples = _common.interleaved_trials(candidates, trials, measure)
+        samples = measuring.interleaved_trials(candidates, trials, measure)
         # correctness outside the timed loop: same data, same steps -> same weights as torch's DDP
         diff = max((a - b).abs().max().item() for a, b in zip(wrapped["ours"].module.parameters(),
                                                                wrapped["torch"].module.parameters())) \
             if "ours" in wrapped else float("nan")
         rows = []
         for c in candidates:
-            row = {"model": model_name, "candidate": c, "step_ms": 1e3 * _common.median(samples[c]),
+            row = {"model": model_name, "candidate": c, "step_ms": 1e3 * measuring.median(samples[c]),
                    "samples_ms": [1e3 * s for s in samples[c]]}
             if c != "torch":
                 ddp = wrapped[c]
                 row["buckets"] = len(ddp.buckets)
-                row["hidden"] = -_common.max_over_ranks(-ddp.hidden_communication_fraction())  # min over ranks
+                row["hidden"] = -measuring.max_over_ranks(-ddp.hidden_communication_fraction())  # min over ranks
             rows.append(row)
         torch_ms = rows[candidates.index("torch")]["step_ms"]
         for row in rows:
@@ -174,8 +173,6 @@ def _run(models: list[str], candidates: list[str], trials: int, steps: int, warm
 # ----------------------------------------------------------------------------------- report
 
 def main(args: argparse.Namespace) -> int:
-    import workbench
-
     models = _parse_list(args.models, MODELS, "models")
     candidates = _parse_list(args.candidates, CANDIDATES, "candidates")
     if "torch" not in candidates:
@@ -192,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
         title = (f"bench ddp: {model_name} ({res['parameters'] / 1e6:.2f} M parameters), world size "
                  f"{args.world_size}, median of {args.trials} interleaved trials x {args.steps} steps\n"
                  f"ours vs torch after training: max |weight difference| = {res['max_weight_diff_vs_torch']:.2g}")
-        lines.append(_common.format_table(res["rows"], [
+        lines.append(measuring.format_table(res["rows"], [
             ("candidate", "candidate", "s"), ("step_ms", "step ms", "{:.1f}"), ("ratio", "x torch", "{:.3f}"),
             ("buckets", "buckets", "{:d}"), ("hidden", "hidden", "{:.0%}")], title=title))
         ours = next((r for r in res["rows"] if r["candidate"] == "ours"), None)
@@ -203,8 +200,8 @@ def main(args: argparse.Namespace) -> int:
                          "(CPU timings are noisy while other processes run)")
         lines.append("")
     print("\n".join(lines))
-    _common.save_outputs(args, "ddp", {"results": results, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: plot(results)))
+    measuring.save_outputs(args, "ddp", {"results": results, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: plot(results)))
     return 0 if ok else 1
 
 

@@ -17,7 +17,7 @@ ep-bruck       the same with Bruck's all-to-all (ceil(lg P) rounds, more bytes)
 Both kinds compute the load-balancing loss over every rank's tokens (one small all-reduce per
 layer), so they train the same model on the same data.
 
-Reported (``workbench.bench._common``: interleaved trials in rotating order, the slowest rank,
+Reported (``workbench.measuring``: interleaved trials in rotating order, the slowest rank,
 the median):
 
 * **step time** of each candidate, with the ratio to ``replicated`` and, for the hand-written
@@ -49,7 +49,14 @@ import time
 
 import torch
 
-from workbench.bench import _common
+import workbench
+from workbench import comm, measuring, probes
+from workbench.comm import cost
+from workbench.data import synthetic_batch
+from workbench.models import GPT, GPTConfig
+from workbench.models.moe import MoE
+from workbench.parallel.ddp import DistributedDataParallel
+from workbench.parallel.expert import all_to_all_bytes, expert_parallel, parameters_per_rank
 
 CANDIDATES = ("replicated", "ep-native", "ep-pairwise", "ep-bruck")
 ALGORITHMS = ("native", "pairwise", "bruck")
@@ -78,10 +85,6 @@ def _build(candidate: str, base):
     """``(model, optimizer)`` for one candidate, from an identically initialised MoE GPT."""
     import torch.distributed as dist
 
-    from workbench.models.moe import MoE
-    from workbench.parallel.ddp import DistributedDataParallel
-    from workbench.parallel.expert import expert_parallel
-
     model = copy.deepcopy(base)
     if candidate == "replicated":
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
@@ -106,13 +109,6 @@ def run(preset: str = "tiny", experts: int = 4, top_k: int = 2, capacity_factor:
     """Inside every rank: build the candidates, count one forward's bytes and the routing, time the
     steps and the dispatch + combine (interleaved trials), fit the cost model (``predict``)."""
     import torch.distributed as dist
-
-    from workbench import comm
-    from workbench.comm import cost
-    from workbench.data import synthetic_batch
-    from workbench.models import GPT, GPTConfig
-    from workbench.models.moe import MoE
-    from workbench.parallel.expert import all_to_all_bytes, parameters_per_rank
 
     p, r = dist.get_world_size(), dist.get_rank()
     config = GPTConfig.preset(preset, n_experts=experts, top_k=top_k, capacity_factor=capacity_factor)
@@ -154,9 +150,9 @@ def run(preset: str = "tiny", experts: int = 4, top_k: int = 2, capacity_factor:
 
     # step times
     def time_step(c):
-        return _common.max_over_ranks(_common.timed(lambda: step(c), steps))
+        return measuring.max_over_ranks(measuring.timed(lambda: step(c), steps))
 
-    samples = _common.interleaved_trials(CANDIDATES, trials, time_step)
+    samples = measuring.interleaved_trials(CANDIDATES, trials, time_step)
 
     # dispatch + combine of layer 0 alone, on the splits it had
     send, recv = every[r][0][2], every[r][0][3]
@@ -169,27 +165,27 @@ def run(preset: str = "tiny", experts: int = 4, top_k: int = 2, capacity_factor:
 
     for a in ALGORITHMS:
         pair(a)
-    a2a = _common.interleaved_trials(ALGORITHMS, trials, lambda a: _common.max_over_ranks(
-        _common.timed(lambda: pair(a), iters)))
+    a2a = measuring.interleaved_trials(ALGORITHMS, trials, lambda a: measuring.max_over_ranks(
+        measuring.timed(lambda: pair(a), iters)))
     nbytes = sum(send) * D * elt  # this rank's whole input (nccl-tests' n)
     cost_model = None
     if predict:  # alpha, beta (and their exchange variants) fitted on sizes around one block of the message
         sizes = sorted({max(8, nbytes // (p * 4)), max(16, nbytes // p), max(32, 4 * nbytes // p)})
-        cost_model = cost.fit(sizes, sizes, sizes, copies=False, curves=False)["model"]
+        cost_model = probes.fit(sizes, sizes, sizes, copies=False, curves=False)["model"]
 
     rows = []
     for c in CANDIDATES:
         held = sum(q.numel() for q in built[c][0].parameters())
-        rows.append({"candidate": c, "step_ms": 1e3 * _common.median(samples[c]),
+        rows.append({"candidate": c, "step_ms": 1e3 * measuring.median(samples[c]),
                      "samples_ms": [1e3 * s for s in samples[c]], "parameters": held,
-                     "tokens_per_s": p * batch_size * config.block_size / _common.median(samples[c])})
+                     "tokens_per_s": p * batch_size * config.block_size / measuring.median(samples[c])})
     by = {row["candidate"]: row for row in rows}
     for row in rows:
         row["x_replicated"] = row["step_ms"] / by["replicated"]["step_ms"]
         row["x_native"] = row["step_ms"] / by["ep-native"]["step_ms"] if row["candidate"] != "replicated" else None
     a2a_rows = []
     for a in ALGORITHMS:
-        ms = 1e3 * _common.median(a2a[a])
+        ms = 1e3 * measuring.median(a2a[a])
         predicted = (2e3 * cost.predict("all_to_all_single", a, nbytes, p, cost_model) if cost_model is not None
                      else None)
         a2a_rows.append({"algorithm": a, "ms": ms, "samples_ms": [1e3 * s for s in a2a[a]], "predicted_ms": predicted,
@@ -234,14 +230,14 @@ def report(res: dict) -> str:
              f"AdamW; median of interleaved trials, slowest rank\n"
              f"parameters: {res['parameters']:,} in the model, {res['parameters_per_rank']:,} per rank with "
              f"experts sharded (parameters_per_rank)")
-    text = [_common.format_table(res["rows"], [
+    text = [measuring.format_table(res["rows"], [
         ("candidate", "candidate", "s"), ("step_ms", "step ms", "{:.1f}"), ("x_replicated", "x replicated", "{:.3f}"),
         ("x_native", "x ep-native", "{:.3f}"), ("parameters", "params/rank", "{:,}"),
         ("tokens_per_s", "tokens/s", "{:.0f}")], title=title)]
     for row in res["all_to_all"]:
         row["sent_kib"], row["formula_kib"] = row["bytes_sent"] / 1024, row["bytes_formula"] / 1024
         row["uniform_kib"] = row["bytes_uniform"] / 1024
-    text.append(_common.format_table(res["all_to_all"], [
+    text.append(measuring.format_table(res["all_to_all"], [
         ("algorithm", "algorithm", "s"), ("ms", "disp+comb ms", "{:.3f}"), ("x_native", "x native", "{:.3f}"),
         ("predicted_ms", "predicted ms", "{:.3f}"), ("measured_over_predicted", "meas/pred", "{:.2f}"),
         ("sent_kib", "sent KiB", "{:.1f}"), ("formula_kib", "formula KiB", "{:.1f}"),
@@ -264,8 +260,6 @@ def exact_bytes(res: dict) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    import workbench
-
     check_arguments(args)
     start = time.time()
     res = workbench.launch(run, world_size=args.world_size, timeout=3600, args=(
@@ -274,8 +268,8 @@ def main(args: argparse.Namespace) -> int:
     print(report(res))
     ok = exact_bytes(res)
     print(f"# bytes sent by native and pairwise {'equal' if ok else 'DIFFER FROM'} the formula on every rank")
-    _common.save_outputs(args, "experts", {"results": res, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: plot(res)))
+    measuring.save_outputs(args, "experts", {"results": res, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: plot(res)))
     return 0 if ok else 1
 
 

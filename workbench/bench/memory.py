@@ -33,7 +33,13 @@ import time
 
 import torch
 
-from workbench.bench import _common
+import workbench
+from workbench import comm, measuring
+from workbench.data import synthetic_batch
+from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench.models import GPT, GPTConfig
+from workbench.parallel import MixedPrecision, recompute, zero
+from workbench.parallel.recompute import activation_bytes
 
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -62,8 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _policy(precision: str):
-    from workbench.parallel import MixedPrecision
-
     return MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
 
 
@@ -72,13 +76,6 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
     the slowest rank's time)."""
     import torch.distributed as dist
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from workbench import comm
-    from workbench.data import synthetic_batch
-    from workbench.metrics import MemoryMeter, model_state_bytes
-    from workbench.models import GPT, GPTConfig
-    from workbench.parallel import recompute, zero
-    from workbench.parallel.recompute import activation_bytes
 
     rank, n = dist.get_rank(), dist.get_world_size()
     config = GPTConfig.preset(preset)
@@ -112,8 +109,6 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
         for row in state_rows[-2:]:
             row["wire_vs_fp32"] = sent[row["precision"]] / sent["fp32"]
     # ZeRO-2 reducing bfloat16 gradients in float32: a 4 psi / N gradient shard, float32 on the wire
-    from workbench.parallel import MixedPrecision
-
     model, opt = zero(copy.deepcopy(base), torch.optim.AdamW, 2, **ADAMW,
                       mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     for _ in range(3):
@@ -160,9 +155,9 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
 
     for p in POLICIES:
         step(p)
-    samples = _common.interleaved_trials(list(POLICIES), trials,
-                                         lambda p: _common.max_over_ranks(_common.timed(lambda: step(p), steps)))
-    time_rows = [{"policy": p, "step_ms": 1e3 * _common.median(samples[p]),
+    samples = measuring.interleaved_trials(list(POLICIES), trials,
+                                           lambda p: measuring.max_over_ranks(measuring.timed(lambda: step(p), steps)))
+    time_rows = [{"policy": p, "step_ms": 1e3 * measuring.median(samples[p]),
                   "samples_ms": [1e3 * s for s in samples[p]]} for p in POLICIES]
     for row in time_rows:
         row["vs_none"] = row["step_ms"] / time_rows[0]["step_ms"]
@@ -212,8 +207,6 @@ def figure(results: dict, kernel: str = "fused"):
 
 
 def main(args: argparse.Namespace) -> int:
-    import workbench
-
     for name in ("world_size", "trials", "steps", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
@@ -223,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
     mib = 1 / (1 << 20)
     for row in res["state"]:
         row["MiB"], row["formula_MiB"] = row["total"] * mib, row["formula"] * mib
-    print(_common.format_table(res["state"], [
+    print(measuring.format_table(res["state"], [
         ("stage", "stage", "s"), ("precision", "precision", "s"), ("MiB", "state MiB", "{:.2f}"),
         ("formula_MiB", "formula MiB", "{:.2f}"), ("ratio", "ratio", "{:.4f}"),
         ("wire_vs_fp32", "wire / fp32", "{:.3f}")],
@@ -231,17 +224,17 @@ def main(args: argparse.Namespace) -> int:
               f"parameters), world size {res['world_size']}, AdamW"))
     for row in res["activations"]:
         row["kept_MiB"], row["peak_MiB"] = row["kept"] * mib, row["peak"] * mib
-    print(_common.format_table(res["activations"], [
+    print(measuring.format_table(res["activations"], [
         ("precision", "precision", "s"), ("kernel", "kernel", "s"), ("policy", "policy", "s"),
         ("kept_MiB", "kept MiB", "{:.2f}"), ("kept_ratio", "kept/formula", "{:.3f}"),
         ("peak_MiB", "peak MiB", "{:.2f}"), ("peak_ratio", "peak/formula", "{:.3f}")],
         title=f"activations per rank, batch {res['batch_size']} x {res['sequence']} tokens (the rank's model, outside the wrappers)"))
-    print(_common.format_table(res["time"], [
+    print(measuring.format_table(res["time"], [
         ("policy", "policy", "s"), ("step_ms", "step ms", "{:.1f}"), ("vs_none", "x none", "{:.3f}")],
         title=f"step time of recomputation (float32, fused kernel), median of {args.trials} interleaved trials"))
     ok = all(1.0 <= r["ratio"] <= 1.05 for r in res["state"]) and \
         all(r["wire_vs_fp32"] == 0.5 for r in res["state"] if r["precision"] == "bf16")
     print(f"# model state within 1.00-1.05 of the formulas and bf16 wire bytes exactly half: {'yes' if ok else 'NO'}")
-    _common.save_outputs(args, "memory", {"results": res, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: figure(res)))
+    measuring.save_outputs(args, "memory", {"results": res, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: figure(res)))
     return 0 if ok else 1

@@ -47,7 +47,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from workbench.bench import _common
+import workbench
+from workbench import comm, measuring
+from workbench.data import synthetic_batch
+from workbench.memory import MemoryMeter
+from workbench.models import GPT, GPTConfig
+from workbench.models.sleep import SleepStage
+from workbench.parallel import pipeline as pp
+from workbench.parallel import pipeline_backward as split_backward
+from workbench.parallel import pipeline_schedules as plans
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "dualpipev")
 TORCH_TWIN = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -71,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sleep-ms", type=float, default=40.0,
                         help="forward time of a whole sleeping stage, ms (B and W the same; default 40: "
                              "each action's fraction of a millisecond of Python and messaging then stays "
-                             "within the 0.03 target; at 20 ms it reached 0.04 on 2 cores)")
+                             "small beside the sleep; shorter sleeps let that overhead show as bubble)")
     parser.add_argument("--memory-stages", default="2,4", help="p for the memory part (default 2,4)")
     parser.add_argument("--out", default=None, help="folder for pipeline.json/png (default runs/pipeline-<time>)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw pipeline.png")
@@ -100,14 +108,10 @@ def loss_fn(logits, target):
 
 
 def _ours(name: str):
-    from workbench.parallel.pipeline import SCHEDULES as ours
-
-    return ours[name]
+    return pp.SCHEDULES[name]
 
 
 def _local(name: str, p: int, rank: int) -> tuple[int, list[int]]:
-    from workbench.parallel import pipeline_schedules as plans
-
     cls = _ours(name)
     S = (2 if cls.multi else 1) * p
     owner = plans.stage_to_rank(S, p, cls.style)
@@ -116,8 +120,6 @@ def _local(name: str, p: int, rank: int) -> tuple[int, list[int]]:
 
 def _pipeline(name: str, model, p: int, rank: int, m: int, impl: str):
     """(schedule, local stage modules, S, local ids) for ``impl`` = "ours" or "torch"."""
-    from workbench.parallel import pipeline as pp
-
     S, local = _local(name, p, rank)
     parts = pp.partition(model, S)
     if impl == "ours":
@@ -141,9 +143,6 @@ def _step(schedule, S, local, x, y, losses=None, return_outputs=True):
 
 def _time_rank(schedules, ms, batch, trials, steps) -> dict:
     import torch.distributed as dist
-
-    from workbench.data import synthetic_batch
-    from workbench.models import GPT, GPTConfig
 
     rank, p = dist.get_rank(), dist.get_world_size()
     # untied head: torch's pipelining does not sum a tied embedding's two gradients (ours does)
@@ -173,7 +172,7 @@ def _time_rank(schedules, ms, batch, trials, steps) -> dict:
             ours = [q.grad for mod in runs[(name, "ours")][1] for q in mod.parameters()]
             theirs = [q.grad for mod in runs[(name, "torch")][1] for q in mod.parameters()]
             diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
-            grad_diff[name] = _common.max_over_ranks(diff)
+            grad_diff[name] = measuring.max_over_ranks(diff)
 
         def train_step(key):
             schedule, mods, S, local, opt = runs[key]
@@ -189,19 +188,19 @@ def _time_rank(schedules, ms, batch, trials, steps) -> dict:
         def measure(c):
             impl, name = c.split(":")
             c0 = time.thread_time()
-            wall = _common.timed(lambda: train_step((name, impl)), steps)
-            cpu[c].append(_common.max_over_ranks((time.thread_time() - c0) / steps))
-            return _common.max_over_ranks(wall)
+            wall = measuring.timed(lambda: train_step((name, impl)), steps)
+            cpu[c].append(measuring.max_over_ranks((time.thread_time() - c0) / steps))
+            return measuring.max_over_ranks(wall)
 
-        samples = _common.interleaved_trials(candidates, trials, measure)
+        samples = measuring.interleaved_trials(candidates, trials, measure)
         for name in schedules:
-            row = {"m": m, "schedule": name, "ours_ms": 1e3 * _common.median(samples[f"ours:{name}"]),
+            row = {"m": m, "schedule": name, "ours_ms": 1e3 * measuring.median(samples[f"ours:{name}"]),
                    "ours_samples_ms": [1e3 * s for s in samples[f"ours:{name}"]]}
             if name in TORCH_TWIN:
-                row["torch_ms"] = 1e3 * _common.median(samples[f"torch:{name}"])
+                row["torch_ms"] = 1e3 * measuring.median(samples[f"torch:{name}"])
                 row["torch_samples_ms"] = [1e3 * s for s in samples[f"torch:{name}"]]
                 row["ratio"] = row["ours_ms"] / row["torch_ms"]
-                row["cpu_ratio"] = _common.median(cpu[f"ours:{name}"]) / _common.median(cpu[f"torch:{name}"])
+                row["cpu_ratio"] = measuring.median(cpu[f"ours:{name}"]) / measuring.median(cpu[f"torch:{name}"])
                 row["max_grad_diff_vs_torch"] = grad_diff[name]
             rows.append(row)
         del runs
@@ -219,9 +218,6 @@ def sleeping_pipeline(name: str, m: int, sleep_s: float, steps: int) -> dict:
     the core, so 4-8 stages on 2 cores show the schedule's own bubble; noise (a rank waiting for a core, a late wake-up) only ever adds idle time."""
     import torch.distributed as dist
 
-    from workbench.models.sleep import SleepStage
-    from workbench.parallel import pipeline as pp
-
     cls = _ours(name)
     v = 2 if cls.multi else 1
     S, local = _local(name, dist.get_world_size(), dist.get_rank())
@@ -238,8 +234,6 @@ def sleeping_pipeline(name: str, m: int, sleep_s: float, steps: int) -> dict:
 
 def _bubble_rank(schedules, ms, sleep_s, steps) -> list[dict]:
     import torch.distributed as dist
-
-    from workbench.parallel import pipeline_schedules as plans
 
     p = dist.get_world_size()
     rows = []
@@ -266,9 +260,6 @@ def _lone_microbatch(mod, s: int, S: int, split: bool, x, y, m: int, config,
     the most its backward allocates on top of that, transiently. With
     ``input_is_previous_output`` (the tip of ZBV's V: stage s-1 is on the same rank) the input
     is the previous stage's output, already counted there, so it is made outside the meter."""
-    from workbench.memory import MemoryMeter
-    from workbench.parallel import pipeline_backward as split_backward
-
     params = [q for q in mod.parameters() if q.requires_grad]
     shape = (*x.shape, config.n_embd)
     inp = torch.zeros(*shape, requires_grad=True) if input_is_previous_output else None
@@ -333,12 +324,6 @@ def activation_memory(schedules=SCHEDULES, m: int = 8, n_layer: int = 8, microba
     """
     import torch.distributed as dist
 
-    from workbench import comm
-    from workbench.data import synthetic_batch
-    from workbench.memory import MemoryMeter
-    from workbench.models import GPT, GPTConfig
-    from workbench.parallel import pipeline_schedules as plans
-
     rank, p = dist.get_rank(), dist.get_world_size()
     config = GPTConfig.preset("tiny", n_layer=n_layer, tie_weights=False)
     batch = microbatch * m
@@ -388,8 +373,6 @@ def activation_memory(schedules=SCHEDULES, m: int = 8, n_layer: int = 8, microba
 # ----------------------------------------------------------------------------------- report
 
 def main(args: argparse.Namespace) -> int:
-    import workbench
-
     parts = _names(args.parts, PARTS, "parts")
     schedules = _names(args.schedules, SCHEDULES, "schedules")
     ms = _ints(args.microbatches, "microbatches")
@@ -409,7 +392,7 @@ def main(args: argparse.Namespace) -> int:
         res = workbench.launch(_time_rank, world_size=2, args=(schedules, ms, args.batch, args.trials, args.steps),
                                timeout=3600)[0]
         results["time"] = res
-        lines.append(_common.format_table(res["rows"], [
+        lines.append(measuring.format_table(res["rows"], [
             ("schedule", "schedule", "s"), ("m", "m", "{:d}"), ("ours_ms", "ours ms", "{:.1f}"),
             ("torch_ms", "torch ms", "{:.1f}"), ("ratio", "x torch", "{:.3f}"),
             ("cpu_ratio", "CPU x torch", "{:.3f}"),
@@ -430,7 +413,7 @@ def main(args: argparse.Namespace) -> int:
         for r in rows:
             r["error"] = r["measured"] - r["formula"]
         results["bubble"] = rows
-        lines.append(_common.format_table(rows, [
+        lines.append(measuring.format_table(rows, [
             ("schedule", "schedule", "s"), ("p", "p", "{:d}"), ("m", "m", "{:d}"),
             ("formula", "formula", "{:.3f}"), ("planned", "planned", "{:.3f}"),
             ("measured", "measured", "{:.3f}"), ("error", "error", "{:+.3f}")],
@@ -447,7 +430,7 @@ def main(args: argparse.Namespace) -> int:
         for r in rows:
             r["temporaries_share"] = r["temporaries_bytes"] / r["count_bytes"]
         results["memory"] = rows
-        lines.append(_common.format_table(rows, [
+        lines.append(measuring.format_table(rows, [
             ("schedule", "schedule", "s"), ("p", "p", "{:d}"), ("rank", "rank", "{:d}"),
             ("stages", "stages", "s"), ("live", "in flight", "s"), ("count_bytes", "count B", "{:.0f}"),
             ("live_activation_bytes", "live act B", "{:d}"), ("ratio", "live / count", "{:.3f}"),
@@ -463,8 +446,8 @@ def main(args: argparse.Namespace) -> int:
                      f"{'within' if mem_ok else 'OUTSIDE'} 1.00-1.10\n")
     results["load_after"] = os.getloadavg()
     print("\n".join(lines))
-    _common.save_outputs(args, "pipeline", {"results": results, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: plot(results)))
+    measuring.save_outputs(args, "pipeline", {"results": results, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: plot(results)))
     return 0 if ok else 1
 
 
@@ -472,8 +455,6 @@ def plot(results: dict):
     """Left: ours / torch step time. Middle: measured bubbles on the formula curves. Right:
     activation memory per rank over the plan's count."""
     import matplotlib.pyplot as plt
-
-    from workbench.parallel import pipeline_schedules as plans
 
     n_mem = len(results.get("memory", []))
     fig, axes = plt.subplots(1, 3, figsize=(17, max(4.5, 0.16 * n_mem + 1)), layout="constrained")

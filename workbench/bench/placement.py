@@ -25,9 +25,7 @@ prediction too long, neither large where the slowed links dominate: the baseline
 this machine's own time for those messages (under emulation the bytes move at once and the
 receiver sleeps until the link's time is due, so that time is replaced, not added), and the
 model charges no overlap, where DDP's last bucket all-reduce waits only for the end of backward.
-On a 2-vCPU machine at load average 4-5 (GPT tiny, global batch 16, the default topology),
-three runs of 7 trials measured TP across / inside at 1.99x, 1.99x and 2.03x against 1.81x,
-1.87x and 1.80x predicted (+10%, +7%, +13%); each step was 10-20 ms shorter than predicted.
+Results on one machine: ``docs/benchmarks/2026-11-23-collectives-and-placement-2vcpu.md``.
 
 Timing: both placements built in one launch, interleaved trials of ``--steps`` training steps
 each, median, the slowest rank's time. The report: each placement's measured and predicted
@@ -41,7 +39,12 @@ import time
 
 import torch
 
-from workbench.bench import _common
+import workbench
+from workbench import comm, measuring
+from workbench.comm import Topology, cost, emulation
+from workbench.models import GPT, GPTConfig
+from workbench.parallel.mesh import Mesh, parallelize
+from workbench.parallel.tensor import communication_per_step
 
 PLACEMENTS = {"inside": ("pp", "dp", "tp"), "across": ("pp", "tp", "dp")}
 DEFAULT_TOPOLOGY = "ranks_per_node=2,intra=500us@200MB/s,inter=500us@20MB/s"
@@ -58,8 +61,6 @@ def step_collectives(config, batch: int, dp: int, bucket_bytes: list[int], *, el
     """Every collective of one step of the ``dp x tp`` mesh (pp = 1), per group:
     ``{"tp": [(collective, nbytes), ...], "dp": [...]}``. TP: the model's collectives on this
     data-parallel rank's ``batch / dp`` rows; DP: DDP's buckets and the loss's one float."""
-    from workbench.parallel.tensor import communication_per_step
-
     b = batch // dp
     tp = [(c, n * element_size) for c, sizes in communication_per_step(b, config.block_size, config).items()
           for n in sizes]
@@ -71,8 +72,6 @@ def predict_communication(collectives: dict, groups: dict, topology, model=None)
     collective on its group's links. ``groups``: ``{"tp": ranks, "dp": ranks}`` (one group of
     each; the others are alike). ``model``: the machine's cost model; by default a free machine
     (``CostModel(0, 0, 0)``): its own time is in the measured step without slowed links."""
-    from workbench.comm import cost
-
     model = model or cost.CostModel(alpha=0.0, beta=0.0, gamma=0.0)
     out = {}
     for dim, calls in collectives.items():
@@ -86,9 +85,6 @@ def predict_communication(collectives: dict, groups: dict, topology, model=None)
 
 
 def _build(order, config, seed: int = 0):
-    from workbench.models import GPT
-    from workbench.parallel.mesh import Mesh, parallelize
-
     mesh = Mesh(dp=2, tp=2, order=order)
     torch.manual_seed(seed)
     return parallelize(GPT(config), mesh, zero_stage=0, lr=1e-3)
@@ -100,8 +96,6 @@ def measure(preset: str, batch: int, trials: int, steps: int, warmup: int, topol
     and DDP's bucket sizes. Returns the same dict on every rank. ``topology``: the links to
     emulate while measuring (None: none slowed), whatever this process emulated before (under
     torchrun one process runs both launches); the previous state is restored afterwards."""
-    from workbench.comm import emulation
-
     previous = emulation.current()
     if previous != topology:
         emulation.emulate(topology)
@@ -114,9 +108,6 @@ def measure(preset: str, batch: int, trials: int, steps: int, warmup: int, topol
 
 def _measure(preset: str, batch: int, trials: int, steps: int, warmup: int) -> dict:
     import warnings
-
-    from workbench import comm
-    from workbench.models import GPT, GPTConfig
 
     # on slowed links 'native' collectives run as gloo's algorithm, hand-written: expected here
     warnings.filterwarnings("ignore", message=".*cannot be held back.*")
@@ -132,15 +123,15 @@ def _measure(preset: str, batch: int, trials: int, steps: int, warmup: int) -> d
 
     def time_one(name):
         trained = models[name]
-        return _common.max_over_ranks(_common.timed(lambda: trained.step(x, y), steps))
+        return measuring.max_over_ranks(measuring.timed(lambda: trained.step(x, y), steps))
 
-    samples = _common.interleaved_trials(list(models), trials, time_one)
+    samples = measuring.interleaved_trials(list(models), trials, time_one)
     out = {}
     for name, trained in models.items():
         with comm.counters() as c:
             trained.step(x, y)
-        links = {cls: int(_common.sum_over_ranks(s.bytes_sent)) for cls, s in c.by_link().items()}
-        out[name] = {"step_s": _common.median(samples[name]), "samples_s": samples[name], "bytes_by_link": links,
+        links = {cls: int(measuring.sum_over_ranks(s.bytes_sent)) for cls, s in c.by_link().items()}
+        out[name] = {"step_s": measuring.median(samples[name]), "samples_s": samples[name], "bytes_by_link": links,
                      "first_loss": losses.get(name), "tp_group": trained.mesh.groups["tp"][0],
                      "dp_group": trained.mesh.groups["dp"][0],
                      "bucket_bytes": [int(b.nbytes) for b in trained.module.buckets]}
@@ -152,10 +143,6 @@ def run(preset: str = "tiny", batch: int = 16, topology: str = DEFAULT_TOPOLOGY,
         steps: int = 2, warmup: int = 1, launch_kwargs: dict | None = None) -> dict:
     """Measure both placements with the links slowed (``topology``) and without (the baseline),
     predict each step, and return ``{"rows": [...], "ratio_measured", "ratio_predicted", ...}``."""
-    import workbench
-    from workbench.comm import Topology
-    from workbench.models import GPTConfig
-
     topo = Topology.parse(topology) if isinstance(topology, str) else topology
     if topo.ranks_per_node != 2:
         raise ValueError(f"topology={topology!r}: this benchmark lays out 2 nodes x 2 ranks; use ranks_per_node=2")
@@ -206,7 +193,7 @@ def report(res: dict) -> str:
     title = (f"bench placement: GPT {res['preset']} ({res['parameters'] / 1e6:.2f} M parameters), mesh dp=2 x tp=2 "
              f"on {res['topology']}, global batch {res['batch']} x {res['block_size']} tokens, median of "
              f"{res['trials']} interleaved trials x {res['steps']} steps")
-    table = _common.format_table(res["rows"], [
+    table = measuring.format_table(res["rows"], [
         ("placement", "TP placed", "s"), ("baseline_ms", "no slow links ms", "{:.1f}"),
         ("tp_link_ms", "+TP ms", "{:.1f}"), ("dp_link_ms", "+DP ms", "{:.1f}"),
         ("predicted_ms", "predicted ms", "{:.1f}"), ("measured_ms", "measured ms", "{:.1f}"),
@@ -221,8 +208,8 @@ def main(args: argparse.Namespace) -> int:
     start = time.time()
     res = run(args.preset, args.batch, args.topology, trials=args.trials, steps=args.steps, warmup=args.warmup)
     print(report(res))
-    _common.save_outputs(args, "placement", {"results": res, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: plot(res)))
+    measuring.save_outputs(args, "placement", {"results": res, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: plot(res)))
     return 0 if abs(res["error"]) <= TOLERANCE else 1
 
 

@@ -35,7 +35,12 @@ import time
 import torch
 from torch import nn
 
-from workbench.bench import _common
+import workbench
+from workbench import measuring, runtime
+from workbench.data import synthetic_batch
+from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench.models import GPT, GPTConfig
+from workbench.parallel.tensor import ParallelSelfAttention, tensor_parallel
 
 CANDIDATES = ("dtensor", "ours", "dtensor-sp", "ours-sp", "ours-ring", "ours-sp-ring", "ddp")
 # what each candidate's ratio is taken against
@@ -72,9 +77,6 @@ def torch_tensor_parallel(model: nn.Module, *, sequence_parallel: bool = False, 
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
-
-    from workbench import runtime
-    from workbench.parallel.tensor import ParallelSelfAttention
 
     t = dist.get_world_size()
     if mesh is None:
@@ -158,8 +160,6 @@ def _build(candidate: str, base: nn.Module):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from workbench.parallel.tensor import tensor_parallel
-
     model = copy.deepcopy(base)
     if candidate.startswith("dtensor"):
         model = torch_tensor_parallel(model, sequence_parallel=candidate.endswith("-sp"))
@@ -191,10 +191,6 @@ def _build(candidate: str, base: nn.Module):
 def measure(preset: str, batch: int, candidates: list[str], trials: int, steps: int, warmup: int) -> dict:
     """In every rank: time ``candidates`` (interleaved trials, slowest rank), then measure one more
     step's memory (``MemoryMeter``) and model state; ``{"rows": [...], ...}`` (the same on every rank)."""
-    from workbench.data import synthetic_batch
-    from workbench.metrics import MemoryMeter, model_state_bytes
-    from workbench.models import GPT, GPTConfig
-
     torch.manual_seed(0)
     config = GPTConfig.preset(preset)
     base = GPT(config)
@@ -207,21 +203,21 @@ def measure(preset: str, batch: int, candidates: list[str], trials: int, steps: 
             built[c][1](optims[c], x, y)
 
     def time_one(c):
-        return _common.max_over_ranks(_common.timed(lambda: built[c][1](optims[c], x, y), steps))
+        return measuring.max_over_ranks(measuring.timed(lambda: built[c][1](optims[c], x, y), steps))
 
-    samples = _common.interleaved_trials(candidates, trials, time_one)
+    samples = measuring.interleaved_trials(candidates, trials, time_one)
     rows = []
     for c in candidates:
         model, step = built[c]
         with MemoryMeter(model, optims[c]) as meter:  # one more step, outside the timed loop
             step(optims[c], x, y)
         state = model_state_bytes(model, optims[c])
-        ms = 1e3 * _common.median(samples[c])
+        ms = 1e3 * measuring.median(samples[c])
         rows.append({"candidate": c, "step_ms": ms, "samples_ms": [1e3 * s for s in samples[c]],
                      "tokens_per_s": batch * config.block_size / (ms / 1e3),
-                     "state_MiB": _common.max_over_ranks(state["total"]) / 2**20,
-                     "peak_MiB": _common.max_over_ranks(meter.peak_bytes) / 2**20,
-                     "activations_MiB": _common.max_over_ranks(meter.peak_by_category["activations"]) / 2**20,
+                     "state_MiB": measuring.max_over_ranks(state["total"]) / 2**20,
+                     "peak_MiB": measuring.max_over_ranks(meter.peak_bytes) / 2**20,
+                     "activations_MiB": measuring.max_over_ranks(meter.peak_by_category["activations"]) / 2**20,
                      "first_loss": first_loss[c]})
     by = {r["candidate"]: r for r in rows}
     for r in rows:
@@ -233,8 +229,6 @@ def measure(preset: str, batch: int, candidates: list[str], trials: int, steps: 
 
 
 def main(args: argparse.Namespace) -> int:
-    import workbench
-
     items = [s.strip() for s in args.candidates.split(",") if s.strip()]
     bad = [s for s in items if s not in CANDIDATES]
     if bad or not items:
@@ -261,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
     title = (f"bench tensor: GPT {res['preset']} ({res['parameters'] / 1e6:.2f} M parameters), t = {args.world_size}, "
              f"global batch {res['batch']} x {res['block_size']} tokens, median of {args.trials} interleaved "
              f"trials x {args.steps} steps\nfirst-step loss, ours vs dtensor: |difference| = {loss_diff:.2g}")
-    lines = [_common.format_table(res["rows"], [
+    lines = [measuring.format_table(res["rows"], [
         ("candidate", "candidate", "s"), ("step_ms", "step ms", "{:.1f}"), ("vs", "vs", "s"),
         ("ratio", "ratio", "{:.3f}"), ("tokens_per_s", "tokens/s", "{:.0f}"), ("state_MiB", "state MiB", "{:.2f}"),
         ("activations_MiB", "activ. MiB", "{:.2f}"), ("peak_MiB", "peak MiB", "{:.2f}")], title=title)]
@@ -277,8 +271,8 @@ def main(args: argparse.Namespace) -> int:
                      f" vs ddp {by['ddp']['tokens_per_s']:.0f}; model state per rank {by['ours']['state_MiB']:.2f} vs "
                      f"{by['ddp']['state_MiB']:.2f} MiB")
     print("\n".join(lines))
-    _common.save_outputs(args, "tensor", {"results": res, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: plot(res)))
+    measuring.save_outputs(args, "tensor", {"results": res, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: plot(res)))
     return 0 if ok else 1
 
 

@@ -14,7 +14,7 @@ torch-zero      PyTorch DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`
 torch-fsdp      PyTorch FSDP2: ``fully_shard`` on every block, then the root (ZeRO-3)
 ==============  ===============================================================================
 
-For each: the median step time over interleaved trials (``workbench.bench._common``: candidates
+For each: the median step time over interleaved trials (``workbench.measuring``: candidates
 take turns in rotating order; a trial's number is the slowest rank's mean step time), the ratio
 to ``torch-fsdp`` measured in the same run, the peak bytes of live tensors during one step
 (``workbench.metrics.MemoryMeter``, split into parameters, gradients, optimizer state,
@@ -35,7 +35,13 @@ import time
 import torch
 from torch import nn
 
-from workbench.bench import _common
+import workbench
+from workbench import comm, measuring
+from workbench.data import synthetic_batch
+from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench.models import GPT, GPTConfig
+from workbench.parallel import zero
+from workbench.parallel.zero_memory import bytes_sent_per_rank, model_state_per_rank
 
 CANDIDATES = ("stage0", "stage1", "stage2", "stage3", "torch-zero", "torch-fsdp")
 TARGET_RATIO = 1.25
@@ -58,8 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _wrap(candidate: str, model: nn.Module):
     """``(model, optimizer)`` for one candidate, from an identically initialised model."""
-    from workbench.parallel import zero
-
     if candidate.startswith("stage"):
         return zero(model, torch.optim.AdamW, int(candidate[-1]), **ADAMW)
     if candidate == "torch-zero":
@@ -90,10 +94,6 @@ def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps:
     ``seq_len``: tokens per sequence (default: the preset's ``block_size``)."""
     import torch.distributed as dist
 
-    from workbench.data import synthetic_batch
-    from workbench.metrics import MemoryMeter, model_state_bytes
-    from workbench.models import GPT, GPTConfig
-
     rank = dist.get_rank()
     config = GPTConfig.preset(preset)
     torch.manual_seed(0)
@@ -116,14 +116,14 @@ def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps:
         model, optimizer = pairs[c]
         # ZeroRedundancyOptimizer keeps its shard's state in a local optimizer, ``.optim``.
         state = model_state_bytes(model, optimizer.optim if c == "torch-zero" else optimizer)
-        memory[c] = {"peak": int(_common.max_over_ranks(meter.peak_bytes)),
+        memory[c] = {"peak": int(measuring.max_over_ranks(meter.peak_bytes)),
                      "peak_by_category": {k: int(v) for k, v in meter.peak_by_category.items()},
                      "model_state": state["total"] - state["grads"]}  # between steps: no gradients
 
     def measure(c):
-        return _common.max_over_ranks(_common.timed(lambda: step(c), steps))
+        return measuring.max_over_ranks(measuring.timed(lambda: step(c), steps))
 
-    samples = _common.interleaved_trials(candidates, trials, measure)
+    samples = measuring.interleaved_trials(candidates, trials, measure)
     checks = {}
     for ours, theirs in (("stage1", "torch-zero"), ("stage3", "torch-fsdp")):
         if ours in pairs and theirs in pairs:
@@ -131,7 +131,7 @@ def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps:
             checks[f"{ours} vs {theirs}"] = max((a[k] - b[k]).abs().max().item() for k in b)
     rows = []
     for c in candidates:
-        rows.append({"candidate": c, "step_ms": 1e3 * _common.median(samples[c]),
+        rows.append({"candidate": c, "step_ms": 1e3 * measuring.median(samples[c]),
                      "samples_ms": [1e3 * s for s in samples[c]], **memory[c]})
     reference = rows[candidates.index("torch-fsdp")]["step_ms"]
     for row in rows:
@@ -150,12 +150,6 @@ def state_and_traffic(preset: str = "small", stages=(0, 1, 2, 3), batch_size: in
     call's sizes, as the ring algorithm would send them.
     """
     import torch.distributed as dist
-
-    from workbench import comm
-    from workbench.metrics import model_state_bytes
-    from workbench.models import GPT, GPTConfig
-    from workbench.parallel import zero
-    from workbench.parallel.zero_memory import bytes_sent_per_rank, model_state_per_rank
 
     n, rows = dist.get_world_size(), []
     for stage in stages:
@@ -181,8 +175,6 @@ def state_and_traffic(preset: str = "small", stages=(0, 1, 2, 3), batch_size: in
 
 
 def main(args: argparse.Namespace) -> int:
-    import workbench
-
     candidates = [s.strip() for s in args.candidates.split(",") if s.strip()]
     bad = [c for c in candidates if c not in CANDIDATES]
     if bad or not candidates:
@@ -209,15 +201,15 @@ def main(args: argparse.Namespace) -> int:
              f"{args.world_size}, batch {args.batch_size} per rank, AdamW; median of {args.trials} interleaved "
              f"trials x {args.steps} steps\n" +
              "; ".join(f"{k}: max |weight difference| = {v:.2g}" for k, v in res["weight_checks"].items()))
-    print(_common.format_table(res["rows"], [
+    print(measuring.format_table(res["rows"], [
         ("candidate", "candidate", "s"), ("step_ms", "step ms", "{:.1f}"), ("ratio", "x fsdp2", "{:.3f}"),
         ("peak_mib", "peak MiB", "{:.1f}"), ("state_mib", "state MiB", "{:.1f}")], title=title))
     ratio = next(r["ratio"] for r in res["rows"] if r["candidate"] == "stage3")
     ok = ratio <= TARGET_RATIO
     print(f"# stage3 / torch-fsdp = {ratio:.3f}: {'meets' if ok else 'MISSES'} the target <= {TARGET_RATIO:.2f} "
           "(CPU timings are noisy while other processes run)")
-    _common.save_outputs(args, "zero", {"results": res, "elapsed_s": time.time() - start},
-                         None if args.no_plot else (lambda: plot(res)))
+    measuring.save_outputs(args, "zero", {"results": res, "elapsed_s": time.time() - start},
+                           None if args.no_plot else (lambda: plot(res)))
     return 0 if ok else 1
 
 

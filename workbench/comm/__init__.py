@@ -66,8 +66,8 @@ from workbench.comm.all_reduce import ALGORITHMS as _ALL_REDUCE, all_reduce
 from workbench.comm.all_to_all import ALGORITHMS as _ALL_TO_ALL, all_to_all_single
 from workbench.comm.broadcast import ALGORITHMS as _BROADCAST, broadcast
 from workbench.comm.counters import Counters, LinkStat, Stat, counters
-from workbench.comm.emulation import emulate
-from workbench.comm.topology import Link, Topology, node_groups
+from workbench.comm.emulation import emulate, node_groups
+from workbench.comm.topology import Link, Topology
 from workbench.comm.ops import ReduceOp
 from workbench.comm.p2p import irecv, isend, recv, send
 from workbench.comm.group import wire_device

@@ -68,7 +68,7 @@ def ring(c: Comm, buf: torch.Tensor, op) -> None:
     Each rank sends and receives ``2 (p-1)/p n`` bytes, the lower bound: the cost is
     ``2 (p-1) alpha + 2 ((p-1)/p) n beta + ((p-1)/p) n gamma``. Blocks over 2 MiB are cut into
     segments so that transfer and reduction overlap (gloo cuts at 1 MiB and at least 2 segments;
-    on this 2-vCPU machine fewer, bigger messages measured faster: see ``group.SEGMENT_BYTES``).
+    over loopback TCP fewer, bigger messages pay fewer rendezvous: see ``group.SEGMENT_BYTES``).
     """
     ring_over(c, buf, op, list(range(c.size)), c.rank)
 

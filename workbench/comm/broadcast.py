@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.comm import checks
+from workbench.comm.all_gather import ring_all_gather
 from workbench.comm.dispatch import flat_buffer, nbytes, run_algorithm, run_native
 from workbench.comm.group import Comm, block_bounds
 
@@ -78,8 +79,6 @@ def scatter_allgather(c: Comm, buf: torch.Tensor, root: int) -> None:
     ``(lg p + p - 1) alpha + 2 ((p-1)/p) n beta``: each rank receives about n bytes twice over,
     whatever p is, against ``lg p`` times n for the binomial tree.
     """
-    from workbench.comm.all_gather import ring_all_gather
-
     p, v = c.size, (c.rank - root) % c.size
     real = lambda rel: (rel + root) % p  # noqa: E731
     bounds = block_bounds(buf.numel(), p)  # block k goes to relative rank k

@@ -41,66 +41,60 @@ messages are all latency, so few rounds win; large ones are all bandwidth, so fe
 At ``p = 4`` recursive doubling costs ``2a + 2n b + 2n g`` and the ring ``6a + 1.5n b + 0.75n g``:
 the ring wins from ``n = 4a / (0.5 b + 1.25 g)`` bytes up (:func:`crossover` finds it for any pair).
 
-Fitting the three numbers (:func:`fit`, inside a launch)
----------------------------------------------------------
-* alpha, beta: a ping-pong between ranks 0 and 1 over sizes from 8 B up; half the round trip is
-  one message, ``t(m) = alpha + m beta``, fitted by least squares on the *relative* error so
-  that the 8-byte and the 16-MiB points count alike.
-* gamma: the slope of a local ``a.add_(b)`` timed over sizes, on one thread like a rank.
+The numbers and where they come from
+------------------------------------
+:mod:`workbench.probes` measures them (inside a launch; ``probes.measure()`` starts one):
 
-* alpha_duplex, beta_duplex: the same two ranks *exchange* messages (both send and receive at
-  once), the step every ring, recursive-doubling and Rabenseifner round is made of, over the
-  sizes collectives send (64 KiB up). The textbook assumes full-duplex links, so an exchange
-  costs no more than one message. Two processes on a shared CPU talking over loopback TCP are
-  not full duplex: every byte is copied by the CPU on both ends, so when both directions run at
-  once each goes slower (``beta_duplex``, the slope). And a large exchange pays more than a
-  ping-pong's latency per step (``alpha_duplex``, the intercept, about twice ``alpha`` here):
-  gloo's rendezvous (a receive-ready notice must reach the sender before the data moves, and a
-  message bigger than the socket buffer is handed over in pieces by gloo's I/O thread). The
-  ping-pong, a tight loop of small round trips whose receives are posted long before the data
-  comes, sees little of this. The formulas use ``alpha_duplex`` and
-  ``beta_duplex`` for exchange steps and ``alpha``, ``beta`` for one-way steps (trees, flat,
-  fold-in/out). ``None`` for either is the textbook model.
-
-* delta: the slope of a local ``dst.copy_(src)`` timed over sizes up to 64 MiB. The textbook
-  algorithms move bytes only over the network, but an implementation behind torch's interface
-  also copies: a list of output tensors has to be laid out in one buffer for recursive doubling
-  and Bruck to send runs of blocks in one message, and back; reduce-scatter must not modify its
-  inputs, so it reduces a copy; a tree reduce works on a private copy of a non-root's input.
-  :data:`COPIES` lists the bytes each of these algorithms copies, and ``predict`` adds them at
-  ``delta`` per byte (``delta=None``: the textbook, no copies). At 64 MiB a copy costs about
-  3.5 ms here, as much as sending a quarter of it.
+* alpha, beta: one message, ``t(m) = alpha + m beta``, from a ping-pong between two ranks.
+* gamma: seconds per byte of a local ``a.add_(b)``, on one thread like a rank.
+* alpha_duplex, beta_duplex: one *exchange* step (both ranks send and receive at once), the
+  step every ring, recursive-doubling and Rabenseifner round is made of. The textbook assumes
+  full-duplex links, so an exchange costs no more than one message. Two processes on a shared
+  CPU talking over loopback TCP are not full duplex: every byte is copied by the CPU on both
+  ends, so when both directions run at once each goes slower (``beta_duplex``); and a large
+  exchange pays more than a ping-pong's latency per step (``alpha_duplex``): gloo's rendezvous
+  (a receive-ready notice must reach the sender before the data moves, and a message bigger than
+  the socket buffer is handed over in pieces by gloo's I/O thread). The formulas use
+  ``alpha_duplex`` and ``beta_duplex`` for exchange steps and ``alpha``, ``beta`` for one-way
+  steps (trees, flat, fold-in/out). ``None`` for either is the textbook model.
+* delta: seconds per byte of a local ``dst.copy_(src)``. The textbook algorithms move bytes only
+  over the network, but an implementation behind torch's interface also copies: a list of output
+  tensors has to be laid out in one buffer for recursive doubling and Bruck to send runs of
+  blocks in one message, and back; reduce-scatter must not modify its inputs, so it reduces a
+  copy; a tree reduce works on a private copy of a non-root's input. :data:`COPIES` lists the
+  bytes each of these algorithms copies, and ``predict`` adds them at ``delta`` per byte
+  (``delta=None``: the textbook, no copies). A copy of many MiB costs a share of sending the
+  same bytes, which is why it is priced at all.
 
 Measured curves (``CostModel.tables``)
 --------------------------------------
 The lines above are the textbook model, and what :func:`crossover` and the lesson reason with.
-But a message's cost on this machine is not a straight line in its size: up to the socket
-buffer (about 256 KiB) an exchange costs a flat ~100 us, beyond it each byte costs more, and past
-the caches more again. A line fitted through 8 KiB .. 64 MiB misses some sizes by 40% or more.
-So :func:`fit` also keeps the measured points, one per size, by x2 steps (in the manner of PLogP,
-Kielmann et al. 2000, which measures LogP's parameters as functions of the message size), and
-``predict`` prices every step of an algorithm at the *measured* cost of a message of that
-step's size, interpolated between the two nearest sizes:
+But a message's cost over loopback TCP is not a straight line in its size: up to the socket
+buffer an exchange costs about the same, beyond it each byte costs more, and past the caches
+more again, so one line fitted over 8 KiB .. 64 MiB misses some sizes by far (figures:
+``docs/benchmarks/2026-11-23-collectives-and-placement-2vcpu.md``). So a model may also carry
+the measured points, one per size by x2 steps (in the manner of PLogP, Kielmann et al. 2000,
+which measures LogP's parameters as functions of the message size), and ``predict`` then prices
+every step of an algorithm at the *measured* cost of a message of that step's size,
+interpolated between the two nearest sizes:
 
-* ``one_way``: a *stream* (:func:`stream`): rank 0 sends, rank 1 receives, back to back. Each
-  receive is posted only when the previous one is done, as in a tree, so each message pays
-  gloo's receive-ready notice and its data: about two ping-pong latencies.
+* ``one_way``: a *stream*: rank 0 sends, rank 1 receives, back to back. Each receive is posted
+  only when the previous one is done, as in a tree, so each message pays gloo's receive-ready
+  notice and its data: about two ping-pong latencies.
 * ``exchange``: the exchange above. ``reduction`` and ``copy``: the local timings of gamma and delta.
 
 With curves the model has one more term, the ``overheads`` (LogP's *o*): the Python a hand-written
-collective runs per call besides its messages (checks, group lookup, schedule, counters),
-measured per algorithm as a call on empty tensors (:func:`call_overheads`), 10-25 us here.
-``workbench bench collectives`` goes one step further: it times the exchange and the stream at
-the sizes each swept size sends *inside the same interleaved trials* as the collectives
-(:class:`Probe`), so that the curves and the measurements they are compared with share the
-machine's mood of the moment (:func:`with_curves`).
+collective runs per call besides its messages (checks, group lookup, schedule, counters), per
+algorithm. ``workbench bench collectives`` goes one step further: it times the exchange and the
+stream at the sizes each swept size sends *inside the same interleaved trials* as the
+collectives (``probes.Probe``), so that the curves and the measurements they are compared with
+share the machine's mood of the moment (:func:`with_curves` adds those points to a model).
 
-More ranks than cores: the probes above run between ranks 0 and 1 while the others wait, but
-in a ring or recursive-doubling step *every* rank sends and receives at once. With 4 ranks on 2
-cores each message then gets about half a core at each end, and curves timed by one pair alone
-predict a 4-rank collective too fast by about that share. ``fit(..., all_pairs=True)`` (and
-``Probe(..., all_pairs=True)``) times the exchange and the stream with every pair of ranks
-(2k, 2k+1) stepping at once, on the ranks the collective will run on.
+More ranks than cores: curves timed between ranks 0 and 1 while the others wait miss that in a
+ring or recursive-doubling step *every* rank sends and receives at once; with more ranks than
+cores each message then gets only its share of a core at each end, and one pair's curves predict
+the collective too fast by about that share. ``probes.fit(..., all_pairs=True)`` times the
+exchange and the stream with every pair of ranks (2k, 2k+1) stepping at once.
 
 Still, no curve knows about caches filled by the collective's own buffers, nor about two
 messages overlapping inside one algorithm: :func:`compare` shows how far off the model is, size
@@ -131,12 +125,8 @@ bound for recursive doubling and the trees, whose steps between near ranks stay 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Sequence
-
-import torch
 
 # the algorithm gloo runs for ``algorithm="native"`` (on CPU); see the module docstring
 NATIVE_AS = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "ring", "broadcast": "binomial",
@@ -359,7 +349,7 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
                   topology=None) -> float:
     """The alpha-beta-gamma terms of :func:`predict` (messages and reductions, no local copies)."""
     if not isinstance(model, CostModel):
-        raise TypeError(f"model={model!r} must be a CostModel: fit one with cost.measure() or "
+        raise TypeError(f"model={model!r} must be a CostModel: fit one with workbench.probes.measure() or "
                         "build one with CostModel(alpha=..., beta=..., gamma=...)")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a whole number >= 1")
@@ -568,145 +558,6 @@ def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
     return intercept, slope
 
 
-def _time_pair(sizes, make, messages: int, *, iterations: int, budget_bytes: int, repeats: int,
-               group, all_pairs: bool = False) -> list[tuple[int, float]]:
-    """Seconds per message of ``make(bytes)()`` (a step between ranks 0 and 1, called on every rank).
-
-    A step carries ``messages`` messages per call on each of ranks 0 and 1. Each size is timed
-    ``repeats`` times after one warm-up round (connections, page faults); each of ranks 0 and 1
-    keeps its median and the larger of the two is returned on every rank (a receiver finishes
-    after its sender). Other ranks only take part in the barriers and the maximum, unless
-    ``all_pairs`` (every rank steps with its partner, and the slowest pair counts).
-    """
-    import torch.distributed as dist
-
-    active = all_pairs or dist.get_rank(group) in (0, 1)
-    out = []
-    for nbytes in sizes:
-        step = make(nbytes)
-        iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
-        samples = []
-        for k in range(repeats + 1):  # the first round warms up and is dropped
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            if active:
-                for _ in range(iters):
-                    step()
-            if k:
-                samples.append((time.perf_counter() - start) / (messages * iters))
-        t = torch.tensor([statistics.median(samples) if active else 0.0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        out.append((nbytes, float(t.item())))
-    return out
-
-
-def pingpong(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
-             repeats: int = 3, group=None) -> list[tuple[int, float]]:
-    """One-way message time ``(bytes, seconds)`` per size between ranks 0 and 1 (call on every rank).
-
-    Rank 0 sends, rank 1 sends the same bytes back; half the round trip is one message.
-    """
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    if world < 2:
-        raise ValueError(f"pingpong needs at least 2 ranks, got world size {world}")
-    rank = dist.get_rank(group)
-    peer = {0: 1, 1: 0}.get(rank)
-    peer = dist.get_global_rank(group, peer) if group is not None and peer is not None else peer
-
-    def make(nbytes):
-        x = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
-
-        def round_trip():
-            if rank == 0:
-                dist.send(x, peer, group=group)
-                dist.recv(x, peer, group=group)
-            else:
-                dist.recv(x, peer, group=group)
-                dist.send(x, peer, group=group)
-        return round_trip
-
-    return _time_pair(sizes, make, 2, iterations=iterations, budget_bytes=budget_bytes,
-                      repeats=repeats, group=group)
-
-
-def stream(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
-           repeats: int = 3, group=None, all_pairs: bool = False) -> list[tuple[int, float]]:
-    """Time ``(bytes, seconds)`` per message of rank 0 sending to rank 1 back to back (call on every rank).
-
-    Unlike the ping-pong, nobody waits for an answer, but each receive is posted only when the
-    previous one is done, as a tree's child posts its receive when its turn comes: with gloo's
-    rendezvous every message then pays a receive-ready notice on top of its data, and a stream
-    message costs about two ping-pong latencies. The one-way steps of trees and flat algorithms
-    (broadcast, reduce, scatter, gather, folds) are priced from this curve. (:class:`Probe`
-    ``"one_way"``, timed on its own.)
-    """
-    return _time_pair(sizes, lambda n: Probe("one_way", n, group, all_pairs=all_pairs), 1,
-                      iterations=iterations, budget_bytes=budget_bytes, repeats=repeats, group=group,
-                      all_pairs=all_pairs)
-
-
-def exchange(sizes: Sequence[int], *, iterations: int = 20, budget_bytes: int = 32 << 20,
-             repeats: int = 3, group=None, all_pairs: bool = False) -> list[tuple[int, float]]:
-    """Time ``(bytes, seconds)`` of ranks 0 and 1 swapping ``bytes`` at once (call on every rank).
-
-    Both post a receive and a send, then wait for both: one step of a ring or of recursive
-    doubling on two ranks. Its slope is ``beta_duplex``, its intercept ``alpha_duplex``.
-    (:class:`Probe` ``"exchange"``, timed on its own.) ``all_pairs``: every pair of ranks
-    (2k, 2k+1) exchanges at the same time, as in a collective's step on more than two ranks.
-    """
-    return _time_pair(sizes, lambda n: Probe("exchange", n, group, all_pairs=all_pairs), 1,
-                      iterations=iterations, budget_bytes=budget_bytes, repeats=repeats, group=group,
-                      all_pairs=all_pairs)
-
-
-class Probe:
-    """One primitive step of ``nbytes`` between ranks 0 and 1, to be called on every rank.
-
-    ``kind="exchange"``: both swap ``nbytes`` (a ring or recursive-doubling step);
-    ``kind="one_way"``: rank 0 sends, rank 1 receives (a stream message, a tree step). Other
-    ranks do nothing, unless ``all_pairs``: then every even rank 2k does the same with 2k+1 at
-    the same time, as every rank of a ring or recursive-doubling step does. Where ranks
-    outnumber cores, that is what a step of a collective costs: the pairs share the cores.
-    ``workbench bench collectives`` times probes in the same interleaved trials as the
-    collectives, so the measured curves (``CostModel.tables``) it predicts them with were taken
-    under the same conditions, not a minute earlier or later.
-    """
-
-    KINDS = ("exchange", "one_way")
-
-    def __init__(self, kind: str, nbytes: int, group=None, *, all_pairs: bool = False) -> None:
-        from workbench.comm.group import Comm, resolve_group
-
-        if kind not in self.KINDS:
-            raise ValueError(f"kind={kind!r} is not a probe: use one of {self.KINDS}")
-        self.kind, self.nbytes = kind, int(nbytes)
-        view = resolve_group(group)
-        if view is None:
-            self.peer = None
-        elif all_pairs:  # ranks 2k and 2k+1 pair up, all at once (an odd rank out does nothing)
-            peer = view.rank ^ 1
-            self.peer = peer if peer < view.size else None
-        else:
-            self.peer = {0: 1, 1: 0}.get(view.rank)
-        self.comm = Comm(view) if self.peer is not None else None  # the algorithms' own message layer
-        self.first = self.peer is not None and self.peer > view.rank
-        size = max(self.nbytes, 1) if self.peer is not None else 0
-        self.x = torch.zeros(size, dtype=torch.uint8)
-        self.y = torch.empty_like(self.x)
-
-    def __call__(self) -> None:
-        if self.peer is None:
-            return
-        if self.kind == "exchange":
-            self.comm.sendrecv(self.x, self.peer, self.y, self.peer)
-        elif self.first:
-            self.comm.send(self.x, self.peer)
-        else:
-            self.comm.recv(self.x, self.peer)
-
-
 def with_curves(model: CostModel, **points: Sequence[tuple[float, float]]) -> CostModel:
     """``model`` with measured points added to its curves (``one_way=[(bytes, s), ...]``, ...):
     a new point replaces the model's own at the same size."""
@@ -716,149 +567,6 @@ def with_curves(model: CostModel, **points: Sequence[tuple[float, float]]) -> Co
             tables.setdefault(name, {}).update({float(b): float(t) for b, t in pts})
     return replace(model, tables={k: sorted(v.items()) for k, v in tables.items()})
 
-
-def call_overheads(*, calls: int = 100, repeats: int = 5, group=None) -> dict[str, float]:
-    """Seconds of a hand-written call that moves no data, per ``"collective/algorithm"`` (call on
-    every rank).
-
-    A call on empty tensors runs everything but the messages: the input checks, the group
-    lookup, building the schedule (a ring's blocks, a tree's partners), the counters. From about
-    10 us (recursive doubling) to 25 us (the ring, which builds its all-gather up front) here.
-    The slowest rank's median; the same numbers on every rank.
-    """
-    import torch.distributed as dist
-
-    from workbench import comm as wcomm
-
-    p = dist.get_world_size(group)
-    root = dist.get_global_rank(group, 0) if group is not None else 0
-    is_root = dist.get_rank(group) == 0
-    e = torch.empty(0)
-    lst = [torch.empty(0) for _ in range(p)]
-    call = {
-        "all_reduce": lambda a: wcomm.all_reduce(e, group=group, algorithm=a),
-        "all_gather": lambda a: wcomm.all_gather(lst, e, group=group, algorithm=a),
-        "reduce_scatter": lambda a: wcomm.reduce_scatter(e, lst, group=group, algorithm=a),
-        "broadcast": lambda a: wcomm.broadcast(e, root, group=group, algorithm=a),
-        "reduce": lambda a: wcomm.reduce(e, root, group=group, algorithm=a),
-        "scatter": lambda a: wcomm.scatter(e, lst if is_root else None, src=root, group=group, algorithm=a),
-        "gather": lambda a: wcomm.gather(e, lst if is_root else None, dst=root, group=group, algorithm=a),
-        "all_to_all_single": lambda a: wcomm.all_to_all_single(e, e, group=group, algorithm=a),
-    }
-    keys, times = [], []
-    for collective, algorithms in wcomm.ALGORITHMS.items():
-        for algorithm in algorithms:
-            if algorithm == "native" or collective not in call:
-                continue
-            samples = []
-            for _ in range(repeats):
-                dist.barrier(group=group)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call[collective](algorithm)
-                samples.append((time.perf_counter() - start) / calls)
-            keys.append(f"{collective}/{algorithm}")
-            times.append(statistics.median(samples))
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(keys, t.tolist()))
-
-
-def reduction_time(sizes: Sequence[int], *, dtype: torch.dtype = torch.float32, iterations: int = 20,
-                   budget_bytes: int = 64 << 20, repeats: int = 3) -> list[tuple[int, float]]:
-    """Seconds of a local ``a.add_(b)`` on ``bytes`` of ``dtype`` (this thread only): gamma's points."""
-    return _local_time(sizes, lambda a, b: a.add_(b), dtype, iterations, budget_bytes, repeats)
-
-
-def copy_time(sizes: Sequence[int], *, dtype: torch.dtype = torch.float32, iterations: int = 20,
-              budget_bytes: int = 64 << 20, repeats: int = 3) -> list[tuple[int, float]]:
-    """Seconds of a local ``a.copy_(b)`` on ``bytes`` of ``dtype`` (this thread only): delta's points."""
-    return _local_time(sizes, lambda a, b: a.copy_(b), dtype, iterations, budget_bytes, repeats)
-
-
-def _local_time(sizes, step, dtype, iterations, budget_bytes, repeats) -> list[tuple[int, float]]:
-    out = []
-    esize = torch.tensor([], dtype=dtype).element_size()
-    for nbytes in sizes:
-        numel = max(nbytes // esize, 1)
-        a, b = torch.ones(numel, dtype=dtype), torch.ones(numel, dtype=dtype)
-        iters = max(2, min(iterations, budget_bytes // max(nbytes, 1)))
-        step(a, b)  # warm the pages
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(iters):
-                step(a, b)
-            samples.append((time.perf_counter() - start) / iters)
-        out.append((numel * esize, statistics.median(samples)))
-    return out
-
-
-# by x2, so that the measured curves (``tables``) are interpolated over short steps
-DEFAULT_PINGPONG_SIZES = tuple(8 << k for k in range(24))  # 8 B .. 64 MiB
-DEFAULT_REDUCTION_SIZES = tuple(8192 << k for k in range(14))  # 8 KiB .. 64 MiB (also the copies')
-DEFAULT_EXCHANGE_SIZES = tuple(8192 << k for k in range(14))  # 8 KiB .. 64 MiB: the sizes collectives send
-
-
-def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
-        reduction_sizes: Sequence[int] = DEFAULT_REDUCTION_SIZES,
-        exchange_sizes: Sequence[int] | None = DEFAULT_EXCHANGE_SIZES, *, copies: bool = True,
-        curves: bool = True, all_pairs: bool = False, group=None) -> dict:
-    """Fit alpha, beta, gamma (and alpha_duplex, beta_duplex, delta) on this machine; call on every rank.
-
-    Returns ``{"model": CostModel, "pingpong": [(bytes, s)], "exchange": [(bytes, s)],
-    "reduction": [(bytes, s)], "copy": [(bytes, s)]}``, the same on every rank (rank 0's
-    measurements, broadcast). ``exchange_sizes=None`` leaves ``alpha_duplex`` and ``beta_duplex``
-    None, ``copies=False`` leaves ``delta`` None and ``curves=False`` keeps only the straight
-    lines (no measured curves): all three give the textbook model. ``all_pairs``: the exchange
-    and the stream are timed with every pair of ranks (2k, 2k+1) stepping at once (see
-    :class:`Probe`), which is what a collective's step costs when the ranks outnumber the cores;
-    the ping-pong (alpha, beta) stays one pair's.
-    """
-    import torch.distributed as dist
-
-    # as many calls per size as the benchmark makes (50 calls, 5+ trials), so the fit sees the
-    # machine's occasional slow call as often as a collective does
-    pp = pingpong(pingpong_sizes, iterations=50, repeats=7, group=group)
-    alpha, beta = fit_line(pp)
-    ex = (exchange(exchange_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs)
-          if exchange_sizes else [])
-    alpha_duplex, beta_duplex = fit_line(ex) if ex else (None, None)
-    root = dist.get_global_rank(group, 0) if group is not None else 0
-    red = _from_rank0(reduction_time(reduction_sizes), root, group)
-    _, gamma = fit_line(red)
-    cp = _from_rank0(copy_time(reduction_sizes), root, group) if copies else []
-    big_copies = [(n, t) for n, t in cp if n >= 1 << 20]  # the copies that matter are big, out of cache
-    delta = fit_line(big_copies if len(big_copies) >= 2 else cp)[1] if cp else None
-    tables, st = None, []
-    if curves:
-        st = stream(pingpong_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs)
-        tables = {"one_way": st, "reduction": red}
-        if ex:
-            tables["exchange"] = ex
-        if cp:
-            tables["copy"] = cp
-    overheads = call_overheads(group=group) if curves else None
-    overhead = statistics.median(overheads.values()) if overheads else None
-    model = CostModel(alpha=alpha, beta=beta, gamma=gamma, alpha_duplex=alpha_duplex, beta_duplex=beta_duplex,
-                      delta=delta, tables=tables, overhead=overhead, overheads=overheads)
-    return {"model": model, "pingpong": pp, "stream": st, "exchange": ex, "reduction": red, "copy": cp}
-
-
-def _from_rank0(points: list[tuple[int, float]], root: int, group) -> list[tuple[int, float]]:
-    """Rank 0's local timings on every rank (each rank timed its own; one answer for all)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([s for _, s in points], dtype=torch.float64)
-    dist.broadcast(t, root, group=group)
-    return [(n, float(s)) for (n, _), s in zip(points, t.tolist())]
-
-
-def measure(world_size: int = 2, **kwargs) -> dict:
-    """Fit the model from outside a launch: starts ``world_size`` ranks and runs :func:`fit`."""
-    from workbench.launch import launch
-
-    return launch(fit, world_size, kwargs=kwargs)[0]
 
 
 def compare(model: CostModel, measurements: Iterable[dict], topology=None) -> list[dict]:

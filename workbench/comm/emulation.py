@@ -64,10 +64,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from workbench import runtime
+from workbench.comm.cost import NATIVE_AS
 from workbench.comm.topology import ENV, Link, Topology
 
-__all__ = ["emulate", "clear", "current", "layout", "floor", "measure_floor", "native_stand_in", "lateness",
-           "STAMP_TAG"]
+__all__ = ["emulate", "clear", "current", "layout", "node_groups", "floor", "measure_floor", "native_stand_in",
+           "lateness", "STAMP_TAG"]
 
 # Stamps travel on tag + STAMP_TAG, so they never match a data message (algorithms use small tags).
 STAMP_TAG = 1 << 20
@@ -112,6 +114,27 @@ def layout() -> Topology:
     world = dist.get_world_size() if dist.is_initialized() else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
     return Topology(max(1, min(local, world)))
+
+
+def node_groups(topology: Topology | None = None):
+    """``(node_group, column_group)`` of this rank, made with ``torch.distributed.new_group``:
+    the ranks of its node, and the ranks with its local index on every node (the groups hybrid
+    sharding uses: shard inside a node, replicate across nodes). Call on every rank (each
+    ``new_group`` is collective). ``topology``: default the emulated one (or the real layout)."""
+    topo = topology or layout()
+    world, me = dist.get_world_size(), dist.get_rank()
+    topo.check_world(world)
+    rpn, nodes = topo.ranks_per_node, world // topo.ranks_per_node
+    mine_row = mine_col = None
+    for k in range(nodes):  # every rank creates every group, in the same order
+        g = dist.new_group(list(range(k * rpn, (k + 1) * rpn)))
+        if topo.node_of(me) == k:
+            mine_row = g
+    for i in range(rpn):
+        g = dist.new_group([k * rpn + i for k in range(nodes)])
+        if topo.local_index(me) == i:
+            mine_col = g
+    return mine_row, mine_col
 
 
 def clear() -> None:
@@ -184,8 +207,6 @@ def measure_floor(small: int = 8, large: int = 1 << 20, repeats: int = 20) -> Li
     between ranks 0 and 1 (``repeats`` round trips each), the fastest round trip halved. Call on
     every rank; every rank gets rank 0's numbers. The minimum, not the median, because a floor is
     what the machine can do at best (a loaded machine's medians are slower, its minimum barely)."""
-    from workbench import runtime
-
     rank, device = dist.get_rank(), runtime.device()
 
     def one_way(nbytes: int) -> float:
@@ -227,8 +248,6 @@ def native_stand_in(collective: str, global_ranks: list[int]) -> str | None:
     classes = ({"inter"} if len(per_node) > 1 else set()) | ({"intra"} if max(per_node.values()) > 1 else set())
     if not any(topo.link(c) is not None for c in classes):
         return None
-    from workbench.comm.cost import NATIVE_AS
-
     stand_in = NATIVE_AS[collective]
     if (os.getpid(), collective) not in _warned:
         _warned.add((os.getpid(), collective))

@@ -278,15 +278,14 @@ class Fold:
 
 
 # Gloo's ring cuts each rank's block into segments of at most 1 MiB, and at least two, so that
-# sending one overlaps reducing another. Measured on the 2-vCPU VM this workbench targets
-# (loopback TCP, 2 ranks), pipelining does not pay below a couple of MiB: every extra message is
-# one more rendezvous (an exchange of up to 256 KiB costs a flat ~100 us here, see comm.cost),
-# which costs more than the overlap saves. So the ring algorithms here send each block as ONE
-# message up to SEGMENT_BYTES (2 MiB) and cut only larger blocks into segments of at most
-# SEGMENT_BYTES (1 MiB all-reduce: 2 ranks x one 512 KiB message per phase; 64 MiB: 16 segments
-# of 2 MiB). Measured (all-reduce, 2 ranks, 16 and 64 MiB): 2 MiB segments 3-8% faster than 4 MiB
-# ones, which need more buffer and so more cache. Module variables: change them to experiment
-# (MIN_SEGMENTS=2, PIPELINE_BYTES=256K and SEGMENT_BYTES=1M is gloo's policy).
+# sending one overlaps reducing another. Over loopback TCP every extra message is one more
+# rendezvous, whose latency (the exchange curve's flat part up to the socket buffer, see
+# comm.cost) can cost more than the overlap saves, so the ring algorithms here send each block as
+# ONE message up to SEGMENT_BYTES and cut only larger blocks into segments of at most SEGMENT_BYTES
+# (1 MiB all-reduce on 2 ranks: one 512 KiB message per phase; 64 MiB: 16 segments of 2 MiB).
+# Larger segments need more buffer, and so more cache. The sizes were chosen by timing
+# all-reduces on a 2-vCPU machine (docs/benchmarks/2026-11-27-figures-from-the-code-2vcpu.md). Module variables: change them to
+# experiment (MIN_SEGMENTS=2, PIPELINE_BYTES=256K and SEGMENT_BYTES=1M is gloo's policy).
 SEGMENT_BYTES = 2 << 20
 MIN_SEGMENTS = 1
 PIPELINE_BYTES = 256 << 10

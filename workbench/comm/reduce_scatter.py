@@ -37,7 +37,7 @@ from workbench.comm.group import Comm, Fold, scratch, segment, segment_count
 ReduceOp = dist.ReduceOp
 
 # Receive rows in flight in the ring reduce-scatter (segments of at most SEGMENT_BYTES each), as
-# gloo: 2 (4 measured 3-6% slower at 16 and 64 MiB: more buffer, more cache misses).
+# gloo: 2 (more buffers in flight mean more cache misses; see group.SEGMENT_BYTES for the sizes).
 RECV_WINDOW = 2
 
 

@@ -56,13 +56,14 @@ import re
 from dataclasses import dataclass, replace
 
 __all__ = ["Link", "Topology", "Hierarchy", "PRESETS", "SLOWDOWN", "ENV", "LINK_CLASSES",
-           "hierarchy", "node_groups"]
+           "hierarchy"]
 
 ENV = "WORKBENCH_TOPOLOGY"
 LINK_CLASSES = ("intra", "inter")
-# Real links are ~1000x faster than two processes talking over this machine's loopback TCP
-# (about 1-3 GB/s and 30-100 us per message; see comm.cost): a slowdown of 1000 puts NVLink's
-# 450 GB/s at 450 MB/s, under that floor, and keeps every ratio.
+# Loopback TCP between two processes moves a few GB/s at best, with tens of microseconds per
+# message: NVLink is two to three orders of magnitude faster. A slowdown of 1000 puts NVLink's
+# 450 GB/s at 450 MB/s, under that floor (emulate() measures it and refuses a faster link), and
+# keeps every ratio.
 SLOWDOWN = 1000.0
 
 
@@ -317,31 +318,6 @@ def hierarchy(collective: str, topology: "Topology | None", global_ranks: list[i
         if rank in members:
             return Hierarchy(nodes, k, members.index(rank))
     raise AssertionError("rank not in its own group")  # resolve_group guarantees membership
-
-
-def node_groups(topology: "Topology | None" = None):
-    """``(node_group, column_group)`` of this rank, made with ``torch.distributed.new_group``:
-    the ranks of its node, and the ranks with its local index on every node (the groups hybrid
-    sharding uses: shard inside a node, replicate across nodes). Call on every rank (each
-    ``new_group`` is collective). ``topology``: default the emulated one (or the real layout)."""
-    import torch.distributed as dist
-
-    from workbench.comm import emulation
-
-    topo = topology or emulation.layout()
-    world, me = dist.get_world_size(), dist.get_rank()
-    topo.check_world(world)
-    rpn, nodes = topo.ranks_per_node, world // topo.ranks_per_node
-    mine_row = mine_col = None
-    for k in range(nodes):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(k * rpn, (k + 1) * rpn)))
-        if topo.node_of(me) == k:
-            mine_row = g
-    for i in range(rpn):
-        g = dist.new_group([k * rpn + i for k in range(nodes)])
-        if topo.local_index(me) == i:
-            mine_col = g
-    return mine_row, mine_col
 
 
 # ------------------------------------------------------------------------------- units, for specs

@@ -1,4 +1,4 @@
-"""Parallel training strategies, one file each (see DESIGN.md)."""
+"""Parallel training strategies, one file each (see docs/design.md)."""
 from workbench.parallel.context import (ring_attention, sequence_positions, shard_sequence, ulysses_attention,
                                         unshard_sequence)
 from workbench.parallel.dp import DataParallel

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from workbench.parallel import context
+from workbench.parallel.recompute import find_layers
 
 __all__ = ["context_parallel", "shard_batch", "GlobalPositionEmbedding", "METHODS"]
 
@@ -111,8 +112,6 @@ def context_parallel(model: nn.Module, group, *, method: str = "ring", layout: s
     attention runs through ``method`` ("ring" or "ulysses") in ``layout``. Parameters stay
     replicated: average their gradients over the group (with data parallelism, over ``dp x cp``).
     """
-    from workbench.parallel.recompute import find_layers
-
     check_args(method, layout)
     p = torch.distributed.get_world_size(group)
     config = getattr(model, "config", None)

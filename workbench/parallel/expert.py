@@ -83,6 +83,7 @@ import torch.nn as nn
 from workbench import comm
 from workbench.models.gpt import GPT
 from workbench.models.moe import MoE
+from workbench.parallel.zero import ShardedOptimizer
 
 __all__ = ["expert_parallel", "full_state_dict", "is_expert_parallel", "ExpertParallelMoE", "ExpertShardedOptimizer",
            "all_to_all_bytes", "parameters_per_rank"]
@@ -273,8 +274,6 @@ class ExpertShardedOptimizer:
     and weight decay then move it)."""
 
     def __init__(self, model: nn.Module, make_optimizer):
-        from workbench.parallel.zero import ShardedOptimizer
-
         info = getattr(model, "_expert_parallel", None)
         if info is None:
             raise ValueError("ExpertShardedOptimizer: model is not expert-parallel: call expert_parallel(model, "

@@ -79,6 +79,7 @@ shards it (see :mod:`workbench.parallel.zero`), plus the replicated norms and po
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -87,8 +88,21 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from workbench import comm
+from workbench import comm, runtime
 from workbench.comm.group import resolve_group
+from workbench.models.moe import MoE
+from workbench.parallel import expert, pipeline_split, tensor, tensor_plans
+from workbench.parallel.context_model import check_args as check_cp_args
+from workbench.parallel.context_model import context_parallel, shard_batch
+from workbench.parallel.ddp import DistributedDataParallel
+from workbench.parallel.expert import ExpertShardedOptimizer, expert_parallel
+from workbench.parallel.fsdp import FullyShardedDataParallel
+from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble, partition
+from workbench.parallel.recompute import POLICIES
+from workbench.parallel.recompute import recompute as checkpoint_blocks
+from workbench.parallel.tensor import tensor_parallel, vocab_parallel_cross_entropy
+from workbench.parallel.tp_ops import scatter_to_parallel
+from workbench.parallel.zero import ShardedOptimizer
 
 __all__ = ["Mesh", "layout", "parallelize", "ParallelModel", "DIMS", "SCHEDULES"]
 
@@ -256,8 +270,6 @@ class _SequenceShardedPositions(nn.Embedding):
         self.group, self.algorithm = group, algorithm
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
-        from workbench.parallel.tp_ops import scatter_to_parallel
-
         return scatter_to_parallel(super().forward(pos), self.group, self.algorithm, dim=0)
 
 
@@ -308,8 +320,6 @@ class ParallelModel(nn.Module):
                              f"into dp={dp} ranks x n_microbatches={m}: use a multiple of {dp * m}")
         rows = t.chunk(dp)[d]
         if self.mesh.size("cp") > 1:  # this rank's positions of each sequence
-            from workbench.parallel.context_model import shard_batch
-
             rows = shard_batch(rows, self.mesh.group("cp"), self.cp_layout)
         return rows
 
@@ -321,8 +331,6 @@ class ParallelModel(nn.Module):
         x = self._local_rows(batch, "batch").to(self._device)
         y = self._local_rows(targets, "targets").to(self._device)
         self.optimizer.zero_grad(set_to_none=True)
-        from workbench.parallel.ddp import DistributedDataParallel
-
         ddp = self.module if isinstance(self.module, DistributedDataParallel) else None
         if self.schedule is None:
             if self._hugging_face:  # labels shifted inside: the pipeline's causal_lm_loss
@@ -386,9 +394,6 @@ class ParallelModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the original model, unsharded, on every rank (collective:
         gathered over ``dp`` (ZeRO-3), then ``tp``, then sent from the stage that holds it)."""
-        from workbench.parallel import tensor
-        from workbench.parallel.fsdp import FullyShardedDataParallel
-
         if isinstance(self.module, FullyShardedDataParallel):
             local = self.module.full_state_dict()
             if self._tp_info is not None:  # mark the gathered tensors as the originals were split
@@ -399,8 +404,6 @@ class ParallelModel(nn.Module):
         elif self._tp_info is not None:
             local = tensor.full_state_dict(self._stage_module)
         elif self.mesh.size("ep") > 1:  # the experts gathered from the ep group
-            from workbench.parallel import expert
-
             local = expert.full_state_dict(self._stage_module)
         else:
             local = {k: v.detach().clone() for k, v in self._stage_module.state_dict().items()}
@@ -472,14 +475,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     ``optimizer_cls(params, **optimizer_kwargs)`` builds the optimizer.
     Returns a :class:`ParallelModel`.
     """
-    from workbench import runtime
-    from workbench.parallel import pipeline_split, tensor_plans
-    from workbench.parallel.ddp import DistributedDataParallel
-    from workbench.parallel.fsdp import FullyShardedDataParallel
-    from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble, partition
-    from workbench.parallel.tensor import tensor_parallel, vocab_parallel_cross_entropy
-    from workbench.parallel.zero import ShardedOptimizer
-
     # -- every check before any message
     if not isinstance(mesh, Mesh):
         raise ValueError(f"parallelize(mesh={mesh!r}): pass a workbench.parallel.mesh.Mesh")
@@ -493,9 +488,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelize: schedule={schedule!r} is not one of {SCHEDULES}")
     dp, tp, pp, cp = mesh.size("dp"), mesh.size("tp"), mesh.size("pp"), mesh.size("cp")
-    from workbench.parallel.context_model import check_args as check_cp_args
-    from workbench.parallel.context_model import context_parallel
-
     check_cp_args(cp_method, cp_layout)
     if cp > 1 and not ours:
         raise ValueError(f"parallelize: cp={cp} on {type(model).__name__}: context parallelism here shards our GPT's "
@@ -522,9 +514,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         name = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[schedule]
         raise ValueError(f"parallelize: {name} needs n_microbatches >= pp stages: got {n_microbatches} < {pp}; "
                          "use more micro-batches or schedule='gpipe'")
-    from workbench.parallel.recompute import POLICIES
-    from workbench.parallel.recompute import recompute as checkpoint_blocks
-
     if recompute not in POLICIES:
         raise ValueError(f"parallelize: recompute={recompute!r} must be one of {POLICIES}")
     if not isinstance(sequence_parallel, bool):
@@ -534,9 +523,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
                          "tp > 1; build the mesh with tp >= 2 or pass sequence_parallel=False")
     if schedule == "zb-h1" and pp > 1 and recompute != "none":
         raise ValueError(f"parallelize: schedule='zb-h1' with recompute={recompute!r} is not supported: B recomputes "
-                         "each block and keeps what it recomputed for W (measured on GPT tiny, dp2 x pp2: 16.8 MB "
-                         "of activations on the last stage against 0.9 MB with 1f1b), which defeats recomputation; "
-                         "use schedule='1f1b' with recomputation, or zb-h1 without it")
+                         "each block and keeps what it recomputed until W runs, so the activations recomputation "
+                         "frees come back, for longer; use schedule='1f1b' with recomputation, or zb-h1 without it")
     if pp > 1:
         _check_split(model, pp, pp_split)
     # a tied embedding and head: one Parameter reached under two names
@@ -624,16 +612,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     # 4. data parallelism over dp x cp, on this rank's stage
     wrapped = stage_module
     if n_experts and dpc > 1:  # the load-balancing loss counts every data-parallel rank's tokens
-        from workbench.models.moe import MoE
-
         for layer in stage_module.modules():
             if isinstance(layer, MoE):
                 layer.group = mesh.group("dp_cp")
     if ep > 1:  # experts over the ep group; no DDP, which would average every expert with another one
-        from workbench.parallel.expert import expert_parallel
-
-        from workbench.parallel.expert import ExpertShardedOptimizer
-
         expert_parallel(stage_module, mesh.group("ep"), data_parallel_group=mesh.group("dp"),
                         expert_data_parallel_group=mesh.group("edp") if dp > ep else None,
                         average_gradients=zero_stage == 0)
@@ -659,8 +641,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
 
     pipeline = None
     if pp > 1 and schedule == "zb-h1" and isinstance(wrapped, FullyShardedDataParallel):
-        import warnings
-
         warnings.warn("parallelize: schedule='zb-h1' with zero_stage=3 defers no weight gradient: FSDP's "
                       "parameters are flat 1-D shards, and the split defers only matrices, so B runs the whole "
                       "backward (1F1B's work and memory in ZB-H1's order); use zero_stage=1 to defer W",
@@ -683,8 +663,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
 def _check_split(model: nn.Module, pp: int, split) -> None:
     """The pipeline's split, checked before tensor parallelism changes the model (partition
     checks it again); a callable split is the user's and is checked by partition."""
-    from workbench.parallel import pipeline_split
-
     if callable(split) and not isinstance(split, str):
         return
     family = pipeline_split.detect(model)
@@ -711,34 +689,3 @@ def _name_in(module: nn.Module, name: str) -> str:
         return name
     shared = module.shared_parameters[name][0]
     return next(n for n, p in module.named_parameters(remove_duplicate=False) if p is shared)
-
-
-# ==================================================================================== workbench compare
-
-def _wrap_mesh(dp: int, tp: int, pp: int, zero_stage: int):
-    """A strategy of the registry: the mesh over all ranks of the launch, the optimizer the loop gives."""
-    def wrap(model: nn.Module, make_optimizer):
-        trained = parallelize(model, Mesh(dp=dp, tp=tp, pp=pp), zero_stage=zero_stage,
-                              optimizer_cls=lambda params: make_optimizer(params))
-        return trained, trained.optimizer
-    return wrap
-
-
-def _mesh_step(model: ParallelModel, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The mesh takes the whole global batch and returns its mean loss on every rank."""
-    return model.step(x, y)
-
-
-def _register() -> None:
-    from workbench import strategies
-
-    common = dict(batch=strategies.whole_batch, step=_mesh_step, global_loss=strategies.same_on_every_rank)
-    strategies.register(strategies.Strategy(
-        "2d", "ours: mesh dp=2 x tp=2 (4 ranks): tensor parallelism inside pairs of adjacent ranks, DDP across "
-        "them", True, _wrap_mesh(2, 2, 1, 0), world_size=4, **common))
-    strategies.register(strategies.Strategy(
-        "3d", "ours: mesh dp=2 x tp=2 x pp=2 (8 ranks): 1F1B over 2 stages of tensor-parallel pairs, ZeRO-1 "
-        "across replicas", True, _wrap_mesh(2, 2, 2, 1), world_size=8, default=False, **common))
-
-
-_register()

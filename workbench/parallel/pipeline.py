@@ -61,7 +61,9 @@ from workbench import comm
 from workbench.comm.group import resolve_group
 from workbench.parallel import pipeline_backward as split_backward
 from workbench.parallel import pipeline_schedules as plans
+from workbench.parallel import pipeline_split
 from workbench.parallel.pipeline_schedules import Action
+from workbench.parallel.pipeline_split import GPTStage
 
 __all__ = ["partition", "PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleZeroBubble", "ScheduleZBV", "ScheduleDualPipeV", "SCHEDULES", "GPTStage", "Action"]
@@ -72,43 +74,7 @@ _META_TAG = 1 << 22    # tags of the one-off shape messages and the tied-gradien
 _TIE_TAG = 1 << 23
 
 
-# ----------------------------------------------------------------------------- partition a GPT
-
-class GPTStage(nn.Module):
-    """The part of a :class:`~workbench.models.GPT` one stage runs (torchtitan's way).
-
-    Holds the *same* submodules as the model (no copy): the first stage the embeddings, every
-    stage its blocks under their original indices in ``blocks`` (a ``ModuleDict``), the last
-    stage ``ln_f`` and ``lm_head``. So ``named_parameters()`` are the whole model's names
-    (``blocks.3.attn.c_attn.weight``) and optimizer state can be checkpointed by name.
-    ``forward`` takes token ids (first stage) or the previous stage's activation and returns
-    the activation (or logits, last stage). ``shared_parameters`` maps a name to
-    ``(parameter, stages)`` for parameters another stage holds a copy of (the tied embedding).
-    """
-
-    def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool,
-                 stage_index: int, num_stages: int):
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        if last:
-            self.ln_f, self.lm_head = model.ln_f, model.lm_head
-        self.shared_parameters: dict[str, tuple[nn.Parameter, tuple[int, ...]]] = {}
-        if model.config.tie_weights and (first or last) and num_stages > 1:
-            self.shared_parameters["wte.weight"] = (model.wte.weight, (0, num_stages - 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.last:
-            x = self.lm_head(self.ln_f(x))
-        return x
-
+# ----------------------------------------------------------------------------- partition a model
 
 def partition(model: nn.Module, num_stages: int, split=None, *, layers_per_stage: Sequence[int] | None = None
               ) -> list[nn.Module]:
@@ -125,8 +91,6 @@ def partition(model: nn.Module, num_stages: int, split=None, *, layers_per_stage
     and last stages both hold the embedding (see the module docstring for how its gradient is
     summed).
     """
-    from workbench.parallel import pipeline_split
-
     return pipeline_split.build(model, num_stages, split, layers_per_stage)
 
 

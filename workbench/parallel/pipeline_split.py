@@ -34,9 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from workbench.parallel.pipeline import GPTStage
-
-__all__ = ["SPLITS", "Layout", "HFStage", "detect", "split_points", "causal_lm_loss", "boundaries"]
+__all__ = ["SPLITS", "Layout", "GPTStage", "HFStage", "detect", "split_points", "balanced", "causal_lm_loss",
+           "boundaries"]
 
 
 class Layout:
@@ -67,6 +66,12 @@ def detect(model: nn.Module) -> str | None:
     return None
 
 
+def balanced(n_layers: int, num_stages: int) -> list[int]:
+    """Blocks per stage when no split is given: ``n_layers`` as even as whole blocks allow, the
+    first ``n_layers % num_stages`` stages one block more (the advisor prices the same cut)."""
+    return [n_layers // num_stages + (1 if k < n_layers % num_stages else 0) for k in range(num_stages)]
+
+
 def boundaries(model: nn.Module, family: str) -> list[str]:
     """The names a split may cut before: every block but the first."""
     blocks = model.get_submodule(SPLITS[family].blocks)
@@ -80,7 +85,7 @@ def split_points(model: nn.Module, family: str, num_stages: int, split: Sequence
         raise ValueError(f"partition: num_stages={num_stages!r} must be between 1 and the model's {n} blocks (each "
                          "stage needs at least one block): use fewer stages or a deeper model")
     if split is None:
-        return [n // num_stages + (1 if k < n % num_stages else 0) for k in range(num_stages)]
+        return balanced(n, num_stages)
     allowed = boundaries(model, family)
     split = list(split)
     unknown = [s for s in split if s not in allowed]
@@ -102,6 +107,42 @@ def _hold(root: nn.Module, name: str, module: nn.Module) -> None:
             setattr(root, part, nn.Module())
         root = getattr(root, part)
     setattr(root, leaf, module)
+
+
+class GPTStage(nn.Module):
+    """The part of a :class:`~workbench.models.GPT` one stage runs (torchtitan's way).
+
+    Holds the *same* submodules as the model (no copy): the first stage the embeddings, every
+    stage its blocks under their original indices in ``blocks`` (a ``ModuleDict``), the last
+    stage ``ln_f`` and ``lm_head``. So ``named_parameters()`` are the whole model's names
+    (``blocks.3.attn.c_attn.weight``) and optimizer state can be checkpointed by name.
+    ``forward`` takes token ids (first stage) or the previous stage's activation and returns
+    the activation (or logits, last stage). ``shared_parameters`` maps a name to
+    ``(parameter, stages)`` for parameters another stage holds a copy of (the tied embedding).
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool,
+                 stage_index: int, num_stages: int):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.shared_parameters: dict[str, tuple[nn.Parameter, tuple[int, ...]]] = {}
+        if model.config.tie_weights and (first or last) and num_stages > 1:
+            self.shared_parameters["wte.weight"] = (model.wte.weight, (0, num_stages - 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))
+        return x
 
 
 class HFStage(nn.Module):

@@ -17,9 +17,9 @@ Both use ``torch.utils.checkpoint`` (non-reentrant). ``full`` checkpoints each l
 ``torch.nn.functional.scaled_dot_product_attention`` (found with a ``TorchFunctionMode`` while
 the layer runs, so any model that calls it is covered, a Hugging Face one included): the call
 keeps only its inputs q, k, v, which are views of the QKV projection that autograd keeps anyway.
-(PyTorch's operator-level selective checkpointing, ``create_selective_checkpoint_contexts``, was
-measured to keep *more* than no checkpointing here: a saved operator keeps its outputs whether
-or not backward needs them, views and sums included.)
+(PyTorch's operator-level selective checkpointing, ``create_selective_checkpoint_contexts``, is
+not used: a saved operator keeps its outputs whether or not backward needs them, views and sums
+included, so it can keep more than no checkpointing at all.)
 
 Memory: the derivation (float32, this repository's GPT)
 --------------------------------------------------------

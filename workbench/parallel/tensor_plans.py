@@ -33,7 +33,7 @@ a plan's ``heads`` names those attention modules and attributes (GPT-2's ``split
 ``num_heads``). Llama's attention reshapes by ``head_dim`` alone and needs nothing, but with
 grouped-query attention each rank must hold whole key/value heads: ``t`` must divide
 ``num_key_value_heads``. Our GPT's attention splits its fused q, k, v by the input width, so
-its attention module is replaced by :class:`~workbench.parallel.tensor.ParallelSelfAttention`.
+its attention module is replaced by :class:`~workbench.parallel.tp_layers.ParallelSelfAttention`.
 
 Cost and memory are those of the styles (see :mod:`workbench.parallel.tensor`): per transformer
 layer two all-reduces of ``b s h`` forward and two backward; a gathered head adds an all-gather
@@ -48,6 +48,8 @@ from fnmatch import fnmatchcase
 from typing import Callable, Mapping
 
 import torch.nn as nn
+
+from workbench.parallel.tp_layers import ParallelSelfAttention
 
 __all__ = ["STYLES", "Style", "TensorParallelPlan", "PLANS", "plan_for", "detect", "match", "is_conv1d",
            "gpt_plan", "GPT2_PLAN", "LLAMA_PLAN"]
@@ -111,8 +113,6 @@ def _bad_style(pattern, style):
 # ==================================================================================== the plans
 def _gpt_attention(module: nn.Module, t: int) -> nn.Module:
     """Our GPT's attention on this rank's heads (its forward splits q, k, v by the full width)."""
-    from workbench.parallel.tensor import ParallelSelfAttention
-
     return ParallelSelfAttention(module.c_attn, module.c_proj, module.n_head, t, float(getattr(module, "dropout", 0.0)),
                                  getattr(module, "resid_dropout", None))
 

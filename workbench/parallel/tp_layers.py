@@ -32,7 +32,7 @@ from workbench.parallel.tp_ops import (copy_to_parallel, gather_from_parallel, g
                                        scatter_to_sequence)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "SEQUENCE_DIM"]
+           "ParallelSelfAttention", "SequenceParallelLayerNorm", "SEQUENCE_DIM"]
 
 SEQUENCE_DIM = 1  # tensors are (batch, sequence, hidden)
 
@@ -346,3 +346,52 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
         raise ValueError(f"vocab_parallel_cross_entropy: logits_shard shape {tuple(logits_shard.shape)} must be "
                          f"target shape {tuple(target.shape)} plus a vocabulary dimension")
     return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_size, group, algorithm)
+
+
+# ==================================================================================== GPT blocks
+class ParallelSelfAttention(nn.Module):
+    """Causal self-attention on this rank's ``n_head/t`` heads.
+
+    ``c_attn`` is column-parallel with its output in three chunks (this rank's q, k and v heads),
+    ``c_proj`` row-parallel: the heads never talk to each other, so no message is needed between.
+    """
+
+    def __init__(self, c_attn: nn.Module, c_proj: nn.Module, n_head: int, t: int, dropout: float = 0.0,
+                 resid_dropout: nn.Module | None = None):
+        super().__init__()
+        self.c_attn, self.c_proj = c_attn, c_proj
+        self.n_head, self.n_local_heads = n_head, n_head // t
+        self.dropout = dropout
+        self.resid_dropout = resid_dropout if resid_dropout is not None else nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.c_attn(x)  # (B, T, 3 C/t), T whole even when x is a sequence shard
+        B, T, three_c = qkv.shape
+        c = three_c // 3
+        q, k, v = (u.view(B, T, self.n_local_heads, c // self.n_local_heads).transpose(1, 2)
+                   for u in qkv.split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A LayerNorm on a sequence shard: its weight and bias enter through ``f`` (identity forward,
+    all-reduce backward), since each rank's gradient covers only its ``s/t`` positions."""
+
+    def __init__(self, norm: nn.LayerNorm, group=None, algorithm: str = "native"):
+        super().__init__(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
+                         bias=norm.bias is not None, device=_device_of(norm))
+        self.weight, self.bias = norm.weight, norm.bias  # the same Parameters: names and values kept
+        self.group, self.algorithm = group, algorithm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else copy_to_parallel(self.weight, self.group, self.algorithm)
+        b = None if self.bias is None else copy_to_parallel(self.bias, self.group, self.algorithm)
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+
+def _device_of(module: nn.Module):
+    p = next(module.parameters(), None)
+    return None if p is None else p.device

@@ -80,6 +80,8 @@ from torch import nn
 
 from workbench import comm
 from workbench.parallel.buckets import assign_buckets
+from workbench.parallel.ddp import DistributedDataParallel
+from workbench.parallel.fsdp import FullyShardedDataParallel
 from workbench.parallel.mixed_precision import MixedPrecision, cast_floats, resolve_policy
 
 __all__ = ["ShardedOptimizer", "zero"]
@@ -559,7 +561,6 @@ def zero(module: nn.Module, optimizer_cls: type, stage: int, *, mp_policy: Mixed
                       DeprecationWarning, stacklevel=2)
         mp_policy = MixedPrecision(param_dtype=compute_dtype)
     if stage == 0:
-        from workbench.parallel.ddp import DistributedDataParallel
         model = DistributedDataParallel(module, process_group=process_group, mp_policy=mp_policy)
         return model, optimizer_cls(model.parameters(), **optimizer_kwargs)
     if stage in (1, 2):
@@ -571,6 +572,5 @@ def zero(module: nn.Module, optimizer_cls: type, stage: int, *, mp_policy: Mixed
             if mp_policy.output_dtype is not None:
                 module.register_forward_hook(lambda mod, args, out: cast_floats(out, mp_policy.output_dtype))
         return module, optimizer
-    from workbench.parallel.fsdp import FullyShardedDataParallel
     model = FullyShardedDataParallel(module, mp_policy=mp_policy, process_group=process_group)
     return model, optimizer_cls(model.parameters(), **optimizer_kwargs)

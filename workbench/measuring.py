@@ -1,6 +1,9 @@
-"""What every ``workbench bench NAME`` shares: sizes, interleaved trials, medians, tables, output.
+"""What every measurement shares: sizes, interleaved trials, medians, the slowest rank, tables, output.
 
-The measuring discipline (DESIGN.md, "Measure, don't assume")
+Used by every ``workbench bench NAME`` and by the advisor's validation against runs
+(``workbench advise --validate``), so it sits in the measure layer, below both.
+
+The measuring discipline (docs/design.md, "Measure, don't assume")
 ---------------------------------------------------------------
 * **Interleaved trials.** Speed is a ratio against PyTorch measured in the same run. Candidates
   (ours and PyTorch's) take turns inside every trial, and the order rotates from trial to trial,
@@ -16,8 +19,8 @@ The measuring discipline (DESIGN.md, "Measure, don't assume")
 * **Time of a collective = the slowest rank.** Each rank times the same loop; the parent reports
   the maximum over ranks (as nccl-tests does), because the step is over only when every rank is.
 
-The helpers below are generic (no collective, model or strategy in them) so that
-``bench collectives``, ``bench ddp`` and ``bench zero`` print and store results the same way.
+The helpers below are generic (no collective, model or strategy in them) so that every
+benchmark, and the advisor's validation, prints and stores results the same way.
 """
 from __future__ import annotations
 

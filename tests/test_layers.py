@@ -1,0 +1,92 @@
+"""The package's layers (pyproject.toml's ``[tool.importlinter]`` contracts) hold, and no module
+imports itself back through others: runtime <- comm <- launch <- models, data <- parallel <- measure
+<- advise <- apps. grimp (import-linter's graph) reads every import statement, function-local ones
+included, so an import moved into a function to dodge a cycle still counts.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+                "sys.exit(lint_imports_command())", "--no-cache"]
+
+
+def _lint(cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(LINT_IMPORTS, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module, or one module that
+    imports itself (Tarjan's algorithm, iterative): each is at least one import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start in sorted(graph.modules):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1 or graph.direct_import_exists(importer=node, imported=node):
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_import_contracts_hold():
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_package_has_no_import_cycle():
+    cycles = import_cycles(grimp.build_graph("workbench", cache_dir=None))
+    assert cycles == [], f"{len(cycles)} import cycles: {cycles}"
+
+
+def test_the_cycle_count_sees_a_cycle():
+    graph = grimp.ImportGraph()
+    for importer, imported in [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("e", "e")]:
+        graph.add_import(importer=importer, imported=imported)
+    assert import_cycles(graph) == [["a", "b", "c"], ["e"]]
+
+
+def test_a_bad_import_breaks_the_layers(tmp_path):
+    """A copy of the package where comm imports the training loop (an app) fails the contracts."""
+    shutil.copytree(ROOT / "workbench", tmp_path / "workbench", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    counters = tmp_path / "workbench" / "comm" / "counters.py"
+    counters.write_text(counters.read_text() + "\nfrom workbench import train  # a layer violation\n")
+    result = _lint(tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "workbench.comm is not allowed to import workbench.train" in result.stdout, result.stdout
