@@ -1,6 +1,8 @@
 # Two commands set everything up on a fresh machine with Python 3.11:
 #   make demo   -> creates .venv, installs, runs the main job (workbench compare)
-#   make test   -> creates .venv if missing, runs the unit tests (2 workers) and every notebook under nbval
+#   make test   -> creates .venv if missing, runs the unit tests (2 workers), every notebook under nbval
+#                  and the strict documentation build
+#   make docs   -> builds the documentation site into site/ (open site/index.html)
 #
 # TORCH is installed before the package: an open range ("torch") pulls a multi-GB CUDA build
 # on a CPU-only machine. Override it on a GPU box: make demo TORCH=torch
@@ -15,7 +17,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: demo test lab notebooks notebook install clean
+.PHONY: demo test docs lab notebooks notebook install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,14 +31,27 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/workbench compare
 
-# The unit tests run on TEST_WORKERS pytest-xdist workers (a test file stays on one worker: the
-# lessons' torchrun fixture is shared by its file); the lessons run one after another afterwards, on
-# cores nothing else is using, so their timing claims are asserted. Both parts always run.
+# Three parts. First the unit tests and the lessons that assert no timing, on TEST_WORKERS pytest-xdist
+# workers (a file stays on one worker: a notebook's cells share a kernel, the lessons' torchrun
+# fixture its test file). Then the lessons that assert a timing claim (TIMED_LESSONS; a test checks
+# the list), one after another on cores nothing else is using. Then the documentation is built
+# into site/ with --strict (a broken link, a missing anchor or a page left out of mkdocs.yml's nav
+# fails it; not --quiet, which hides the warnings --strict counts). Every part always runs; make test
+# fails if any part failed.
 TEST_WORKERS ?= 2
+NBVAL := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+TIMED_LESSONS := $(addprefix notebooks/,00_launching_ranks.ipynb 01_collectives.ipynb 02_data_parallel.ipynb \
+	03_inside_ddp.ipynb 04_sharded_data_parallel.ipynb 05_pipeline_parallel.ipynb 07_3d_parallelism_and_topology.ipynb)
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests; unit=$$?; \
-	$(BIN)/python -m pytest -q --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks; lessons=$$?; \
-	test $$unit -eq 0 -a $$lessons -eq 0
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NBVAL) tests notebooks \
+		$(addprefix --ignore=,$(TIMED_LESSONS)); unit=$$?; \
+	$(BIN)/python -m pytest -q $(NBVAL) $(TIMED_LESSONS); lessons=$$?; \
+	$(BIN)/mkdocs build --strict; docs=$$?; \
+	test $$unit -eq 0 -a $$lessons -eq 0 -a $$docs -eq 0
+
+# The documentation site (mkdocs.yml, docs/): make docs builds it into site/; open site/index.html.
+docs: install
+	$(BIN)/mkdocs build --strict
 
 lab: install
 	$(BIN)/jupyter lab notebooks
@@ -50,4 +65,4 @@ notebooks: install
 	for f in notebooks/[0-9]*.py; do $(MAKE) notebook NB=$$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
