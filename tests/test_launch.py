@@ -365,3 +365,30 @@ def test_leaving_the_group_frees_gloo_after_torch_s_tensor_parallelism_ran(tmp_p
         left[how] = proc.stdout.strip().splitlines()[-1]
     assert left["workbench"] == "gloo threads left: 0", left
     assert left["torch"] != "gloo threads left: 0", f"torch no longer keeps its meshes: {left}"
+
+
+def test_ranks_that_fail_to_connect_while_joining_the_group_are_started_again_once(tmp_path, monkeypatch):
+    """gloo's connectFullMesh failing while the process group is made (no user code has run) makes the
+    launch start its ranks again from a fresh rendezvous, once, with a warning; a second such
+    failure, or any other failure, is reported as it is."""
+    launch_module = sys.modules["workbench.launch"]  # the module (workbench.launch is also the function)
+    real = launch_module.init_group
+    flag = tmp_path / "attempts"
+
+    def init_group(rank, world_size, store_path, backend, pg_timeout):  # the forked ranks inherit this patch
+        with open(flag, "a") as f:
+            f.write(f"{rank}\n")
+        if rank == 0 and flag.read_text().count("0\n") <= fails:
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+        real(rank, world_size, store_path, backend, pg_timeout)
+
+    monkeypatch.setattr(launch_module, "init_group", init_group)
+    fails = 1
+    with pytest.warns(UserWarning, match="rank 0 could not connect to its peers .* starting the ranks again"):
+        assert workbench.launch(dist.get_world_size, 2, timeout=30) == [2, 2]
+    assert flag.read_text().count("0\n") == 2
+    flag.unlink()
+    fails = 2  # twice in a row: reported, with the rank and gloo's message
+    with pytest.warns(UserWarning), pytest.raises(RankFailed, match="rank 0 failed with RuntimeError: Gloo connectFullMesh"):
+        workbench.launch(dist.get_world_size, 2, timeout=30)
+    assert flag.read_text().count("0\n") == 2

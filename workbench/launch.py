@@ -566,6 +566,32 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     runtime.check_device(device, backend)
 
     ctx = mp.get_context(method)
+    for attempt in range(1 + RENDEZVOUS_RETRIES):
+        try:
+            return _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology, device)
+        except RankFailed as failure:
+            if attempt == RENDEZVOUS_RETRIES or not _failed_to_connect(failure):
+                raise
+            warnings.warn(f"rank {failure.rank} could not connect to its peers while joining the process group "
+                          f"({failure.exc_message.splitlines()[0][:200]}): starting the ranks again", stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+# gloo connects every pair of ranks (connectFullMesh) when the process group is made; on a machine
+# with far more busy processes than cores a connection is now and then closed during that handshake
+# (gloo itself retries connections since pytorch/gloo#413). No user code has run yet, so the launch
+# can start its ranks again from a fresh rendezvous, as torchrun restarts its workers
+# (--max-restarts); once, so a failure that repeats is reported.
+RENDEZVOUS_RETRIES = 1
+
+
+def _failed_to_connect(failure: RankFailed) -> bool:
+    """Whether ``failure`` is gloo failing to connect the ranks while the process group was made."""
+    return "connectFullMesh" in failure.exc_message and "init_group" in failure.remote_traceback
+
+
+def _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology, device) -> LaunchResult:
+    """Start ``world_size`` ranks running ``fn`` and wait for them (see :func:`launch`)."""
     rendezvous = tempfile.TemporaryDirectory(prefix="workbench-launch-")
     store_path = os.path.join(rendezvous.name, "store")
     queue = ctx.Queue()
