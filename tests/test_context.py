@@ -253,7 +253,7 @@ def _rank_p3() -> dict:
 def _rank_p4() -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
     return {"attention": _attention_cases(), "subgroup": _attention_cases(pairs[dist.get_rank() // 2]),
-            "mesh": _mesh_cases(4)}
+            "mesh": _mesh_cases(4), "a2a": _all_to_all_cases()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,7 +311,7 @@ def test_layouts_positions():
                                                                 + list(range((2 * p - 1 - r) * c, (2 * p - r) * c)))
 
 
-@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("p", [2, 3, 4])
 def test_all_to_all_single_matches_torch(p):
     for rank, res in enumerate(_launch(p)):
         assert not res["a2a"]["bad"], (rank, res["a2a"]["bad"])
