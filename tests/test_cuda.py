@@ -199,3 +199,25 @@ def test_launch_after_the_parent_ran_backward_spawns_or_says_why():
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ranks [0, 1]" in run.stdout and "warned True" in run.stdout and "refused True" in run.stdout, \
         run.stdout + run.stderr[-2000:]
+
+
+def _cuda_sum() -> float:
+    return float(torch.ones(3, device="cuda").sum())
+
+
+def test_launch_after_the_parent_asked_cuda_is_available_spawns():
+    """``torch.cuda.is_available()`` calls the CUDA runtime, and a child forked after it cannot
+    initialise CUDA although ``torch.cuda.is_initialized()`` stays False in the parent. The launch's
+    forked probe sees it and spawns instead, with a warning naming the cause."""
+    script = textwrap.dedent("""
+        import warnings, torch, workbench
+        from tests.test_cuda import _cuda_sum
+        assert torch.cuda.is_available() and not torch.cuda.is_initialized()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            print("ranks", workbench.launch(_cuda_sum, 2, backend="gloo"))
+        print("warned", any("spawn" in str(w.message) and "CUDA runtime" in str(w.message) for w in seen))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ranks [3.0, 3.0]" in run.stdout and "warned True" in run.stdout, run.stdout + run.stderr[-2000:]

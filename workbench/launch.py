@@ -159,7 +159,9 @@ def _fork_is_unsafe() -> str | None:
     Two states of the parent process are inherited by a forked child and make it fail later,
     deep inside the user's function:
 
-    * CUDA initialised in the parent: the child cannot use CUDA at all.
+    * CUDA initialised in the parent, or only its runtime asked a question
+      (``torch.cuda.is_available()`` does): the child cannot use CUDA at all. The second is
+      invisible in the parent; the forked probe below reads it in the child.
     * On a machine with CUDA devices (a CUDA build of torch), the first ``backward`` starts
       autograd's per-device worker threads, and from then on every forked child refuses to run
       a backward pass ("Unable to handle autograd's threading in combination with fork-based
@@ -173,9 +175,13 @@ def _fork_is_unsafe() -> str | None:
     if runtime.gpu_count() == 0:
         return None
     pid = os.fork()
-    if pid == 0:  # the probe: exit 0 if autograd works in a forked child
+    if pid == 0:  # the probe: exit 0 if CUDA and autograd can work in a forked child
         code = 1
         try:
+            # any call into the CUDA runtime (torch.cuda.is_available(), say) leaves the child "in a
+            # bad fork" although torch.cuda.is_initialized() is still False in the parent
+            if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+                os._exit(2)
             x = torch.ones(1, requires_grad=True)
             (x * 2).sum().backward()
             code = 0
@@ -193,8 +199,12 @@ def _fork_is_unsafe() -> str | None:
             status = 1
             break
         time.sleep(0.005)
-    if os.waitstatus_to_exitcode(status) == 0:
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
         return None
+    if code == 2:
+        return ("this process already called the CUDA runtime (torch.cuda.is_available(), say), and a child "
+                "forked after that cannot initialise CUDA")
     return ("this process already ran a backward pass on a machine with CUDA devices, and PyTorch's "
             "autograd refuses to run in a child forked after that "
             "(https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork)")
