@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from workbench import runtime
 from workbench.advise import device as dm
 from workbench.advise import shared_cores, timing
 from workbench.advise.calibrate import CalibratedCluster
@@ -143,12 +144,17 @@ def test_calibrate_cuda_fits_a_device_from_measurements():
     fit = device_from_measurements(measured, H100)
     assert fit.gemm_ceiling == pytest.approx(0.7) and fit.flash_efficiency == pytest.approx(true.flash_efficiency)
     assert fit.kernel_overhead_s == 6e-6 and fit.memory_bytes == 85e9 and fit.bf16_flops == H100.bf16_flops
+    measured["layers"] = [{"rows": 2, "hidden": 256, "heads": 4, "seq": 512, "seconds": 1e-3, "forward_seconds": 3e-4}]
     cl = calibrate_cuda("dgx-h100", measured=measured)
     assert cl.device == fit and cl.nccl == Cluster.preset("dgx-h100").nccl
+    block = ModelShape(layers=1, hidden=256, heads=4, vocab=64, seq=512, ffn=1024, name="gpt block")
+    price = dm.layer_seconds(fit.with_(attention="flash"), block, 2)   # each block priced beside its time
+    assert measured["layers"][0]["predicted_seconds"] == price["total"] > price["forward"] == \
+        measured["layers"][0]["predicted_forward_seconds"]
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(runtime.gpu_count() == 0, reason="needs a CUDA device")
 def test_calibrate_cuda_on_a_gpu(tmp_path):
     from workbench.advise.calibrate_cuda import calibrate_cuda
 
@@ -191,3 +197,26 @@ def test_cpu_predictions_unchanged_and_contention_opt_in():
     assert shared_cores.of(gpu) is None
     t = timing.step_time(shape, gpu, Config(dp=2, pp=2, microbatches=4, precision="bf16"), 16)
     assert math.isfinite(t["total"]) and t["total"] < 0.1
+
+
+def test_the_device_model_prices_a_measured_h100s_gpt_blocks():
+    """The device model against a real H100: ``--calibrate --device cuda`` on one H100 SXM
+    (docs/benchmarks/2026-11-27-h100-profile.json) timed GPT blocks forward + backward at hidden
+    2,048-8,192; the model, fitted on that run's large multiplies, copy and attention only, prices
+    each block within 20%, and the large multiplies within 20% (their median within 5%). No GPU needed: the measurement is stored."""
+    import pathlib
+
+    from workbench.advise.calibrate_cuda import LARGE, device_from_measurements, profile_for
+
+    stored = json.loads((pathlib.Path(__file__).parents[1] / "docs/benchmarks/2026-11-27-h100-profile.json").read_text())
+    measured = stored["measured"]
+    fit = device_from_measurements(measured, profile_for(measured["name"], measured["memory_bytes"]))
+    assert 0.7 < fit.gemm_ceiling < 0.85 and 2.5e12 < fit.memory_bandwidth < 3.35e12
+    ratios = sorted(g["flops"] / (989e12 * dm.gemm_efficiency(fit, g["m"], g["n"], g["k"]))
+                    for g in measured["gemms"][:LARGE + 2])
+    assert ratios[len(ratios) // 2] == pytest.approx(1, abs=0.05) and 0.8 < ratios[0] and ratios[-1] < 1.2, ratios
+    for layer in measured["layers"]:
+        block = ModelShape(layers=1, hidden=layer["hidden"], heads=layer["heads"], vocab=64, seq=layer["seq"],
+                           ffn=4 * layer["hidden"], name="gpt block")
+        price = dm.layer_seconds(fit.with_(attention="flash"), block, layer["rows"])["total"]
+        assert layer["seconds"] / price == pytest.approx(1, abs=0.2), (layer, price)

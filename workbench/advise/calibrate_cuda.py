@@ -2,9 +2,10 @@
 
 The published profiles (:data:`workbench.advise.device.PROFILES`) carry public figures; this module
 measures the same figures on the GPU at hand, so the advisor prices a step with that GPU's own
-numbers. Every timing is taken with CUDA events around the work, after warm-up launches, with
+numbers. Every GPU timing is taken with CUDA events around the work, after warm-up launches, with
 ``torch.cuda.synchronize()`` before reading them (kernel launches are asynchronous: a wall clock
-around a launch times the launch, not the kernel).
+around a launch times the launch, not the kernel); the multiplies are replayed from a CUDA graph
+(a small one launched eagerly takes the host longer than the GPU, which then idles between them).
 
 What is measured, and which :class:`~workbench.advise.device.Device` figure it gives:
 
@@ -14,13 +15,14 @@ probe                       figure
 matrix multiplies over      ``gemm_ceiling``: the best achieved rate over the large shapes, over
 shapes (:data:`GEMM_SHAPES`) the peak; the other shapes are kept to check the tile/wave model
 a large copy                ``memory_bandwidth``: bytes read + written per second
-one-element adds, launched  ``kernel_overhead_s``: the host's time per launch of eager PyTorch
-back to back                (wall time of many launches over their number, synchronised once)
+a tiny block's forward +    ``kernel_overhead_s``: the host's time per operator of eager training
+backward, many times        (wall time over the steps and the operators the model counts; the
+                            GPU work is negligible); bare one-element adds kept as ``launch_s``
 causal attention            ``flash_efficiency``: ``F.scaled_dot_product_attention``'s FLOPs over
 (``scaled_dot_product_      its time, over the peak, forward + backward
 attention``)
-a transformer layer         kept beside the device model's prediction of it (``measured
-forward + backward          ["layer"]``), the check of the whole model on this GPU
+GPT blocks over shapes      kept beside the device model's prediction of them (``measured
+(:data:`LAYER_SHAPES`)      ["layers"]``), the check of the whole model on this GPU
 NCCL all-reduce (>= 2 GPUs) bus bandwidth inside the node (``measured["nccl"]``, and ``intra``)
 ``torch.cuda`` properties   ``sms``, ``memory_bytes``, the name
 ==========================  ===================================================================
@@ -47,7 +49,7 @@ from workbench.models.gpt import Block
 
 from .cluster import Cluster
 from .cluster import PRESETS as CLUSTERS
-from .device import PROFILES, Device, gemm_efficiency, layer_seconds
+from .device import PROFILES, Device, gemm_efficiency, kernels_per_layer, layer_seconds
 from .shape import ModelShape
 
 __all__ = ["GEMM_SHAPES", "measure", "device_from_measurements", "calibrate_cuda", "profile_for"]
@@ -60,6 +62,10 @@ GEMM_SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 1024), (409
 LARGE = 3                         # the first shapes: large enough to give the ceiling
 COPY_BYTES = 1 << 30
 LAUNCHES = 2000
+GEMM_INNER = 20                   # multiplies per CUDA graph timed (see _graphed)
+# (hidden, heads, seq, rows): GPT blocks timed forward + backward beside the device model's price
+LAYER_SHAPES = ((2048, 16, 4096, 1), (4096, 32, 4096, 1), (4096, 32, 4096, 4), (8192, 64, 4096, 1))
+HOST_STEPS = 50                   # forward + backward steps of a tiny block timed for the host's cost
 
 
 def profile_for(name: str, memory_bytes: float) -> Device | None:
@@ -72,8 +78,10 @@ def profile_for(name: str, memory_bytes: float) -> Device | None:
     return None
 
 
-def _timed(fn, repeats: int = 10, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` on the current stream, each call between two CUDA events."""
+def _timed(fn, repeats: int = 10, warmup: int = 3, inner: int = 1) -> float:
+    """Median seconds of ``fn()`` on the current stream: ``inner`` calls back to back between two
+    CUDA events, over ``inner``. One call of a small kernel between two events times the host's
+    launch, not the kernel (the GPU waits for the host); back to back, the launches run ahead."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -81,11 +89,33 @@ def _timed(fn, repeats: int = 10, warmup: int = 3) -> float:
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / inner)
     return sorted(times)[len(times) // 2]
+
+
+def _graphed(fn, inner: int) -> float:
+    """Median seconds of one ``fn()`` replayed from a CUDA graph of ``inner`` calls: the GPU's own
+    time, with no host launch between the kernels (an eager launch of a small multiply takes the
+    host longer than the GPU takes to run it, so eager timing measures the host). Falls back to
+    eager timing (``_timed``) where capture is not supported."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # warm up off the capturing stream, as capture requires
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    except RuntimeError:
+        return _timed(fn, inner=inner)
+    return _timed(graph.replay) / inner
 
 
 def _gemms(dtype) -> list[dict]:
@@ -93,9 +123,10 @@ def _gemms(dtype) -> list[dict]:
     for m, n, k in GEMM_SHAPES:
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
-        s = _timed(lambda: a @ b)
+        c = torch.empty(m, n, device="cuda", dtype=dtype)
+        s = _graphed(lambda: torch.matmul(a, b, out=c), GEMM_INNER)
         out.append({"m": m, "n": n, "k": k, "seconds": s, "flops": 2 * m * n * k / s})
-        del a, b
+        del a, b, c
     return out
 
 
@@ -107,8 +138,9 @@ def _bandwidth() -> float:
 
 
 def _launch_overhead() -> float:
-    """Host seconds per eager launch: many tiny kernels back to back, timed on the wall clock
-    (the GPU finishes each long before the host launches the next), synchronised once."""
+    """Host seconds per bare launch: many one-element adds back to back, timed on the wall clock
+    (the GPU finishes each long before the host launches the next), synchronised once. A floor:
+    an operator of a training step costs more (autograd's graph, allocation, the module's Python)."""
     x = torch.zeros(1, device="cuda")
     for _ in range(100):
         x.add_(1)
@@ -118,6 +150,38 @@ def _launch_overhead() -> float:
         x.add_(1)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / LAUNCHES
+
+
+def _block(dtype, hidden: int, heads: int, seq: int, rows: int):
+    """A :class:`workbench.models.GPT` block held in ``dtype`` (as Megatron-LM and FSDP's mixed
+    precision hold the weights a step computes with: no cast per forward), and its input."""
+    block = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=hidden, block_size=seq)).cuda().to(dtype)
+    x = torch.randn(rows, seq, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    return block, x
+
+
+def _host_per_operator(dtype, hidden: int = 64, heads: int = 4, seq: int = 64) -> dict:
+    """Host seconds per operator of an eager training step, in the device model's count: a block so
+    small that its kernels take next to no GPU time, ``HOST_STEPS`` forward + backward passes on the
+    wall clock, over the kernels :func:`~workbench.advise.device.kernels_per_layer` counts for it. This
+    is the ``kernel_overhead_s`` the model needs: its operators are the layer's (a norm, a multiply),
+    and eager PyTorch pays for each a Python module call, autograd's bookkeeping and allocation."""
+    block, x = _block(dtype, hidden, heads, seq, 1)
+
+    def step():
+        block(x).float().sum().backward()
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_STEPS):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / HOST_STEPS
+    shape = ModelShape(layers=1, hidden=hidden, heads=heads, vocab=64, seq=seq, ffn=4 * hidden, name="gpt block")
+    kernels = sum(kernels_per_layer(PROFILES["h100-sxm-80gb"], shape).values())
+    return {"hidden": hidden, "seq": seq, "seconds": seconds, "kernels": kernels, "per_operator": seconds / kernels}
 
 
 def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int = 128) -> dict:
@@ -135,16 +199,24 @@ def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int 
     return {"rows": rows, "heads": heads, "seq": seq, "dim": dim, "seconds": s, "flops": flops / s}
 
 
-def _layer(dtype, rows: int = 1, hidden: int = 2048, heads: int = 16, seq: int = 2048) -> dict:
-    """One of :class:`workbench.models.GPT`'s blocks, forward + backward under autocast."""
-    block = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=hidden, block_size=seq)).cuda()
-    x = torch.randn(rows, seq, hidden, device="cuda", requires_grad=True)
+def _layers(dtype) -> list[dict]:
+    """GPT blocks over :data:`LAYER_SHAPES`, forward and forward + backward, in ``dtype``."""
+    out = []
+    for hidden, heads, seq, rows in LAYER_SHAPES:
+        block, x = _block(dtype, hidden, heads, seq, rows)
 
-    def step():
-        with torch.autocast("cuda", dtype=dtype):
+        def forward():
+            with torch.no_grad():
+                block(x)
+
+        def step():
             block(x).float().sum().backward()
 
-    return {"rows": rows, "hidden": hidden, "heads": heads, "seq": seq, "seconds": _timed(step)}
+        out.append({"rows": rows, "hidden": hidden, "heads": heads, "seq": seq, "forward_seconds": _timed(forward),
+                    "seconds": _timed(step)})
+        del block, x
+        torch.cuda.empty_cache()
+    return out
 
 
 def _nccl(world: int) -> dict:
@@ -174,8 +246,9 @@ def measure(dtype=torch.bfloat16, nccl: bool = True) -> dict:
     out = {"name": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
            "memory_bytes": float(props.total_memory), "torch": torch.__version__,
            "cuda": torch.version.cuda, "dtype": str(dtype).replace("torch.", ""),
-           "gemms": _gemms(dtype), "memory_bandwidth": _bandwidth(), "kernel_overhead_s": _launch_overhead(),
-           "attention": _attention(dtype), "layer": _layer(dtype)}
+           "gemms": _gemms(dtype), "memory_bandwidth": _bandwidth(), "launch_s": _launch_overhead(),
+           "host": _host_per_operator(dtype), "attention": _attention(dtype), "layers": _layers(dtype)}
+    out["kernel_overhead_s"] = out["host"]["per_operator"]
     if nccl and torch.cuda.device_count() >= 2:
         out["nccl"] = _nccl(min(8, torch.cuda.device_count()))
     return out
@@ -221,12 +294,12 @@ def calibrate_cuda(base: str = "dgx-h100", path: str | None = None, measured: di
         raise ValueError(f"calibrate_cuda(base={base!r}): use a preset, one of {sorted(CLUSTERS)}")
     measured = measured if measured is not None else measure()
     device = device_from_measurements(measured, profile_for(measured["name"], measured["memory_bytes"]))
-    layer = measured.get("layer")
-    if layer:   # the whole model's check on this GPU: the layer as the device model prices it, beside its time
-
+    for layer in measured.get("layers", []):   # the whole model's check on this GPU: each block as the
+        # device model prices it, beside its time
         shape = ModelShape(layers=1, hidden=layer["hidden"], heads=layer["heads"], vocab=64, seq=layer["seq"],
                            ffn=4 * layer["hidden"], name="gpt block")
-        layer["predicted_seconds"] = layer_seconds(device.with_(attention="flash"), shape, layer["rows"])["total"]
+        price = layer_seconds(device.with_(attention="flash"), shape, layer["rows"])
+        layer["predicted_seconds"], layer["predicted_forward_seconds"] = price["total"], price["forward"]
     changes = {"device": device, "name": f"{base} ({device.name}, measured)", "memory_bytes": device.memory_bytes,
                "flops": device.achieved("bf16"), "fp32_flops": device.achieved("fp32"),
                "source": device.source[0]}
