@@ -40,7 +40,7 @@ demo: install
 # fails if any part failed.
 TEST_WORKERS ?= 2
 NBVAL := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg
-TIMED_LESSONS := $(addprefix notebooks/,00_launching_ranks.ipynb 01_collectives.ipynb 02_data_parallel.ipynb \
+TIMED_LESSONS := $(addprefix notebooks/,00_launching_ranks.ipynb 01_collectives.ipynb \
 	03_inside_ddp.ipynb 04_sharded_data_parallel.ipynb 05_pipeline_parallel.ipynb 07_3d_parallelism_and_topology.ipynb)
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NBVAL) tests notebooks \

@@ -110,7 +110,7 @@ print(f"DDP (2 processes) matches the big-batch gradient:       {ddp_diff < 1e-6
 MODELS = {"compute-bound": (lambda: MLP(width=512, depth=4), 128, 512),  # (model, batch per replica, width)
           "Python-bound": (lambda: MLP(width=8, depth=64), 32, 8)}
 ROUNDS = 3  # interleaved rounds: every design is timed once per round, and each round is its own baseline
-if workbench.smoke_test():  # the test suite's quick run: one round (no timing claim is asserted then)
+if workbench.smoke_test():  # the test suite's quick run: one round (the CPU-time claims are not asserted then)
     ROUNDS = 1
 
 
@@ -384,7 +384,7 @@ assert total["DP device 0 (output)"] >= total["DP device 1"] + gathered, total
 assert total["DP device 0 (output)"] > total["DDP rank 0"], total
 assert memory["DDP rank 0"] == memory["DDP rank 1"], memory
 # Under torchrun every process runs its own DataParallel threads at the same time as the other's,
-# and every launch has torchrun's 2 ranks: a different experiment, so the timing claims are not
+# and every launch has torchrun's 2 ranks: a different experiment, so the CPU-time claims are not
 # asserted there.
 # The claims are asserted on CPU time, which a loaded machine does not flip (the wall-clock
 # speed-ups above are shown, not asserted: with other jobs on the cores no design scales).

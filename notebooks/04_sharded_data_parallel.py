@@ -70,7 +70,8 @@ SMOKE = workbench.smoke_test()  # the test suite's quick run: one short trial, n
 
 # %%
 # Keyed by the world size that really ran: under torchrun, launch() runs in torchrun's own world.
-by_key = {(row["N"], row["stage"]): row for n in (2, 4)
+WORLDS = (int(os.environ["WORLD_SIZE"]),) if "TORCHELASTIC_RUN_ID" in os.environ else (2, 4)  # torchrun: its own
+by_key = {(row["N"], row["stage"]): row for n in WORLDS
           for row in workbench.launch(zero_bench.state_and_traffic, world_size=n, timeout=300)[0]}
 rows = list(by_key.values())
 SIZES = sorted({r["N"] for r in rows})
@@ -193,8 +194,8 @@ _ = ax.legend()
 CANDIDATES = ["stage0", "stage1", "stage2", "stage3", "torch-fsdp"]
 # (batch, tokens, trials, steps per trial): the short steps get more trials, for a steadier median
 RUNS = {"few tokens (1 x 8 per rank)": (1, 8, 5, 3), "many tokens (4 x 128 per rank)": (4, 128, 3, 2)}
-if SMOKE:
-    RUNS = {label: (b, t, 1, 1) for label, (b, t, _, _) in RUNS.items()}
+if SMOKE:  # the code path once: one step of the smallest batch under both labels
+    RUNS = {label: (1, 8, 1, 1) for label in RUNS}
 bench = {label: workbench.launch(zero_bench.run, world_size=2, args=(CANDIDATES, "small", b, trials, steps, 1, t),
                                  timeout=900)[0] for label, (b, t, trials, steps) in RUNS.items()}
 by = {label: {r["candidate"]: r for r in res["rows"]} for label, res in bench.items()}
@@ -279,7 +280,7 @@ def fsdp_timeline(steps=3):
     return everyone(model.events)
 
 
-timeline = workbench.launch(fsdp_timeline, world_size=2, timeout=300)[0]
+timeline = workbench.launch(fsdp_timeline, world_size=2, args=(2 if SMOKE else 3,), timeout=300)[0]
 events = [e for per_rank in timeline for e in per_rank]
 fig, ax = plt.subplots(figsize=(11, 3.2), layout="constrained")
 _ = plots.timeline(ax, events, title="ZeRO-3, one step of GPT small on 2 ranks: collectives as they ran, block compute")

@@ -172,8 +172,10 @@ def test_every_nbval_marker_is_one_nbval_honours(ipynb):
 
 def test_lessons_asserting_a_timing_claim_run_on_cores_nothing_else_uses():
     """make test runs the unit tests and most lessons on several pytest-xdist workers, then the
-    lessons listed in TIMED_LESSONS alone: a lesson whose check asserts a time or a speed-up says so
-    in a comment ("timing claim") and must be in that list; every name listed must exist."""
+    lessons listed in TIMED_LESSONS alone: a lesson whose check asserts a wall-clock time or speed-up
+    says so in a comment ("timing claim") and must be in that list; every name listed must exist. A
+    claim on CPU time (02's: the GIL, one interpreter against one per rank) is not one: other work
+    on the cores stretches the wall clock, not a process's own CPU time."""
     makefile = (REPO / "Makefile").read_text()
     block = re.search(r"^TIMED_LESSONS := \$\(addprefix notebooks/,(.*?)\)$", makefile, re.M | re.S)
     assert block, "Makefile: TIMED_LESSONS := $(addprefix notebooks/,...) not found"
