@@ -153,7 +153,7 @@ from functools import lru_cache
 import torch
 
 from workbench.parallel import pipeline_schedules as schedules
-from workbench.parallel.buckets import assign_buckets
+from workbench.parallel.buckets import MB, ZERO_BUCKET_CAP_MB, assign_buckets
 from workbench.parallel.tensor import activation_bytes_per_layer
 from workbench.parallel.zero_memory import model_state_per_rank
 
@@ -168,7 +168,7 @@ __all__ = ["memory_per_device", "memory_by_rank", "model_state", "activation_byt
 
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}       # bytes of an activation / compute-dtype weight
 _ZERO_PRECISION = {"fp32": "fp32", "bf16": "mixed", "fp16": "mixed"}
-ZERO2_BUCKET_BYTES = 5 * 2 ** 20                       # ShardedOptimizer's default bucket_cap_mb (MiB)
+ZERO2_BUCKET_BYTES = ZERO_BUCKET_CAP_MB * MB           # ShardedOptimizer's default bucket_cap_mb
 STEP_BYTES = 4                                         # torch Adam's step counter: a float32 per tensor it updates
 _SCHEDULE_KEY = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb-h1": "zb_h1", "zbv": "zbv"}
 

@@ -177,6 +177,7 @@ from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
 from workbench.comm.topology import Topology
 from workbench.parallel import pipeline_schedules as plans
+from workbench.parallel.buckets import DDP_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MB, ZERO_BUCKET_CAP_MB
 from workbench.parallel.pipeline_schedules import bubble_formula, stage_to_rank
 from workbench.parallel.pipeline_split import balanced
 from workbench.parallel.tensor import activation_bytes_per_layer, communication_per_layer
@@ -809,14 +810,14 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
                 compute += m * fsdp_copy_seconds(device, psi_rank, d)
             if contention:
                 dp_total = max(dp_total, m * shared_cores.zero3_cpu(contention, shape, config) * crowd)
-        else:                  # in buckets: DDP's 25 MB, ZeRO-1/2's 5 MB (their bucket_cap_mb)
-            cap = (25 if config.zero == 0 else 5) * 2**20
+        else:                  # in buckets: DDP's and ZeRO-1/2's own bucket_cap_mb
+            cap = (DDP_BUCKET_CAP_MB if config.zero == 0 else ZERO_BUCKET_CAP_MB) * MB
             if framework is not None:   # the framework's buckets: Megatron's max(40 M, 1 M x d) parameters
                 if framework.dp_bucket_params:
                     cap = max(framework.dp_bucket_params, 1e6 * d) * e
             elif device is not None and config.zero:   # Megatron's buckets: max(40 M, 1 M x d) parameters
                 cap = max(40e6, 1e6 * d) * e
-            first = 2**20 if config.zero == 0 else cap     # DDP's small first bucket
+            first = FIRST_BUCKET_BYTES if config.zero == 0 else cap     # DDP's small first bucket
             # the first bucket, the full ones, and the rest in the last (each kind of bucket priced once)
             head = min(first, grad_bytes)
             full, rest = divmod(max(0.0, grad_bytes - head), cap)

@@ -46,6 +46,8 @@ __all__ = ["FIRST_BUCKET_BYTES", "Bucket", "assign_buckets"]
 
 MB = 1024 * 1024
 FIRST_BUCKET_BYTES = 1 * MB  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
+DDP_BUCKET_CAP_MB = 25.0  # DistributedDataParallel's default bucket_cap_mb, ours and PyTorch's
+ZERO_BUCKET_CAP_MB = 5.0  # ShardedOptimizer's (ZeRO-1/2) default bucket_cap_mb
 
 
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int,

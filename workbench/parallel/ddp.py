@@ -78,7 +78,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from workbench import comm
-from workbench.parallel.buckets import FIRST_BUCKET_BYTES, MB, Bucket, assign_buckets
+from workbench.parallel.buckets import DDP_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MB, Bucket, assign_buckets
 from workbench.parallel.mixed_precision import cast_floats, resolve_policy
 
 __all__ = ["DistributedDataParallel"]
@@ -105,7 +105,7 @@ class DistributedDataParallel(nn.Module):
     Call it inside a rank (``workbench.launch``, ``torchrun``): the process group must exist.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, overlap: bool = True,
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = DDP_BUCKET_CAP_MB, overlap: bool = True,
                  algorithm: str = "native", process_group=None, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, mp_policy=None):
         super().__init__()

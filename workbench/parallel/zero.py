@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench import comm
-from workbench.parallel.buckets import assign_buckets
+from workbench.parallel.buckets import ZERO_BUCKET_CAP_MB, assign_buckets
 from workbench.parallel.ddp import DistributedDataParallel
 from workbench.parallel.fsdp import FullyShardedDataParallel
 from workbench.parallel.mixed_precision import MixedPrecision, cast_floats, resolve_policy
@@ -167,7 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, optimizer_cls: type, *, process_group=None,
-                 shard_gradients: bool = False, bucket_cap_mb: float = 5.0, mp_policy=None, **kwargs):
+                 shard_gradients: bool = False, bucket_cap_mb: float = ZERO_BUCKET_CAP_MB, mp_policy=None, **kwargs):
         if isinstance(optimizer_cls, torch.optim.Optimizer) or not callable(optimizer_cls):
             raise TypeError(f"ShardedOptimizer(optimizer_cls={optimizer_cls!r}): pass an optimizer class such as "
                             "torch.optim.AdamW (not an instance), with its arguments as keywords (lr=1e-3), or a "
