@@ -514,7 +514,7 @@ class Calibration:
             return float(t[0])
         # every rank at once: from the first rank's start to the last rank's end (one clock for all the
         # ranks of a machine), so that ranks leaving the barrier late -- a rank that runs its loop
-        # before the others wake up has the cores to itself -- do not make the crowd look smaller
+        # before the others wake up has the cores to itself -- do not make the oversubscription look smaller
         ends = torch.zeros(2, dtype=torch.float64)
         ends[0] = -time.monotonic()
         for _ in range(n):
@@ -688,11 +688,11 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     rows = tuple(sorted(set(rows)))
     r1, r2 = rows[0], rows[-1]
     s, h, a = c.block_size, c.n_embd, c.n_head
-    # everything was timed with every rank busy; one rank alone runs ``crowd`` times faster
+    # everything was timed with every rank busy; one rank alone runs ``oversubscription`` times faster
     cores = min(float(world_size), max(1.0, world_size * result["layer_r2_alone"] / result["layer_r2"]))
-    crowd = world_size / cores
-    flops = crowd * 2 * r2 * s * h * 4 * h / result["matmul"]
-    flops16 = crowd * 2 * r2 * s * h * 4 * h / result["matmul_bf16"] if "matmul_bf16" in result else flops
+    oversubscription = world_size / cores
+    flops = oversubscription * 2 * r2 * s * h * 4 * h / result["matmul"]
+    flops16 = oversubscription * 2 * r2 * s * h * 4 * h / result["matmul_bf16"] if "matmul_bf16" in result else flops
     # one block's forward + backward: t(rows) = overhead + rows s (FLOPs/token / flops + bytes/token x c)
     # least squares through every row count timed (the smallest and largest, and any between)
     points = [(r * s, result["layer_r1"] if r == r1 else result["layer_r2"] if r == r2 else result[f"layer_rows{r}"])
@@ -700,8 +700,8 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     mx = sum(x for x, _ in points) / len(points)
     my = sum(y for _, y in points) / len(points)
     slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    overhead = max(0.0, (my - slope * mx) / crowd)
-    slope = max(slope, 0.0) / crowd
+    overhead = max(0.0, (my - slope * mx) / oversubscription)
+    slope = max(slope, 0.0) / oversubscription
     shape = _shape(c)
     per_token_flops = flops_per_token(shape)["layer"]
     act_per_token = activation_bytes_per_layer(1, s, h, a) / s
@@ -709,18 +709,18 @@ def cluster_from(result: dict[str, float], config, rows: tuple[int, ...], world_
     head_flops = flops_per_token(shape)["head"] * r1 * s
     # the whole model on r1 rows (results saved before it was timed at every row count call it model_r1)
     model_r1 = result.get(_tp_key(r1, 1, False, "all"), result.get("model_r1"))
-    mb_overhead = max(0.0, (model_r1 - c.n_layer * result["layer_r1"]) / crowd - head_flops / flops)
+    mb_overhead = max(0.0, (model_r1 - c.n_layer * result["layer_r1"]) / oversubscription - head_flops / flops)
     # the price of a synchronisation, after a short compute (a 128 x 128 matmul) and a long one (a block)
     sync = {n: [(result["short"], max(0.0, result[f"short_sync_{g}"] - result["short"] - result[f"sync_{g}"])),
                 (result["layer_r1"], max(0.0, result[f"layer_r1_sync_{g}"] - result.get(f"layer_r1_before_sync_{g}",
                                                                                          result["layer_r1"])
                                          - result[f"sync_{g}"]))]
             for n, g in ((2, "pair"), (world_size, "world"))}
-    update = result["adam_model"] / crowd / max(1, _psi(c))
+    update = result["adam_model"] / oversubscription / max(1, _psi(c))
     # the whole step less its forward and backward (timed in turns) and its update
-    step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / crowd - update * _psi(c))
+    step_overhead = max(0.0, (result["train_r1"] - result["model_before_train_r1"]) / oversubscription - update * _psi(c))
     # a block's backward split into B and W, less the same block unsplit (timed in turns)
-    split = max(0.0, (result["split_r1"] - result["layer_r1_before_split"]) / crowd) if "split_r1" in result else 0.0
+    split = max(0.0, (result["split_r1"] - result["layer_r1_before_split"]) / oversubscription) if "split_r1" in result else 0.0
     w_share = result.get("split_w_share_r1")
     points = {kind: sorted((float(n), result[f"{kind}:{n}"]) for n in _sizes(result, kind))
               for kind in ("exchange", "one_way", "reduction")}

@@ -60,11 +60,12 @@ Launch overhead
 Each kernel costs the host ``kernel_overhead_s`` to launch from eager PyTorch (Python, the
 dispatcher, autograd's bookkeeping: Horace He, "Making Deep Learning Go Brrrr From First
 Principles", 2022, the *overhead* regime; the CUDA graphs post on the PyTorch blog, 2021). The
-profiles take 20 microseconds per operator, measured on an H100 host: a small GPT block's forward
-and backward, whose GPU work is negligible, dispatched about 21 microseconds per ATen operator
+profiles take 20 microseconds per operator, from a small GPT block's forward and backward timed on
+an H100 host, whose GPU work is negligible, over the ATen operators it dispatched
 (``docs/benchmarks/2026-11-27-h100-calibration.md``). A framework that launches several unfused
 operators for each one counted here (our GPT block: 106 dispatched for the 30 counted) pays that
-many times more per counted operator; ``--calibrate --device cuda`` measures it for the block at hand. Launches are asynchronous: the host queues kernels while the GPU runs
+many times more per counted operator; ``--calibrate --device cuda`` measures it for the block at
+hand. Launches are asynchronous: the host queues kernels while the GPU runs
 earlier ones, so a pass (a layer's forward, its backward) takes ``max(GPU time, kernels x
 kernel_overhead_s)`` (:func:`kernel_seconds`): the launches hide behind large kernels and set
 the pace when the kernels are shorter than their launch. Every micro-batch pays
@@ -491,8 +492,8 @@ def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int) -> float:
 # are eager PyTorch's (framework), flash efficiency FlashAttention-2's.
 
 _LAUNCH = ("kernel_overhead_s 20 us: eager PyTorch's host cost per operator (Python, dispatcher, autograd), "
-           "measured on an H100 host (docs/benchmarks/2026-11-27-h100-calibration.md: 21 us per dispatched ATen "
-           "operator of a GPT block's forward + backward); the regime is Horace He's 'Making Deep Learning Go "
+           "from a GPT block's forward + backward timed on an H100 host over the ATen operators it dispatched "
+           "(docs/benchmarks/2026-11-27-h100-calibration.md); the regime is Horace He's 'Making Deep Learning Go "
            "Brrrr From First Principles' (2022); a framework figure")
 _MICRO = ("microbatch_overhead_s 1 ms: a training loop's Python per micro-batch (data slicing, the loss's scalar, "
           "the schedule's bookkeeping), eager PyTorch; a framework figure")

@@ -666,8 +666,8 @@ def _zero2_open_buckets(shape: ModelShape, config: Config, stages: tuple[int, ..
     if n_stages - 1 not in stages:
         return 0
     norms = 2 if (shape.norm == "layernorm" and shape.bias) else 1
-    tail = norms + (1 if (not shape.tied or n_stages > 1) else 0)    # stage_tensors ends with them
-    done = set(range(len(tensors) - tail, len(tensors)))
+    trailing = norms + (1 if (not shape.tied or n_stages > 1) else 0)    # stage_tensors ends with them
+    done = set(range(len(tensors) - trailing, len(tensors)))
     params = [torch.empty(n, device="meta") for n in tensors]
     n = config.dp
     return sum(math.ceil(sum(tensors[i] for i in idx) / n) * n

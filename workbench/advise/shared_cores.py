@@ -13,7 +13,7 @@ neutral values (no slow-down, no price, full overlap).
 The terms, each measured by a probe of :mod:`workbench.advise.calibrate`:
 
 * **time sharing** (``cores``): while every rank computes, each runs ``world / cores`` times
-  slower than alone (:func:`crowd`); a pipeline in its ramp-up and drain has fewer ranks
+  slower than alone (:func:`oversubscription`); a pipeline in its ramp-up and drain has fewer ranks
   computing, so its step is the schedule replayed with the cores shared among the ranks
   computing at each moment (:func:`workbench.advise.timing.simulate`'s ``cores``).
 * **drift before a collective** (``sync_by_size``): a collective after compute waits for the
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["of", "crowd", "crowding", "sync_price", "message_cpu", "zero3_cpu", "late_message", "overlap"]
+__all__ = ["of", "oversubscription", "crowding", "sync_price", "message_cpu", "zero3_cpu", "late_message", "overlap"]
 
 
 def of(cluster):
@@ -46,7 +46,7 @@ def of(cluster):
     return cluster
 
 
-def crowd(cluster, world: int) -> float:
+def oversubscription(cluster, world: int) -> float:
     """How many times slower each rank computes while all ``world`` ranks compute: ``world / cores``
     where they outnumber the cores, else 1."""
     cores = getattr(cluster, "cores", None)

@@ -496,7 +496,7 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     return {"span": now, "busy": [c + m for c, m in zip(busy_c, busy_m)], "compute": busy_c, "comm": busy_m}
 
 
-def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, crowd: float, contention):
+def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, oversubscription: float, contention):
     """A micro-batch's compute without a device model (a CPU cluster, or a datasheet one): the FLOPs
     at the cluster's achieved rate plus a calibrated cluster's per-layer and per-byte costs, or its
     own layers as timed (:func:`measured_layer`). ``(layer_s, head_s, edges_s, step_overhead_s,
@@ -519,7 +519,7 @@ def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, crowd: 
     edges_s = head_s + float(getattr(cluster, "microbatch_overhead_s", 0.0))   # embedding, head, loss
     step_over = float(getattr(cluster, "step_overhead_s", 0.0))
     # a tensor-parallel collective follows a quarter of a layer's forward + backward (crowded speed)
-    sync = shared_cores.sync_price(contention, t, layer_s * crowd / 4) if contention and t > 1 else 0.0
+    sync = shared_cores.sync_price(contention, t, layer_s * oversubscription / 4) if contention and t > 1 else 0.0
     # the model's own layers timed at this shape (a calibrated cluster): their cost replaces the formulas',
     # the part beyond the formulas' compute being the tensor-parallel collectives (and their waits)
     timed = measured_layer(cluster, rows, config)
@@ -530,13 +530,13 @@ def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, crowd: 
         plain = tokens * fpt_plain["layer"] / rate + act * act_s \
             + float(getattr(cluster, "layer_overhead_s", 0.0))
         again = layer_s / plain
-        layer_c, edges_c = min(plain * crowd, timed["layer"]), min(edges_s * crowd, timed["edges"])
+        layer_c, edges_c = min(plain * oversubscription, timed["layer"]), min(edges_s * oversubscription, timed["edges"])
         if t == 1:
             layer_c, edges_c = timed["layer"], timed["edges"]
         else:
             tp_layer, tp_edges = timed["layer"] - layer_c, timed["edges"] - edges_c
         layer_c *= again
-        layer_s, edges_s = layer_c / crowd, edges_c / crowd
+        layer_s, edges_s = layer_c / oversubscription, edges_c / oversubscription
         head_s = min(head_s, edges_s)
 
     return layer_s, head_s, edges_s, step_over, sync, timed, tp_layer, tp_edges
@@ -599,10 +599,10 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     device = getattr(cluster, "device", None)
     cores = getattr(contention, "cores", None)
     world = d * t * p
-    crowd = shared_cores.crowd(contention, world) if contention else 1.0   # every rank computing at once
+    oversubscription = shared_cores.oversubscription(contention, world) if contention else 1.0   # every rank computing at once
     # a pipeline's step ends with one stage computing (its d x t ranks) while the others wait: what a
     # collective then pays for ranks drifting apart, as a share of its price with every rank busy
-    tail = shared_cores.crowding(contention, d * t, world) if contention and p > 1 else 1.0
+    end_oversubscription = shared_cores.crowding(contention, d * t, world) if contention and p > 1 else 1.0
 
     tp_layer = tp_edges = None
     framework = getattr(cluster, "framework", None) if device is not None else None
@@ -611,7 +611,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         step_over, sync, timed = 0.0, 0.0, None
     else:
         layer_s, head_s, edges_s, step_over, sync, timed, tp_layer, tp_edges = _cpu_compute(
-            shape, cluster, config, rows, rate, crowd, contention)
+            shape, cluster, config, rows, rate, oversubscription, contention)
 
     # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
     num_stages, style = _placement(config, p)
@@ -654,7 +654,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     for k, owner in enumerate(stage_to_rank(num_stages, p, style)):
         per_rank[owner]["compute"] += per_stage[k]["compute"]
         per_rank[owner]["tp"] += per_stage[k]["tp_f"] + per_stage[k]["tp_b"]
-    slowest = max(per_rank, key=lambda r: r["compute"] * crowd + r["tp"])
+    slowest = max(per_rank, key=lambda r: r["compute"] * oversubscription + r["tp"])
 
     # -- the optimizer: its update of this rank's parameters (its shard under ZeRO), every rank at once
     psi_rank = _parameters_on_rank(shape, t, p)
@@ -667,7 +667,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         if update_s is None:
             update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
         optimizer_s = (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) \
-            * crowd
+            * oversubscription
 
     # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
     hops, pp_extra = [0.0], 0.0
@@ -717,7 +717,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         sim_cores, speed = cores, 1.0
         if alone is not None:
             alone = max(float(alone), d * t / world)
-            sim_cores, speed = alone * world, alone * crowd
+            sim_cores, speed = alone * world, alone * oversubscription
         work, comm, tp_work = {}, {}, [0.0] * p
         owner = stage_to_rank(num_stages, p, style)
         # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
@@ -738,7 +738,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             back = 2 * f + st["split"]
             # the first stage (fed tokens) has no input gradient: B is nothing, W the whole backward
             w = w_share * back if k > 0 else back
-            tf, tb = (st["tp_f"] / crowd, st["tp_b"] / crowd) if shared else (0.0, 0.0)
+            tf, tb = (st["tp_f"] / oversubscription, st["tp_b"] / oversubscription) if shared else (0.0, 0.0)
             ends = sum(1 for j in (k - 1, k + 1) if 0 <= j < num_stages and owner[j] != owner[k]) * end_cpu
             msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends + loop
             msg_work[("W", k)] = loop
@@ -773,7 +773,7 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         bubble = idle - pp_total
         pp_total += msg_cpu
     else:
-        compute, tp_total = m * slowest["compute"] * crowd, m * slowest["tp"]
+        compute, tp_total = m * slowest["compute"] * oversubscription, m * slowest["tp"]
         pp_total, bubble = critical_messages, 0.0
         if p > 1:
             f = _bubble_share(SCHEDULE_NAMES[config.schedule], p, m)
@@ -793,23 +793,23 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
             if not framework.overlap_grad_reduce:   # the gradients reduced after backward (ZeRO-3's are not)
                 overlap = 0.0
         # after a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
-        # gradient reduction and the loss's all-reduce find the cores free, at a fraction (``tail``) of
-        # the price with every rank busy
-        sync = shared_cores.sync_price(contention, d) * tail if contention else 0.0
+        # gradient reduction and the loss's all-reduce find the cores free, at a fraction
+        # (``end_oversubscription``) of the price with every rank busy
+        sync = shared_cores.sync_price(contention, d) * end_oversubscription if contention else 0.0
         grad_bytes = psi_rank * e
-        mb_compute = slowest["compute"] * crowd
+        mb_compute = slowest["compute"] * oversubscription
         price = lambda c, n: _price(c, n, d, machine, topo["dp"])  # noqa: E731
         if config.zero == 3:
             if framework is not None and framework.grad_reduce_bytes:   # FSDP2's reduce_dtype float32
-                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides,
+                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * oversubscription, edges_s * oversubscription, hides,
                                               sync, price, framework.grad_reduce_bytes / e)
             else:
-                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * crowd, edges_s * crowd, hides,
+                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * oversubscription, edges_s * oversubscription, hides,
                                               sync, price)
             if framework is not None:   # FSDP2's copy-in and copy-out around each unit's collectives
                 compute += m * fsdp_copy_seconds(device, psi_rank, d)
             if contention:
-                dp_total = max(dp_total, m * shared_cores.zero3_cpu(contention, shape, config) * crowd)
+                dp_total = max(dp_total, m * shared_cores.zero3_cpu(contention, shape, config) * oversubscription)
         else:                  # in buckets: DDP's and ZeRO-1/2's own bucket_cap_mb
             cap = (DDP_BUCKET_CAP_MB if config.zero == 0 else ZERO_BUCKET_CAP_MB) * MB
             if framework is not None:   # the framework's buckets: Megatron's max(40 M, 1 M x d) parameters
