@@ -301,7 +301,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, vocab_size, group, algorithm):
         r = group_rank(group)
         n = logits.shape[-1]
-        z = logits.reshape(-1, n).float()
+        z = logits.reshape(-1, n).to(torch.promote_types(logits.dtype, torch.float32))  # float32 or wider
         y = target.reshape(-1)
         start = r * n
         if vocab_size is not None and start + n > vocab_size:  # padding columns: never a probability
