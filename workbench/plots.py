@@ -261,7 +261,7 @@ def pipeline_schedule(plan, ax=None, *, num_stages: int | None = None, style: st
     return fig
 
 
-def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
+def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None, ranks_per_node: int | None = None):
     """The ranks of a 3D mesh and the groups they form (``workbench.parallel.mesh.layout(dp, tp, pp)``).
 
     ``layout["grid"]`` is the ``(pp, dp, tp)`` array of ranks (a tensor or nested lists), indexed
@@ -270,6 +270,11 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     (solid box: adjacent ranks, one node's fast links), a data-parallel group a column within a
     stage (dashed box), and a pipeline group the cells at the same place in every stage (arrows
     from stage to stage).
+
+    ``ranks_per_node``: shade the ranks of each node (node ``k`` holds ranks ``k L .. k L + L - 1``,
+    as torchrun and ``comm.Topology`` number them), so a group that crosses a shade crosses the
+    slow inter-node links. A node whose ranks form a block of the drawing gets one shaded box;
+    otherwise each of its ranks is shaded in the node's colour.
     """
     from matplotlib.patches import FancyBboxPatch
 
@@ -311,6 +316,9 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
                                                 connectionstyle=f"arc3,rad={-0.15 - 0.1 * t}"), zorder=1)
     if pp > 1:
         ax.plot([], [], color=colors["pp"], label="pp group (same place, every stage)")
+    if ranks_per_node is not None:
+        places = {grid[p][d][t]: (x_of(p, t), -d) for p in range(pp) for d in range(dp) for t in range(tp)}
+        _shade_nodes(ax, places, ranks_per_node)
     ax.set_xlim(-0.7, x_of(pp - 1, tp - 1) + 0.7)
     ax.set_ylim(-dp + 0.3, 1.2)
     ax.set_aspect("equal")
@@ -321,6 +329,35 @@ def mesh_grid(layout: Mapping, ax=None, *, title: str | None = None):
     ax.set_title(title or f"Mesh dp={dp} x tp={tp} x pp={pp}: {formula}")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False)
     return fig
+
+
+def _shade_nodes(ax, places: Mapping[int, tuple[float, float]], ranks_per_node: int) -> None:
+    """Shade each node's ranks (``places``: rank -> centre of its cell, cells one unit apart) behind
+    the cells and the group boxes: one box around a node whose cells fill a rectangle of the
+    drawing, else one box per cell; each node once in the legend."""
+    from matplotlib.patches import FancyBboxPatch
+
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"mesh_grid: ranks_per_node={ranks_per_node!r} must be a whole number >= 1 (ranks per node)")
+    nodes: dict[int, list[int]] = {}
+    for rank in sorted(places):
+        nodes.setdefault(rank // ranks_per_node, []).append(rank)
+    shades = ["#8172b3", "#937860", "#da8bc3", "#ccb974", "#64b5cd", "#8c8c8c"]  # none of the groups' colours
+    half = 0.49  # cells sit one unit apart: neighbouring nodes' shades do not overlap
+    for node, ranks in nodes.items():
+        xs, ys = [places[r][0] for r in ranks], [places[r][1] for r in ranks]
+        inside = [r for r, (x, y) in places.items() if min(xs) <= x <= max(xs) and min(ys) <= y <= max(ys)]
+        if sorted(inside) == ranks:  # the node is a block of the drawing: one box around it
+            boxes = [(min(xs), min(ys), max(xs), max(ys))]
+        else:
+            boxes = [(places[r][0], places[r][1], places[r][0], places[r][1]) for r in ranks]
+        first, last = ranks[0], ranks[-1]
+        label = f"node {node}: rank {first}" if first == last else f"node {node}: ranks {first}-{last}"
+        for i, (x0, y0, x1, y1) in enumerate(boxes):
+            ax.add_patch(FancyBboxPatch((x0 - half, y0 - half), x1 - x0 + 2 * half, y1 - y0 + 2 * half,
+                                        boxstyle="round,pad=0.0,rounding_size=0.12",
+                                        facecolor=shades[node % len(shades)], edgecolor="none", alpha=0.4, zorder=0,
+                                        label=label if i == 0 else None))
 
 
 __all__.append("mesh_grid")
