@@ -207,16 +207,15 @@ plt.show()
 #
 # ### Why can a hand-written all-gather beat gloo's?
 #
-# Gloo is C++ and ours is Python on top of gloo's own send and receive, yet in the sweep above
-# our all-gather and reduce-scatter may come out ahead of `native` at the large sizes. The
-# messages are the same size; one thing that differs is the memory each call touches. Memory a process
-# asks the kernel for is not there until it is first written: each first touch of a 4 KiB page
-# is a **page fault**, in which the kernel finds a page and zeroes it. An implementation that
-# allocates fresh working buffers on every call, and whose allocator hands them back to the
-# kernel between calls, pays that on every page of them on every call; ours work in the
-# caller's buffers. `bench.page_faults` counts the faults per call (the process's own counter,
-# gloo's threads included) at the largest size, and prices them at this machine's cost of a
-# fault; all-reduce is the control (gloo's ring works in place).
+# In the sweep our Python all-gather and reduce-scatter may come out ahead of gloo's C++ at the
+# large sizes. Not because Python is faster: torch's gloo path does more work per call. Its
+# reduce-scatter is one all-reduce per block, twice the bytes of a ring; its all-gather runs the
+# same ring as ours, but on a worker thread, into a fresh buffer whose pages the kernel must
+# fault in on every call, then copied out. Ours send from and receive into the caller's tensors.
+# The next two cells measure it at the largest size: the **page faults** per call
+# (`bench.page_faults`; all-reduce, which gloo runs in place, is the control), then gloo's
+# structures rebuilt from parts and timed beside `native` and our ring (`bench.gloo_structure`).
+# The investigation, step by step: [why a hand-written collective can beat gloo's](../docs/collectives-cpu-notes.md).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -250,31 +249,8 @@ for c in ("all_gather", "reduce_scatter"):
 show.markdown("\n".join(lines))
 
 # %% [markdown]
-# A 4 MiB buffer is 1024 pages of 4 KiB: hundreds of faults per call mean gloo's path takes
-# fresh memory on every call and gives it back after (whether the allocator keeps it for the
-# next call decides how many; that is why the count moves from run to run). `all_reduce`, which
-# gloo runs in the caller's buffer, is the control: it takes none. Priced at this machine's cost
-# of a fault, the faults are only a share of the gap.
-#
-# ### The rest of the gap: what torch does around gloo
-#
-# The sources (torch's `ProcessGroupGloo.cpp`, gloo's `allgather.cc`) say where else the time goes:
-#
-# * **all-gather**: gloo's algorithm is a ring too (each block in two halves), and each rank
-#   sends the same bytes as in ours. But torch runs it on its gloo worker thread (the caller
-#   hands the call over and waits), into a fresh flat buffer of all `p n` bytes, and then copies
-#   that buffer into the caller's `p` output tensors: a hand-over, an allocation (the faults
-#   above) and one more pass over the whole output, per call.
-# * **reduce-scatter**: gloo has no reduce-scatter. torch copies this rank's block into the
-#   output, clones the others, and runs **one all-reduce per block**: `p` all-reduces of `n`
-#   bytes, each sending `2(p-1)/p n`, so `2(p-1) n` bytes per rank where a ring reduce-scatter
-#   sends `(p-1) n`. Twice the bytes, and every block reduced on every rank.
-#
-# `bench.gloo_structure` rebuilds each structure from parts (our ring run the way torch runs
-# gloo's all-gather; one native all-reduce per block) and times it beside `native` and our
-# `ring` in the same interleaved trials, on 2 ranks at the size of the fault count above,
-# counting the bytes each call writes to its sockets (Linux's `/proc/self/io`). If the rebuilt
-# structure is as slow as `native`, the structure is the cause.
+# gloo's structures rebuilt from parts (our ring run the way torch runs gloo's all-gather; one
+# native all-reduce per block), with the bytes each call writes to its sockets:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -298,15 +274,6 @@ for c, rebuilt in (("all_gather", "ring as torch runs gloo's"), ("reduce_scatter
 show.markdown("\n".join(lines))
 
 # %% [markdown]
-# So the cause is not the network, nor C++ against Python. torch's reduce-scatter on gloo
-# moves twice the bytes (one all-reduce per block), and that structure rebuilt is about as slow
-# as the real call. Its all-gather runs the same ring as ours but adds a hand-over to a worker
-# thread, a fresh buffer (the faults) and a copy of the whole output; rebuilt, those account for
-# a large share of its gap, and what they leave lies inside gloo's C++ call, where Python timing
-# cannot take it further apart. Our collectives send from and receive into the caller's tensors,
-# with a ring reduce-scatter. A hand-written collective is not faster for being Python: it is
-# faster where it does less work per call.
-#
 # ## The alpha-beta model
 #
 # Sending one message of m bytes costs **α + m β**: α is the latency (a fixed price per

@@ -39,10 +39,13 @@
 
 # %%
 import os
+from dataclasses import replace
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+import matplotlib.ticker as mticker
 from IPython.display import display
+from matplotlib.lines import Line2D
 
 from workbench import show
 from workbench.advise import Cluster, Config, ModelShape, advise, predict
@@ -52,6 +55,7 @@ from workbench.advise.cluster import PRESETS as CLUSTERS
 from workbench.advise.cluster import GiB
 from workbench.advise.memory import memory_by_rank
 from workbench.advise.shape import PRESETS as LLAMAS
+from workbench.busy import busy_fraction, were_free
 from workbench.comm import Link
 
 # under torchrun the runs of section 6 would use torchrun's world: they need 4 ranks
@@ -121,16 +125,52 @@ print(one.explain())
 #
 # `advise(model, cluster, global_batch)` predicts every configuration of the space and returns
 # the feasible plans fastest first, then the infeasible ones with their reasons. The figure puts
-# every feasible plan's predicted time against its memory: the chosen one is starred, the
-# device's memory is the dashed line. The plans that do not fit are not drawn: the search finds
-# that from their memory and never prices their time (the line under the figure counts them).
+# every feasible plan's predicted time against its memory as a light grey cloud, and on top of
+# it the **Pareto front**: the plans that no other plan beats on both time and memory, i.e. the
+# fastest plan for each memory budget, coloured by tensor-parallel size and marked by pipeline
+# size. The chosen one is starred, the device's memory is the dashed line. The plans that do
+# not fit are not drawn: the search finds that from their memory and never prices their time
+# (the line under the figure counts them).
+
+# %%
+def pareto(plans):
+    """The feasible plans no other plan beats on both step time and memory, fastest first: the
+    chosen plan (``plans[0]``), then each plan that needs less memory than every faster one."""
+    feasible = [p for p in plans if p.feasible]
+    front = feasible[:1]
+    for p in sorted(feasible[1:], key=lambda p: (p.time["total"], p.memory["total"])):
+        if p.memory["total"] < front[-1].memory["total"]:
+            front.append(p)
+    return front
+
+
+def time_memory(plans, ax, cluster, title):
+    """``figure.time_memory`` on the Pareto front, over a light cloud of every feasible plan, the
+    front joined as a staircase (the least step time for each memory budget); the time axis on a
+    log scale, labelled at 1, 2, 3, 5 and 7 times each power of ten."""
+    feasible = [p for p in plans if p.feasible]
+    ax.scatter([p.memory["total"] / GiB for p in feasible], [p.time["total"] for p in feasible],
+               s=7, color="0.8", lw=0, zorder=0, rasterized=True)
+    front = pareto(plans)
+    figure.time_memory(front, ax, memory_limit=cluster.memory_bytes, title=title)
+    ax.plot([p.memory["total"] / GiB for p in front], [p.time["total"] for p in front], color="0.5", lw=0.8,
+            drawstyle="steps-pre", zorder=1)
+    ax.yaxis.set_major_locator(mticker.LogLocator(subs=(1, 2, 3, 5, 7)))
+    ax.yaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(mticker.NullFormatter())
+    ax.set_ylabel("predicted step time (s, log scale)")
+    ax.set_xlabel("predicted memory per device (GiB)")
+    cloud = Line2D([], [], ls="", marker="o", markersize=4, color="0.8", label=f"all {len(feasible)} feasible plans")
+    ax.legend(handles=[*ax.get_legend().legend_handles, cloud], fontsize=7, ncol=4, loc="upper left",
+              bbox_to_anchor=(0.0, -0.14), frameon=False)
+    return ax
+
 
 # %%
 plans_fast = advise(MODEL, fast, BATCH, **SPACE)
 print(table(plans_fast, 8))
-fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-figure.time_memory(plans_fast, ax, memory_limit=fast.memory_bytes,
-                   title=f"{MODEL} on one DGX H100 node, batch {BATCH}")
+fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
+time_memory(plans_fast, ax, fast, f"{MODEL} on one DGX H100 node, batch {BATCH}")
 plt.show()
 print(f"{sum(not p.feasible for p in plans_fast)} of {len(plans_fast)} configurations do not fit one device")
 
@@ -161,9 +201,9 @@ print()
 print(best_slow.explain())
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), layout="constrained")
-figure.time_memory(plans_fast, axes[0], memory_limit=fast.memory_bytes, title="one DGX H100 node (NVLink)")
-figure.time_memory(plans_slow, axes[1], memory_limit=slow.memory_bytes, title="8 A100 nodes, 100 Gb/s network")
+fig, axes = plt.subplots(1, 2, figsize=(14, 5), layout="constrained")
+time_memory(plans_fast, axes[0], fast, "one DGX H100 node (NVLink)")
+time_memory(plans_slow, axes[1], slow, "8 A100 nodes, 100 Gb/s network")
 plt.show()
 
 
@@ -186,13 +226,58 @@ show.markdown(
 # each dimension goes. Tensor parallelism exchanges `b s h` activations four times per layer and
 # micro-batch, so it stays on NVLink. What may cross the slow network is the cheaper of the other
 # two: a pipeline's one message per micro-batch and stage boundary (plus the bubble it brings), or
-# data parallelism's traffic, overlapped with compute: ZeRO-1 and ZeRO-2 reduce the gradients once
-# per step (the more micro-batches a step accumulates, the less they weigh against its compute),
-# while ZeRO-3 gathers the parameters again for every micro-batch (its traffic grows with them:
-# compare the dp column of ZeRO-3's rows). Which one wins depends on the model and the batch; the
-# tables and the explanations above say which, and by how much. On one node every group stays on
-# NVLink, and the choice comes down to what fits and what each dimension's collectives leave
-# exposed.
+# data parallelism's traffic, less what hides behind backward. How much data parallelism moves
+# depends on its ZeRO stage. ZeRO-1 and ZeRO-2 reduce the gradients once per step, however many
+# micro-batches the step accumulates. ZeRO-3 gathers the parameters again for every micro-batch,
+# so its traffic grows with them. The table below predicts the fast node's chosen layout with
+# both stages and three micro-batch counts (`dp`: the data-parallel traffic left exposed).
+#
+# The explanations say that data parallelism "adds no work per device": each replica runs the
+# forward and backward one device would run on its share of the batch, no extra compute, only
+# the traffic above. But it does not split a micro-batch's activations, nor (below ZeRO-3) the
+# parameters. So the plans pay for memory in other ways: tensor parallelism with sequence
+# parallelism, more and smaller micro-batches, or recomputation, which costs compute. The lines
+# under the table say what each chosen plan pays.
+
+# %%
+zero_by_m = []
+for m in (16, 32, 64):
+    row = {"micro-batches": m}
+    for zero in (2, 3):
+        plan = predict(MODEL, fast, BATCH, replace(best_fast.config, zero=zero, microbatches=m))
+        row |= {f"ZeRO-{zero} dp (s)": plan.time["dp"], f"ZeRO-{zero} step (s)": plan.time["total"],
+                f"ZeRO-{zero} fits": "yes" if plan.feasible else "no"}
+    zero_by_m.append(row)
+show.table(zero_by_m, formats={k: ".3g" for k in zero_by_m[0] if k.endswith("(s)")})
+
+
+def pays(plan, cluster):
+    """How ``plan`` makes its activations fit, in words, with what recomputation costs it."""
+    c = plan.config
+    if c.recompute == "none":
+        return (f"no recomputation: it fits with TP {c.tp}{' and sequence parallelism' if c.sequence_parallel else ''},"
+                f" {c.microbatches} micro-batches of {BATCH // c.dp // c.microbatches} sequences per replica")
+    bare = predict(MODEL, cluster, BATCH, replace(c, recompute="none"))
+    return (f"{c.recompute} recomputation: {plan.time['compute']:.3g} s of compute per step against "
+            f"{bare.time['compute']:.3g} s without it, which would need {bare.memory['total'] / GiB:.0f} GiB per device, "
+            f"of {cluster.memory_bytes / GiB:.1f} GiB")
+
+
+slow_zero3 = predict(MODEL, slow, BATCH, replace(best_slow.config, zero=3))
+show.markdown(
+    f"ZeRO-3's exposed data-parallel traffic from 16 to 64 micro-batches: {zero_by_m[0]['ZeRO-3 dp (s)']:.3g} s -> "
+    f"{zero_by_m[-1]['ZeRO-3 dp (s)']:.3g} s; ZeRO-2's: {zero_by_m[0]['ZeRO-2 dp (s)']:.3g} s -> "
+    f"{zero_by_m[-1]['ZeRO-2 dp (s)']:.3g} s. On the slow network the chosen layout with ZeRO-3 instead of "
+    f"ZeRO-{best_slow.config.zero} would leave {slow_zero3.time['dp']:.3g} s of data-parallel traffic exposed "
+    f"against {best_slow.time['dp']:.3g} s.\n\n"
+    f"* one fast node, **{best_fast.config.label()}**: {pays(best_fast, fast)};\n"
+    f"* eight nodes on a slow network, **{best_slow.config.label()}**: {pays(best_slow, slow)}.")
+
+# %% [markdown]
+# Which of a pipeline and data parallelism crosses the network depends on the model and the
+# batch; the tables and the explanations above say which, and by how much. On one node every
+# group stays on NVLink, and the choice comes down to what fits and what each dimension's
+# collectives leave exposed.
 #
 # ## 5. Explorer
 #
@@ -213,11 +298,11 @@ def explore(model="llama-13b", nodes=4, devices_per_node=8, intra_GBps=300.0, in
     cluster = Cluster.preset("a2-ultra-100g", nodes=nodes, devices_per_node=devices_per_node,
                              intra=Link(2e-6, intra_GBps * 1e9), inter=Link(30e-6, inter))
     plans = advise(model, cluster, batch, **EXPLORER_SPACE)
-    fig = plt.figure(figsize=(13, 7), layout="constrained")
+    fig = plt.figure(figsize=(13, 8), layout="constrained")
     grid = fig.add_gridspec(2, 2)
-    figure.time_memory(plans, fig.add_subplot(grid[0, :]), memory_limit=cluster.memory_bytes,
-                       title=f"{model}, {nodes} x {devices_per_node} devices, {intra_GBps:.3g} GB/s inside, "
-                             f"{inter / 1e9:.3g} GB/s per device between nodes, batch {batch}")
+    time_memory(plans, fig.add_subplot(grid[0, :]), cluster,
+                f"{model}, {nodes} x {devices_per_node} devices, {intra_GBps:.3g} GB/s inside, "
+                f"{inter / 1e9:.3g} GB/s per device between nodes, batch {batch}")
     figure.breakdown(plans, [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])], top=6)
     plt.show()
     feasible = [p for p in plans if p.feasible]
@@ -247,16 +332,22 @@ display(widgets.interactive(explore, {"manual": True, "manual_name": "advise"}, 
 # same launch (its matmul rate, its links, its per-operator overheads). Here a small quick sample;
 # `workbench advise --validate` runs the full one, on this machine as it is and as an emulated
 # 2-node cluster whose network is at least 10x slower than its loopback. The band is +-15%.
+# Before and after the runs the lesson also reads how busy other work keeps the cores
+# (`workbench.busy`): the check asserts the step times only where the cores were free.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 QUICK = (Config(dp=4), Config(dp=2, tp=2), Config(dp=2, pp=2, microbatches=2))
 SAMPLE = [validate.Setting("tiny", 16, None, QUICK)]
+other_work = []  # the cores' busy fraction from other work, before and after the runs (see the check)
 if FOUR:
+    other_work.append(busy_fraction())
     rows = validate.validate(SAMPLE, trials=3, progress=None)
+    other_work.append(busy_fraction())
     for k, setting in enumerate(SAMPLE):
         print(validate.report([r for r in rows if r["setting"] == k], title=setting.label()), "\n")
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; other work kept the cores "
+          + " and ".join("?" if b is None else f"{b:.0%}" for b in other_work) + " busy before and after the runs")
     validate.figure(rows)
     plt.show()
 else:
@@ -278,17 +369,30 @@ def memory_check(row):
     return state, transient
 
 
+def best_ratio(setting_rows):
+    """The measured step time of the configuration predicted fastest, over the measured fastest's:
+    1.0 when the prediction picked the measured best."""
+    predicted = min(setting_rows, key=lambda r: r["predicted_s"])
+    return predicted["measured_s"] / min(r["measured_s"] for r in setting_rows)
+
+
 # %%
 # NBVAL_IGNORE_OUTPUT
+best_ratios, median_time_error = {}, None
 if rows:
     s = validate.summary(rows)
     exact = sum(all(p == m for p, m in memory_check(r)[0]) for r in rows)
     within = sum(abs(memory_check(r)[1]) <= 0.05 for r in rows)
+    errors = sorted(abs(r["time_error"]) for r in rows)
+    median_time_error = errors[len(errors) // 2]
+    best_ratios = {k: best_ratio([r for r in rows if r["setting"] == k]) for k in sorted({r["setting"] for r in rows})}
     show.markdown(
         f"Over {s['configurations']} configurations: step time within 15% for **{s['time_within_15']}**, "
-        f"mean absolute error **{s['time_mape']:.0%}** (load average {s['load']:.1f}); model state predicted "
+        f"median absolute error **{median_time_error:.0%}** (load average {s['load']:.1f}); model state predicted "
         f"to the byte on every rank for **{exact}**, activations and buffers within 5% for **{within}**; "
-        f"the predicted best was the measured best (or within 5%) in **{s['best_ok']} of {s['settings']}** settings.")
+        f"the predicted best was the measured best (or within 5%) in **{s['best_ok']} of {s['settings']}** settings "
+        f"(its measured step time over the measured best's: "
+        + ", ".join(f"**{x:.2f}x**" for x in best_ratios.values()) + ").")
 
 # %% [markdown]
 # The model state is exact because it counts what the strategies hold: the ZeRO formula on each
@@ -298,28 +402,16 @@ if rows:
 #
 # ## 7. Where a prediction misses: the replay beside the run
 #
-# A pipeline's predicted time comes from replaying its schedule: each stage's forwards and
-# backwards at the speed the calibration timed, plus the CPU the schedule's own loop and each
-# message's two ends cost around them (also measured by the calibration), the machine's cores
-# shared among the ranks computing at each moment, each message taking its link's time (and half
-# a time slice more if it lands while every core computes). The run records when each of those
-# actions really ran (`schedule.timeline`), so the two can be drawn on one time axis
-# (`validate.timeline_figure`):
-# here DDP + 2 stages of GPT `tiny` on one node, 4 ranks (each stage two data-parallel replicas)
-# on this machine's 2 cores; the figure shows the first replica's pipeline, the other one runs
-# beside it on the same cores. The numbers under the figure split the
-# schedule's difference into the actions' own time (summed over the pipeline's ranks) and the
-# time the ranks spent between actions. The run records an action from its start to its end only,
-# so the loop's and the messages' CPU fall between its actions, where the replay counts them in
-# the actions: the split under the figure says, for the run stored here, how the two differ in
-# the actions' own time and in the time between them. On one node a message reaches a waiting
-# rank only once a core is free, because gloo's network thread, which reads it out of its socket,
-# yields to every computing thread (`workbench/gloo_threads.py`: left alone, it spins and stalls
-# every message for a time slice); the other replica's ranks, which the figure does not draw, run
-# the same schedule on the same two cores. The replay charges half the scheduler's time slice
-# (measured by the calibration) to a message that lands while every core computes, but it runs the
-# two replicas in step, where the run lets them drift apart and take turns. The README's "What is
-# known" measures where GPT `tiny`'s pipelines on one node still differ from their replay.
+# A pipeline's predicted time comes from replaying its schedule action by action at the speeds
+# the calibration timed; the run records when each action really ran (`schedule.timeline`), and
+# `validate.timeline_figure` draws the two on one time axis. Here DDP + 2 stages of GPT `tiny`:
+# 4 ranks on this machine's 2 cores, the first replica's pipeline drawn (the other runs beside it
+# on the same cores). The line under the figure splits the difference into the actions' own time
+# and the time between them. What to take away: with more ranks than cores, a message reaches a
+# waiting rank only when a core comes free, so on a CPU the scheduler decides a pipeline's idle
+# time as much as the schedule does. The replay charges that wait on average, and it cannot
+# follow the two replicas as they drift apart and take turns, which is where its misses come
+# from ([the investigation: gloo's network thread, the time slice, the replay](../docs/advisor-cpu-notes.md)).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -401,10 +493,17 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15%; m
 # * on the slow network the chosen plan keeps tensor parallelism inside a node, and the explanation
 #   names why (the network's slowdown, or the pipeline's one message per micro-batch across nodes);
 # * the fast node and the slow cluster get different answers, and on the fast node no pipeline;
-# * every plan ranked feasible fits its device, and is ranked by time;
-# * with 4 ranks: the model state predicted for every run and rank equals the measured one to the
-#   byte, and activations with buffers within 5%; every pipeline run comes with its replay and its
-#   measured timeline, the same forwards and backwards in both.
+# * ZeRO-3's exposed data-parallel traffic grows in proportion to the micro-batches (at least 3.5x
+#   from 16 to 64), ZeRO-2's does not (within 10%); a chosen plan that recomputes would not fit
+#   without it;
+# * with 4 ranks, the runs of section 6: the model state predicted for every run and rank equals
+#   the measured one to the byte, activations with buffers within 5%, the total within 5%; every
+#   pipeline run comes with its replay and its measured timeline, the same forwards and backwards
+#   in both. Where other work left the cores free around the runs (at most a quarter of their time
+#   busy, just before and just after: `workbench.busy`), also the step times: the median absolute
+#   error within 15%, and the configuration predicted fastest measured within 10% of the measured
+#   fastest (`validate`'s own bar is 5%; three trials here). On busy cores a rank waits for a core
+#   after each message, time the model does not price, so the check says it did not assert them;
 # * on GPU clusters: at least four in five published rows within 15%, and the median error within 10%.
 
 # %%
@@ -413,19 +512,31 @@ assert "TP" not in where(best_slow, slow)
 text_slow = best_slow.explain()
 assert ("slower network otherwise" in text_slow) or ("across nodes: one message per micro-batch" in text_slow), text_slow
 assert best_fast.config != best_slow.config and best_fast.config.pp == 1
-for plans, cluster in ((plans_fast, fast), (plans_slow, slow)):
-    feasible = [p for p in plans if p.feasible]
-    assert all(p.memory["total"] <= cluster.memory_bytes for p in feasible)
-    assert [p.time["total"] for p in feasible] == sorted(p.time["total"] for p in feasible)
+zero3_growth = zero_by_m[-1]["ZeRO-3 dp (s)"] / zero_by_m[0]["ZeRO-3 dp (s)"]
+zero2_dp = [row["ZeRO-2 dp (s)"] for row in zero_by_m]
+assert zero3_growth >= 3.5 and max(zero2_dp) <= 1.1 * min(zero2_dp), (zero3_growth, zero2_dp)
+for best, cluster in ((best_fast, fast), (best_slow, slow)):
+    if best.config.recompute != "none":
+        assert not predict(MODEL, cluster, BATCH, replace(best.config, recompute="none")).feasible, best.config
+FREE_CORES = were_free(other_work)
 for r in rows:
     state, transient = memory_check(r)
     assert all(p == m for p, m in state), (r["config"], state)
     assert abs(transient) <= 0.05, (r["config"], transient)
+    assert abs(r["memory_error"]["total"]) <= 0.05, (r["config"], r["memory_error"])
     if Config(**r["config_fields"]).pp > 1:
         actions = [{(a["rank"], a["kind"], a["microbatch"]) for a in r[key] if a["kind"] in ("F", "B", "W")}
                    for key in ("timeline_predicted", "timeline_measured")]
         assert actions[0] == actions[1] and actions[0], r["config"]
 assert sum(r["within"] for r in checked) >= 0.8 * len(checked), [(r["row"].name, round(r["ratio"], 2)) for r in checked]
 assert median_error <= 0.10, median_error
-print("check passed: TP inside nodes on the slow network, the choice explained, GPU predictions near published ones"
-      + (", memory predicted for every run" if rows else f" (runs skipped in a world of {WORLD})"))
+if rows and FREE_CORES:  # step times: only where other work left the cores free around the runs
+    assert median_time_error <= 0.15, [(r["config"], round(r["time_error"], 3)) for r in rows]
+    assert all(x <= 1.10 for x in best_ratios.values()), best_ratios
+print("check passed: TP inside nodes on the slow network, the choice explained, ZeRO-3's traffic per micro-batch, "
+      "GPU predictions near published ones"
+      + (", the runs predicted (memory to the byte, step times within 15%, the best choice)" if rows
+         else f" (runs skipped in a world of {WORLD})")
+      + ("" if not rows or FREE_CORES else
+         f" (step times and the best choice not asserted: other work kept the cores "
+         f"{max(b for b in other_work if b is not None):.0%} busy around the runs)"))
