@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from IPython.display import Markdown, display
 from matplotlib.patches import Rectangle
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import workbench
 from workbench import everyone
@@ -51,8 +53,12 @@ from workbench.metrics import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, activation_bytes_per_layer,
                                        communication_per_layer, full_state_dict, tensor_parallel)
+from workbench.train import preload
 
 KiB = 1024
+# the first optimizer or DTensor of a process imports torch._dynamo (slow): do it once here, and
+# every rank launch() forks below inherits it instead of importing it again
+preload()
 
 
 # %%
@@ -212,10 +218,16 @@ for sp in (False, True):
 # | tensor parallel | `g` all-reduce | `f` all-reduce |
 # | sequence parallel | reduce-scatter (end of row layer), all-gather (start of column layer) | all-gather, reduce-scatter |
 #
-# Same bytes on the wire; the norms' parameters now see `1/t` of the positions each, so their
-# gradients are all-reduced (small, `h` each). Our column-parallel layer keeps only the input
-# *shard* for backward and all-gathers it again there, Megatron's choice: one more all-gather
-# per column-parallel layer in backward buys the `1/t` activation memory.
+# **Forward** moves the same bytes: a reduce-scatter plus an all-gather send together what one
+# all-reduce sent. **Backward moves more.** In backward a column-parallel layer computes
+# `dX = dY A_r^T`, which needs only `dY`, and its weight gradient `dA_r = X^T dY_r`, which needs
+# the whole input `X`, every position. Keeping the gathered `X` for backward would cost `b s h`
+# per rank and undo the saving, so our column-parallel layer keeps only its *shard* and
+# all-gathers it **again** in backward: Megatron's choice (Korthikanti et al. 2022, sec.
+# 4.2.2; Megatron overlaps that all-gather with computing `dX`, ours runs them one after the
+# other). One more all-gather per column-parallel layer, two per transformer layer, buys the
+# `1/t` activation memory. And the norms' parameters (and the row-parallel biases) now see `1/t` of the
+# positions each, so their gradients are all-reduced (small: `h` each). Section 5 counts it all.
 #
 # ## 5. Communication per layer, measured against the formula
 #
@@ -245,35 +257,67 @@ def layer_comm():
                 expected[(phase, coll)] = (len(sizes), sum(int(4 * n * f) for n in sizes))
         measured = {(phase, key.split("/")[0]): (v["calls"], v["bytes_sent"])
                     for phase, c in (("forward", fwd), ("backward", bwd)) for key, v in c.as_dict().items()}
-        out[sp] = {"measured": measured, "expected": expected, "bsh": b * s * h}
+        out[sp] = {"measured": measured, "expected": expected, "bsh": b * s * h, "b": b, "s": s}
     return out
 
 
 comm_rows = workbench.launch(layer_comm, world_size=2)[0]
-fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), layout="constrained")
+COLLECTIVE = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained", sharey=True, width_ratios=[2, 5])
 for ax, sp in zip(axes, (False, True)):
     r = comm_rows[sp]
     keys = sorted(r["expected"], key=lambda k: (k[0] != "forward", k[1]))
-    labels = [f"{'fwd' if ph == 'forward' else 'bwd'} {coll}\n{r['measured'].get((ph, coll), (0, 0))[0]} calls"
-              for ph, coll in keys]
-    ax.bar([i - 0.2 for i in range(len(keys))], [r["measured"].get(k, (0, 0))[1] / KiB for k in keys], 0.4,
-           label="measured (comm.counters)")
+    measured = [r["measured"].get(k, (0, 0))[1] / KiB for k in keys]
+    bars = ax.bar([i - 0.2 for i in range(len(keys))], measured, 0.4, label="measured (comm.counters)")
     ax.bar([i + 0.2 for i in range(len(keys))], [r["expected"][k][1] / KiB for k in keys], 0.4,
-           label="formula", color="#999999")
-    ax.set_xticks(range(len(keys)), labels, fontsize=8)
-    ax.set_ylabel("KiB sent per rank")
-    ax.set_title(f"one layer, t = 2, {'with' if sp else 'without'} sequence parallelism")
-    ax.legend(fontsize=8, loc="lower right")
+           label="formula (communication_per_layer)", color="#999999")
+    ax.bar_label(bars, [f"{v:g}" for v in measured], fontsize=8)
+    ax.set_xticks(range(len(keys)), [f"{'forward' if ph == 'forward' else 'backward'}\n{COLLECTIVE[coll]}\n"
+                                     f"{r['measured'].get((ph, coll), (0, 0))[0]} calls" for ph, coll in keys],
+                  fontsize=8)
+    ax.set_xlim(-0.6, len(keys) - 0.4)
+    ax.set_title(f"{'with' if sp else 'without'} sequence parallelism", fontsize=10)
+axes[0].set_yscale("log", base=2)  # shared: the 1.5 KiB of small all-reduces beside the 64 KiB ones
+axes[0].set_yticks([2**k for k in range(7)], [f"{2**k}" for k in range(7)])
+axes[0].minorticks_off()
+axes[0].set_ylim(1, 128)
+axes[0].set_ylabel("KiB sent per rank (log scale)")
+fig.suptitle("one transformer layer's collectives, t = 2 (bar labels: measured KiB)", fontsize=11)
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=8)
 for sp in (False, True):
     r = comm_rows[sp]
     print(f"sequence_parallel={sp}: " + ", ".join(
         f"{ph} {coll}: {calls} calls, {sent} B" for (ph, coll), (calls, sent) in sorted(r["measured"].items())))
+# bytes and calls per phase, with and without sequence parallelism
+sent = {(sp, ph): sum(v[1] for (p, _), v in comm_rows[sp]["measured"].items() if p == ph)
+        for sp in (False, True) for ph in ("forward", "backward")}
+calls = {sp: sum(v[0] for v in comm_rows[sp]["measured"].values()) for sp in (False, True)}
+b_comm, s_comm = comm_rows[False]["b"], comm_rows[False]["s"]
+backward_ratio = sent[(True, "backward")] / sent[(False, "backward")]
+display(Markdown(
+    f"Bytes one rank sends for one layer: forward **{sent[(False, 'forward')]}** without sequence parallelism "
+    f"and **{sent[(True, 'forward')]}** with it; backward **{sent[(False, 'backward')]}** and "
+    f"**{sent[(True, 'backward')]}**, **{backward_ratio:.4f}x** (the formula below, `3/2 + 3/(b s)` with "
+    f"b = {b_comm}, s = {s_comm}: **{1.5 + 3 / (b_comm * s_comm):.4f}**). Collective calls per layer: "
+    f"**{calls[False]}** without, **{calls[True]}** with."))
 
 # %% [markdown]
 # Without sequence parallelism: two all-reduces forward (after `attn.c_proj` and `mlp.c_proj`, the
 # `g`s) and two backward (before `attn.c_attn` and `mlp.c_fc`, the `f`s), each of `b s h`
-# elements. With it: the same volume as all-gathers and reduce-scatters, the two re-gathers in
-# backward, and six small all-reduces of the norm and bias gradients.
+# elements. With it, forward sends the same bytes as all-gathers and reduce-scatters; backward
+# sends more. Counting the elements one rank sends (ring collectives, `n = b s h`):
+#
+# | backward, one layer | collectives | elements sent per rank |
+# | --- | --- | --- |
+# | tensor parallel | 2 all-reduces (`f`) | `2 x 2 (t-1)/t n = 4 (t-1)/t n` |
+# | sequence parallel | 2 all-gathers of `dY`, 2 reduce-scatters of `dX` (forward's conjugates), 2 re-gathers of inputs | `6 (t-1)/t n` |
+# | | 6 all-reduces of `h` (2 norms' weights and biases, 2 row-parallel biases) | `6 x 2 (t-1)/t h` |
+#
+# The ratio is `(6 n + 12 h) / (4 n) = 3/2 + 3/(b s)`, whatever `t`: the two re-gathers are the
+# extra half, the small all-reduces the rest, and that is what the measurement above shows.
+# Korthikanti et al.'s same volume is that of the collectives replacing the all-reduces; the
+# re-gathers come on top, the price of not keeping the gathered input, and Megatron overlaps
+# them with computation rather than avoiding them.
 #
 # ## 6. Activation memory per rank
 #
@@ -341,15 +385,14 @@ _ = ax.legend(fontsize=8)
 
 # %% [markdown]
 # Tensor parallelism alone leaves the `4 s b h` of the norms' inputs and outputs on every rank
-# (the floor the blue bars approach as `t` grows); sequence parallelism divides everything by `t`.
-# Move the sliders to see the formula at other sizes (a GPT-2-XL-like layer by default: `h` = 1600,
-# 25 heads, `s` = 1024, `b` = 8): the `a s b/t` log-sum-exp term is small next to `s b h`, which
-# is why fused attention removed the `5 a s/h` term that dominated Korthikanti's count at long
-# sequences.
+# (the floor the blue bars approach as `t` grows, dotted below); sequence parallelism divides
+# everything by `t`. Move the sliders to see the formula at other sizes; the figure under them is
+# the default, a GPT-2-XL-like layer (`h` = 1600, 25 heads, `s` = 1024, `b` = 8): the `a s b/t`
+# log-sum-exp term is small next to `s b h`, which is why fused attention removed the `5 a s/h`
+# term that dominated Korthikanti's count at long sequences.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
-import ipywidgets as widgets
+import ipywidgets as widgets  # noqa: E402
 
 
 def draw_formula(h=1600, heads=25, s=1024, b=8):
@@ -359,6 +402,8 @@ def draw_formula(h=1600, heads=25, s=1024, b=8):
     fig, ax = plt.subplots(figsize=(6.5, 3.2), layout="constrained")
     ax.bar([i - 0.2 for i in range(len(ts))], tp, 0.4, label="tensor parallel")
     ax.bar([i + 0.2 for i in range(len(ts))], sp, 0.4, label="+ sequence parallel")
+    ax.axhline(4 * 4 * s * b * h / 2**20, color="k", ls=":", lw=0.8,
+               label="floor of tensor parallelism alone: 4 s b h floats")
     ax.set_xticks(range(len(ts)), [f"t = {t}" for t in ts])
     ax.set_ylabel("MiB per layer per rank (formula)")
     ax.set_title(f"float32 activations kept per layer: h={h}, a={heads}, s={s}, b={b}")
@@ -366,10 +411,124 @@ def draw_formula(h=1600, heads=25, s=1024, b=8):
     plt.show()
 
 
-_ = widgets.interact(draw_formula, h=widgets.IntSlider(1600, 200, 8192, 200), heads=widgets.IntSlider(25, 1, 64),
-                     s=widgets.IntSlider(1024, 128, 8192, 128), b=widgets.IntSlider(8, 1, 64))
+sliders = {"h": widgets.IntSlider(1600, 200, 8192, 200, description="h"),
+           "heads": widgets.IntSlider(25, 1, 64, description="heads"),
+           "s": widgets.IntSlider(1024, 128, 8192, 128, description="s"),
+           "b": widgets.IntSlider(8, 1, 64, description="b")}
+formula_area = widgets.Output()
+
+
+def redraw_formula(change=None):
+    with formula_area:
+        formula_area.clear_output(wait=True)
+        draw_formula(**{name: slider.value for name, slider in sliders.items()})
+
+
+for slider in sliders.values():
+    slider.observe(redraw_formula, names="value")
+display(widgets.VBox([widgets.HBox(list(sliders.values())[:2]), widgets.HBox(list(sliders.values())[2:]),
+                      formula_area]))
+draw_formula()  # the default state, stored with the notebook; moving a slider redraws above
+
+# %% [markdown]
+# ## 7. PyTorch's counterpart: `parallelize_module`
 #
-# ## 7. Tensor against data parallelism at the same world size
+# PyTorch writes the same split as a *plan*, a dict from submodule names to styles, applied by
+# `torch.distributed.tensor.parallel.parallelize_module(module, mesh, plan)`. `ColwiseParallel`
+# is our column-parallel layer: it shards `nn.Linear`'s `out x in` weight by rows (`Shard(0)`),
+# takes a replicated input and leaves its output sharded on the last dimension. `RowwiseParallel`
+# is our row-parallel layer: weight sharded by columns (`Shard(1)`), input sharded, output
+# all-reduced into a replicated tensor (`g`). The parameters become DTensors, and DTensor issues
+# the messages: `g` after the row-parallel layer, and `f` (the input gradient's all-reduce) in
+# backward. On section 1's MLP, the whole plan is one line (below).
+#
+# Attention takes the same two styles (`attn.c_attn` column-wise, `attn.c_proj` row-wise) plus
+# two preparations that are not DTensor's to decide: the fused `[q | k | v]` rows are reordered
+# rank-major so that a contiguous block holds one rank's heads of each, and the attention must
+# run on `n_head/t` local heads. `bench_tensor.torch_tensor_parallel` does both and builds the
+# plan for a whole GPT; with `sequence_parallel=True` it adds `SequenceParallel` norms,
+# `PrepareModuleInput` to all-gather each block's input, and `RowwiseParallel(output_layouts=Shard(1))`
+# for the reduce-scatter. Below, one transformer block (attention and MLP) of PyTorch's and of
+# ours get the same input and the same upstream gradient; we compare the output, the input's
+# gradient and every parameter's gradient (this rank's shard; a DTensor gradient left `Partial`,
+# a sum not yet taken, is summed first), each as the largest difference over the largest value.
+
+# %%
+class MLP(nn.Module):
+    """Section 1's MLP as a module, so that a plan can name its layers."""
+
+    def __init__(self, c_fc: nn.Module, c_proj: nn.Module):
+        super().__init__()
+        self.c_fc, self.c_proj = c_fc, c_proj
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+def local(tensor):
+    """A plain tensor: this rank's shard of a DTensor, its sum over ranks if it is still Partial."""
+    if not hasattr(tensor, "placements"):
+        return tensor
+    return tensor.full_tensor() if any(p.is_partial() for p in tensor.placements) else tensor.to_local()
+
+
+def forward_backward(module, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = local(module(x))
+    y.backward(dy)
+    return {"output": y, "input grad": x.grad, **{n: local(p.grad) for n, p in module.named_parameters()}}
+
+
+def relative_differences(ours, theirs):
+    """{what: max |ours - theirs| / max |theirs|}, over the output, the input grad and each parameter grad."""
+    assert sorted(ours) == sorted(theirs), (sorted(ours), sorted(theirs))
+    return {k: ((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-30)).item() for k in ours}
+
+
+def against_dtensor():
+    t, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (t,))
+    out = {}
+    torch.manual_seed(0)  # section 1's MLP, input and an upstream gradient
+    fc, proj = nn.Linear(16, 64), nn.Linear(64, 16)
+    x, dy = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    ours = MLP(ColumnParallelLinear.from_linear(fc), RowParallelLinear.from_linear(proj))
+    theirs = parallelize_module(MLP(copy.deepcopy(fc), copy.deepcopy(proj)), mesh,
+                                {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
+    out["MLP"] = relative_differences(forward_backward(ours, x, dy), forward_backward(theirs, x, dy))
+    torch.manual_seed(0)  # one block of the tiny GPT
+    ref = GPT(GPTConfig.preset("tiny"))
+    x, dy = torch.randn(4, 32, ref.config.n_embd), torch.randn(4, 32, ref.config.n_embd)
+    placements = {}
+    for sp in (False, True):
+        ours = tensor_parallel(copy.deepcopy(ref), sequence_parallel=sp).blocks[0]
+        theirs = bench_tensor.torch_tensor_parallel(copy.deepcopy(ref), sequence_parallel=sp, mesh=mesh).blocks[0]
+        xs, dys = (x.chunk(t, 1)[r], dy.chunk(t, 1)[r]) if sp else (x, dy)  # SP: this rank's positions
+        name = f"block, {'sequence' if sp else 'tensor'} parallel"
+        out[name] = relative_differences(forward_backward(ours, xs, dys), forward_backward(theirs, xs, dys))
+        placements[sp] = {n: (", ".join(map(repr, p.placements)) if hasattr(p, "placements") else "plain tensor",
+                              tuple(local(p).shape)) for n, p in theirs.named_parameters() if n.endswith("weight")}
+    return everyone({"differences": out, "placements": placements})  # every rank's, on every rank
+
+
+vs_dtensor = workbench.launch(against_dtensor, world_size=2)[0]
+print("PyTorch's block 0 on rank 0, weights: DTensor placement (local shape), tensor parallel | + sequence parallel")
+for n, (placement, shape) in vs_dtensor[0]["placements"][False].items():
+    print(f"  {n:20s} {placement + ' ' + str(shape):28s} | {vs_dtensor[0]['placements'][True][n][0]}")
+print("largest |ours - PyTorch's| / largest |PyTorch's|, over both ranks:")
+for case in vs_dtensor[0]["differences"]:
+    d = {k: max(r["differences"][case][k] for r in vs_dtensor) for k in vs_dtensor[0]["differences"][case]}
+    grads = max(v for k, v in d.items() if k not in ("output", "input grad"))
+    print(f"  {case:26s} output {d['output']:.1e}, input grad {d['input grad']:.1e}, "
+          f"{len(d) - 2} parameter grads {grads:.1e}")
+
+# %% [markdown]
+# The same layouts (ours keeps `c_attn`'s q, k and v heads of a rank together the same way) and
+# the same results to float32 rounding: the two implementations differ in who issues the
+# messages, not in the algorithm. DTensor's version is general (any module, any layout, the
+# redistributions derived from the placements); ours names each collective in the code.
+#
+# ## 8. Tensor against data parallelism at the same world size
 #
 # Two ranks can split the model (tensor parallelism: each holds half the weights, both see the
 # whole batch, and four all-reduces of activations per layer) or split the batch (DDP: each
@@ -392,7 +551,7 @@ a2.bar(names, [by[n]["activations_MiB"] for n in names], bottom=[by[n]["state_Mi
        label="peak activations")
 a2.set_ylabel("MiB per rank")
 a2.set_title("memory per rank")
-a2.legend(fontsize=8)
+a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))  # outside: the bars fill the axes
 for ax in (a1, a2):
     ax.tick_params(axis="x", labelsize=8)
 faster = "data" if by["ddp"]["tokens_per_s"] > by["ours"]["tokens_per_s"] else "tensor"
@@ -402,8 +561,39 @@ display(Markdown(
     f"DDP runs **{by['ddp']['tokens_per_s'] / by['ours']['tokens_per_s']:.2f}x** the tokens/s of tensor parallelism "
     f"(so **{faster} parallelism** was faster in this run) and holds "
     f"**{by['ddp']['state_MiB'] / by['ours']['state_MiB']:.2f}x** its model state per rank."))
+cfg = GPTConfig.preset("tiny")
+b_bench, s_bench = bench["batch"], bench["block_size"]
+per_layer = {name: activation_bytes_per_layer(b, s_bench, cfg.n_embd, cfg.n_head, t, sp) / KiB  # DDP: b/2, whole layer
+             for name, b, t, sp in (("ours", b_bench, 2, False), ("ours-sp", b_bench, 2, True),
+                                    ("ddp", b_bench // 2, 1, False))}
+display(Markdown(
+    "Memory per rank, model state + peak activations (MiB): " + ", ".join(
+        f"{n} **{by[n]['state_MiB']:.2f} + {by[n]['activations_MiB']:.2f}**" for n in ("ours", "ours-sp", "ddp")) +
+    ". The formula of section 6 for one layer's activations: tensor parallel (whole batch, t = 2) "
+    f"**{per_layer['ours']:.0f} KiB**, with sequence parallelism **{per_layer['ours-sp']:.0f} KiB**, "
+    f"a DDP rank (half the batch, the whole layer) **{per_layer['ddp']:.0f} KiB**."))
 
 # %% [markdown]
+# **Why sequence parallelism is slower here**, ours and DTensor's alike: per layer it issues
+# many more collectives than tensor parallelism alone (section 5 counts them), and on two CPU
+# ranks each collective has a fixed cost (a gloo exchange, an autograd function in Python,
+# waiting for the other rank) that is large next to a matrix product with `h` = 64. What it
+# saves, the norms and residual adds on `s/t` positions, is little work at this size. The extra
+# bytes of the re-gathers would matter on a real network; here the count of calls is what
+# costs. As `h` grows, a layer's matrix products grow as `h^2` per token and these fixed costs
+# fade.
+#
+# **Why tensor parallelism's memory per rank is no lower than DDP's** here: it halves the model
+# state (the lower segments), but the tiny model's state is small next to its activations, and
+# a tensor-parallel rank works on the whole batch while a DDP rank works on `1/t` of it. Per
+# layer, tensor parallelism alone keeps `4 (4 + 12/t) s b h` bytes (plus small terms; the
+# norms' share is not divided, section 6) and a DDP rank `4 x 16 s (b/t) h`. Since
+# `4 + 12/t > 16/t` for every `t > 1`, tensor parallelism alone always keeps *more* activations
+# per rank than data parallelism at the same world size, which eats the state it saves (the
+# numbers above). With sequence parallelism the two are equal, `16 s b h/t` each, and the
+# divided state is the whole saving: the `ours-sp` bar is below DDP's. The larger the model
+# (state `16 psi` bytes, `psi` growing as `h^2`) next to `b s h`, the more that saving weighs.
+#
 # What decides the speed: data parallelism moves the gradients once per step (`2 psi` elements
 # through an all-reduce, which can overlap with backward); tensor parallelism moves activations,
 # four all-reduces of `b s h` per layer, on the critical path (the next layer waits for them).
@@ -423,8 +613,14 @@ display(Markdown(
 #   without sequence parallelism, and its gathered parameters after 3 AdamW steps too (1e-5);
 # * the column-then-row MLP matches one device (output and input gradient);
 # * one layer's communication equals the formula exactly: 2 all-reduces of `b s h` forward and 2
-#   backward; with sequence parallelism the same bytes as all-gathers and reduce-scatters;
-# * activations per layer are within [0.99, 1.10] of the derived formula at every t measured.
+#   backward; with sequence parallelism the same bytes forward (as all-gathers and
+#   reduce-scatters) and `3/2 + 3/(b s)` times the bytes backward (the re-gathers);
+# * activations per layer are within [0.99, 1.10] of the derived formula at every t measured;
+# * PyTorch's `parallelize_module` (`ColwiseParallel`/`RowwiseParallel`) gives the MLP's and a
+#   transformer block's output, input gradient and parameter gradients within 1e-6 (relative) of
+#   ours, with and without sequence parallelism;
+# * in the comparison with DDP, tensor parallelism alone keeps more activations per rank than DDP
+#   and sequence parallelism holds less memory in all than DDP (memory, not time: load cannot flip it).
 
 # %%
 for sp in (False, True):
@@ -436,6 +632,15 @@ for sp in (False, True):
     assert comm_rows[sp]["measured"] == comm_rows[sp]["expected"], comm_rows[sp]
 bsh_bytes = 4 * comm_rows[False]["bsh"]
 assert comm_rows[False]["measured"][("forward", "all_reduce")] == (2, 2 * bsh_bytes)  # t = 2: 2 (t-1)/t = 1
+assert sent[(True, "forward")] == sent[(False, "forward")], sent
+assert abs(backward_ratio - (1.5 + 3 / (b_comm * s_comm))) <= 1e-12, backward_ratio
 for r in mem.values():
     assert 0.99 <= r["measured"] / r["formula"] <= 1.10, r
-print("check passed: parity with one process, communication = formula, activations = formula")
+for r in vs_dtensor:
+    for case, diffs in r["differences"].items():
+        assert max(diffs.values()) <= 1e-6, (case, diffs)
+assert by["ours"]["activations_MiB"] > by["ddp"]["activations_MiB"], by
+total = {n: by[n]["state_MiB"] + by[n]["activations_MiB"] for n in ("ours-sp", "ddp")}
+assert total["ours-sp"] < total["ddp"], total
+print("check passed: parity with one process and with PyTorch's parallelize_module, communication = formula, "
+      "activations = formula")

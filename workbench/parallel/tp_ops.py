@@ -17,9 +17,11 @@ Korthikanti et al. 2022, fig. 5). ``t`` is the size of the tensor-parallel group
 A column-parallel linear opens with ``f`` (or ``g-bar``), a row-parallel one closes with ``g``
 (or its reduce-scatter): per MLP or attention block one all-reduce forward (``g``) and one
 backward (``f``), two of each per transformer layer, each of ``b s h`` elements. An all-reduce is
-a reduce-scatter plus an all-gather of the same bytes, which is why sequence parallelism moves no
-more data than tensor parallelism: it only keeps the tensor between the two halves (the norms,
-dropouts and residual adds) split by sequence, ``1/t`` of it per rank.
+a reduce-scatter plus an all-gather of the same bytes, so sequence parallelism's forward moves no
+more data than tensor parallelism's: it only keeps the tensor between the two halves (the norms,
+dropouts and residual adds) split by sequence, ``1/t`` of it per rank. Its backward moves more
+when the column-parallel layers keep only their input shard and all-gather it again for the
+weight gradient (Megatron's choice, :mod:`workbench.parallel.tensor`).
 
 Two helpers complete the set: :func:`gather_from_parallel` (all-gather the last dimension
 forward, keep this rank's slice backward: ``ColumnParallelLinear(gather_output=True)``) and
