@@ -178,3 +178,13 @@ def test_bad_input_names_the_argument(tmp_path):
         trace.export(tmp_path, [])
     with pytest.raises(TypeError, match=r"TorchDDPTimeline: ddp=MLP is not"):
         trace.TorchDDPTimeline(MLP(width=8, depth=1))
+
+
+def test_the_trace_file_is_an_ordinary_file(tmp_path):
+    """Written through a temporary file and renamed, with the permissions of any file this user makes."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    path = trace.export(tmp_path / "t.json", [{"rank": 0, "lane": "compute", "name": "F", "start": 0.0, "end": 1e-3}])
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

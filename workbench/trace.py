@@ -287,6 +287,9 @@ def export(path: str | os.PathLike, events: Any, *, origin: float | None = None)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, separators=(",", ":"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)   # mkstemp's file is private (0600); a trace is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
