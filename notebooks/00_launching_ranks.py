@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import show
+from workbench.measure import show
 from workbench.comm import cost
 
 WORLD_SIZE = 2

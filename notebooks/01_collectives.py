@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm, plots, probes, show
-from workbench.bench import collectives as bench
+from workbench import comm
+from workbench.measure import plots, probes, show
+from workbench.apps.bench import collectives as bench
 from workbench.comm import cost, pictures
 
 plt.rcParams["figure.dpi"] = 80  # keeps the stored notebook small
@@ -58,7 +59,7 @@ for name in bench.COLLECTIVES:
 # collectives rank r holds powers of ten, `10^r`, so a sum such as `1111` shows that ranks 0-3
 # all contributed (`1001`: ranks 0 and 3). Every algorithm of every collective runs on the same
 # inputs, and its output is compared with what `torch.distributed` itself returns
-# (`workbench.comm.pictures` sets up the inputs and runs them; `workbench.plots.holdings` draws
+# (`workbench.comm.pictures` sets up the inputs and runs them; `workbench.measure.plots.holdings` draws
 # them).
 
 # %%

@@ -49,11 +49,12 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import workbench
 from workbench import everyone
-from workbench import comm, measuring, plots, trace
+from workbench import comm
+from workbench.measure import measuring, plots, trace
 from workbench.models import MLP
 from workbench.parallel import DistributedDataParallel, ddp_steps
 from workbench.parallel.buckets import FIRST_BUCKET_BYTES
-from workbench.train import preload
+from workbench.apps.train import preload
 
 WORLD = 2
 SMOKE = workbench.smoke_test()  # the test suite's quick run: one short trial, no timing claim asserted
@@ -279,7 +280,7 @@ plots.timeline(axes[2], panels[2], title="torch DDP, its last step in the overla
 
 # %% [markdown]
 # Every recorded step of these three runs also goes to a Chrome trace file
-# (`workbench.trace.export`; each rank a process, backward and all-reduce on rows of their own):
+# (`workbench.measure.trace.export`; each rank a process, backward and all-reduce on rows of their own):
 # open it at [ui.perfetto.dev](https://ui.perfetto.dev) ("Open trace file") or in `chrome://tracing`
 # to zoom into any bucket and read its fields.
 

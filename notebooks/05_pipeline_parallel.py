@@ -49,10 +49,11 @@ from IPython.display import Markdown, display
 from matplotlib.lines import Line2D
 
 import workbench
-from workbench import comm, measuring, plots, trace
-from workbench.bench import pipeline as bench_pipeline
-from workbench.busy import busy_fraction, were_free
-from workbench.data import synthetic_batch
+from workbench import comm
+from workbench.measure import measuring, plots, trace
+from workbench.apps.bench import pipeline as bench_pipeline
+from workbench.runtime.busy import busy_fraction, were_free
+from workbench.models.data import synthetic_batch
 from workbench.models import GPT, GPTConfig
 from workbench.models.sleep import SleepStage
 from workbench.parallel import pipeline as pp
@@ -242,7 +243,7 @@ display(Markdown(f"Largest distance from the expected value: **{worst:.3f}** (lo
 
 # %% [markdown]
 # Every schedule's measured step at the sweep's largest `m` also goes to one Chrome trace file
-# (`workbench.trace.export`: each rank a process, its `F`, `B` and `W` on one row and its sends
+# (`workbench.measure.trace.export`: each rank a process, its `F`, `B` and `W` on one row and its sends
 # and receives on another, one pair of rows per schedule). Open it at
 # [ui.perfetto.dev](https://ui.perfetto.dev) ("Open trace file", or drag it onto the page) or in
 # Chrome's `chrome://tracing` ("Load") to zoom into a ramp, measure a gap with the mouse, or
@@ -273,7 +274,7 @@ plt.show()
 # and its output. The *count* is the plan's micro-batches in flight times that: GPipe `m`,
 # 1F1B `p - s` on stage `s`, interleaved and ZBV per chunk. `MemoryMeter` measures the live
 # activation bytes at the end of every action of a step (between actions nothing is computing)
-# and `M_B` on one micro-batch run alone (`workbench.bench.pipeline.activation_memory`).
+# and `M_B` on one micro-batch run alone (`workbench.apps.bench.pipeline.activation_memory`).
 #
 # Three things sit *beside* that count, and are kept out of it on purpose:
 #
@@ -599,7 +600,7 @@ assert max_diff < 1e-6, max_diff
 assert all(d < 1e-6 for d in torch_diff.values()), torch_diff
 assert sent == expected_sent, (sent, expected_sent)
 # Sleeping stages show the schedule's own idle time only if a rank gets a core as soon as its sleep
-# or its message ends. With other work keeping the cores busy (workbench.busy: more than a quarter
+# or its message ends. With other work keeping the cores busy (workbench.runtime.busy: more than a quarter
 # of the cores' time, just before or just after the sweep) the waits for a core join the bubble,
 # so the timing claims (upper bounds, comparisons) are asserted on free cores only.
 FREE_CORES = were_free(other_work)

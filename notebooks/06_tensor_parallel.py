@@ -48,12 +48,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import workbench
 from workbench import everyone
 from workbench import comm
-from workbench.bench import tensor as bench_tensor
-from workbench.metrics import MemoryMeter
+from workbench.apps.bench import tensor as bench_tensor
+from workbench.measure.metrics import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, activation_bytes_per_layer,
                                        communication_per_layer, full_state_dict, tensor_parallel)
-from workbench.train import preload
+from workbench.apps.train import preload
 
 KiB = 1024
 # the first optimizer or DTensor of a process imports torch._dynamo (slow): do it once here, and

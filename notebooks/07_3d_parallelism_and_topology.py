@@ -40,13 +40,14 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm, measuring, plots, show
-from workbench.bench import placement
-from workbench.busy import busy_fraction, were_free
+from workbench import comm
+from workbench.measure import measuring, plots, show
+from workbench.apps.bench import placement
+from workbench.runtime.busy import busy_fraction, were_free
 from workbench.comm import cost
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.mesh import Mesh, layout, parallelize
-from workbench.train import preload
+from workbench.apps.train import preload
 
 torch.set_num_threads(1)
 # the first optimizer of a process imports torch._dynamo (seconds): do it once here, and every rank
@@ -65,7 +66,7 @@ print(f"world for the launches: {WORLD} ranks; emulated cluster: {TOPOLOGY}")
 
 
 def cores_busy():
-    """Other work's share of the cores over half a second (workbench.busy), read just before and
+    """Other work's share of the cores over half a second (workbench.runtime.busy), read just before and
     just after each timed run; the smoke test asserts no timing, so it does not wait for it."""
     return None if SMOKE else busy_fraction()
 
@@ -315,7 +316,7 @@ if res is not None:
 # Which of these numbers does the lesson claim? The **ratio**: which placement is slower, and by
 # about how much. The absolute predictions carry two biases that lengthen both placements'
 # predictions (no overlap is charged, and this machine's own message time is counted both in the
-# baseline and on the slowed link: `workbench.bench.placement` explains both), and they drift with
+# baseline and on the slowed link: `workbench.apps.bench.placement` explains both), and they drift with
 # the machine's load; a bias common to both placements divides out of the ratio, at least in part.
 # The check cell asserts only the ratio's direction (and the bytes), not how close either
 # prediction came; the absolute errors are shown so that they are not hidden.
@@ -336,7 +337,7 @@ if res is not None:
 #   emulated slow network (by at least 1.3x, the model predicts about 2.4x), and TP across nodes
 #   is slower than TP inside (by at least 1.05x) while sending its TP bytes over inter-node links.
 #   The two timings are asserted where they ran on free cores (other work used at most a quarter
-#   of the cores' time just before and just after each, `workbench.busy`): on a machine busy with
+#   of the cores' time just before and just after each, `workbench.runtime.busy`): on a machine busy with
 #   other work the 4 ranks wait for cores longer than the emulated links hold their messages, and
 #   the comparison measures the waits, not the links.
 

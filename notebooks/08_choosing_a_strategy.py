@@ -47,7 +47,7 @@ import matplotlib.ticker as mticker
 from IPython.display import display
 from matplotlib.lines import Line2D
 
-from workbench import show
+from workbench.measure import show
 from workbench.advise import Cluster, Config, ModelShape, advise, predict
 from workbench.advise import figure, validate
 from workbench.advise.cli import table
@@ -55,7 +55,7 @@ from workbench.advise.cluster import PRESETS as CLUSTERS
 from workbench.advise.cluster import GiB
 from workbench.advise.memory import memory_by_rank
 from workbench.advise.shape import PRESETS as LLAMAS
-from workbench.busy import busy_fraction, were_free
+from workbench.runtime.busy import busy_fraction, were_free
 from workbench.comm import Link
 
 # under torchrun the runs of section 6 would use torchrun's world: they need 4 ranks
@@ -333,7 +333,7 @@ display(widgets.interactive(explore, {"manual": True, "manual_name": "advise"}, 
 # `workbench advise --validate` runs the full one, on this machine as it is and as an emulated
 # 2-node cluster whose network is at least 10x slower than its loopback. The band is +-15%.
 # Before and after the runs the lesson also reads how busy other work keeps the cores
-# (`workbench.busy`): the check asserts the step times only where the cores were free.
+# (`workbench.runtime.busy`): the check asserts the step times only where the cores were free.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -500,7 +500,7 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15%; m
 #   the measured one to the byte, activations with buffers within 5%, the total within 5%; every
 #   pipeline run comes with its replay and its measured timeline, the same forwards and backwards
 #   in both. Where other work left the cores free around the runs (at most a quarter of their time
-#   busy, just before and just after: `workbench.busy`), also the step times: the median absolute
+#   busy, just before and just after: `workbench.runtime.busy`), also the step times: the median absolute
 #   error within 15%, and the configuration predicted fastest measured within 10% of the measured
 #   fastest (`validate`'s own bar is 5%; three trials here). On busy cores a rank waits for a core
 #   after each message, time the model does not price, so the check says it did not assert them;

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import workbench
 from workbench import comm, everyone
-from workbench.data import CharTokenizer, get_batch, load_corpus
+from workbench.models.data import CharTokenizer, get_batch, load_corpus
 from workbench.models import GPT, FeedForward, GPTConfig
 from workbench.models.moe import MoE, capacity
 from workbench.parallel.expert import all_to_all_bytes, expert_parallel, full_state_dict, parameters_per_rank

@@ -27,7 +27,7 @@ from workbench.advise import timing as advise_timing
 from workbench.advise.memory import activation_bytes_per_microbatch, memory_by_rank
 from workbench.comm import Link, cost
 from workbench.comm.topology import Topology
-from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench.measure.metrics import MemoryMeter, model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.pipeline import partition
 from workbench.parallel.recompute import activation_bytes
@@ -501,7 +501,7 @@ def test_a_ring_on_mixed_links_is_one_node_replayed_bit_for_bit():
 
 # ----------------------------------------------------------------------------------- the command
 def _run(capsys, *argv) -> tuple[int, str]:
-    from workbench.cli import main
+    from workbench.apps.cli import main
 
     rc = main(["advise", *argv])
     return rc, capsys.readouterr().out
@@ -527,7 +527,7 @@ def test_cli_text_json_and_figure(tmp_path, capsys):
 def test_cli_bad_input_is_one_line_naming_the_argument(capsys):
     """A wrong model, cluster, link or batch: exit status 2 and one line on stderr that names the
     argument and the way out, as argparse's own errors (no traceback)."""
-    from workbench.cli import main
+    from workbench.apps.cli import main
 
     for argv, words in ((["--model", "gpt5"], ["ModelShape.preset('gpt5')", "llama-7b"]),
                         (["--cluster", "h100-16x8"], ["Cluster.preset('h100-16x8')", "dgx-h100"]),

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm, measuring, probes
-from workbench.bench import collectives as bc
+from workbench import comm
+from workbench.measure import measuring, probes
+from workbench.apps.bench import collectives as bc
 from workbench.comm import cost
 
 # ------------------------------------------------------------------------------- measuring helpers
@@ -180,7 +181,7 @@ def _parse(argv):
 
 
 def test_cli_is_discovered_and_defaults_match_the_issue():
-    from workbench import cli
+    from workbench.apps import cli
 
     assert "collectives" in cli._benchmarks()
     args = _parse([])

@@ -12,7 +12,7 @@ import argparse
 import pytest
 
 import workbench
-from workbench.bench import experts
+from workbench.apps.bench import experts
 
 
 def test_smallest_run_counts_bytes_parameters_and_tokens():

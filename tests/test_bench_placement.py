@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from workbench.bench import placement
+from workbench.apps.bench import placement
 from workbench.comm import Link, Topology
 from workbench.models import GPTConfig
 

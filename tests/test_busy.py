@@ -1,4 +1,4 @@
-"""workbench.busy: how much of the cores' time other work takes (the test for asserting a timing)."""
+"""workbench.runtime.busy: how much of the cores' time other work takes (the test for asserting a timing)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workbench.busy import busy_fraction, were_free
+from workbench.runtime.busy import busy_fraction, were_free
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")

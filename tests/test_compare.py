@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from workbench import cli, strategies
-from workbench.train import TrainConfig
+from workbench.apps import cli, strategies
+from workbench.apps.train import TrainConfig
 
 
 def test_compare_end_to_end(tmp_path, capsys):
@@ -91,7 +91,7 @@ def test_strategy_fields_reach_the_loop():
     what the single process does, so the global loss equals the reference's step for step, and
     throughput counts the global batch's tokens once, not once per rank."""
     import workbench
-    from workbench.train import train
+    from workbench.apps.train import train
 
     calls = []
 

@@ -226,7 +226,7 @@ def _mesh_bad_input() -> dict:
 
 def _bench_smallest() -> dict:
     """``workbench bench context``'s measurement at the smallest size (S = 8, P = 2)."""
-    from workbench.bench import context as bench
+    from workbench.apps.bench import context as bench
 
     return bench.measure([8], batch=1, heads=2, head_dim=4, candidates=list(bench.CANDIDATES), trials=1, steps=1,
                          warmup=0)
@@ -258,7 +258,7 @@ def _rank_p4() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _launch(p: int) -> list[dict]:
-    from workbench.train import preload
+    from workbench.apps.train import preload
 
     preload()  # imports the mesh's strategies once, in the parent: the forked ranks inherit them
     fn = {2: _rank_p2, 3: _rank_p3, 4: _rank_p4}[p]
@@ -387,8 +387,8 @@ def test_bench_context_cli(tmp_path, capsys, monkeypatch):
     import argparse
     import json
 
-    from workbench import cli
-    from workbench.bench import context as bench
+    from workbench.apps import cli
+    from workbench.apps.bench import context as bench
 
     measured = _launch(2)[0]["bench"]
     launched = []

@@ -5,7 +5,7 @@ CUDA or autograd.
 Marked ``cuda`` and skipped where this machine has no CUDA device (CI has none); run them on a
 GPU machine with ``pytest -m cuda tests/test_cuda.py``. The functions the ranks run are at module
 level, so a launch can spawn them if this process can no longer fork safely (see
-``workbench.launch._fork_is_unsafe``).
+``workbench.ranks.launch._fork_is_unsafe``).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_gloo_carries_cuda_tensors_between_ranks_sharing_a_gpu(world_size):
 
 
 def _meter_one_step(batch: int = 4) -> dict:
-    from workbench.memory import MemoryMeter
+    from workbench.measure.memory import MemoryMeter
     from workbench.models.gpt import GPT, GPTConfig
 
     dev = runtime.device()
@@ -151,8 +151,8 @@ def test_every_strategy_trains_on_cuda_like_one_process(device, world_size, prec
     """World 1: NCCL (one GPU per rank); world 2: two ranks share the GPU over gloo; bf16 with
     every strategy that takes a mixed-precision policy (PyTorch DDP's refuses the GPT's tied head:
     see the next test)."""
-    from workbench import compare
-    from workbench.train import TrainConfig
+    from workbench.apps import compare
+    from workbench.apps.train import TrainConfig
 
     names = None if world_size == 2 else ["single", "ddp", "zero1", "zero2", "zero3", "torch-fsdp"] + \
         (["torch-ddp"] if precision == "fp32" else [])
@@ -168,8 +168,8 @@ def test_every_strategy_trains_on_cuda_like_one_process(device, world_size, prec
 
 
 def test_torch_ddp_mixed_precision_refuses_a_tied_head_with_the_reason():
-    from workbench import compare, strategies
-    from workbench.train import TrainConfig
+    from workbench.apps import compare, strategies
+    from workbench.apps.train import TrainConfig
 
     config = TrainConfig(model="tiny", steps=1, batch_size=8, precision="bf16")
     with pytest.raises(ValueError, match="torch-ddp cannot train in mixed precision on cuda: PyTorch DDP's"):

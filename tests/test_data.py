@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench import data
+from workbench.models import data
 
 
 def test_corpus_is_verified_and_tokenized():

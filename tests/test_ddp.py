@@ -353,7 +353,7 @@ def test_bench_ddp_command_writes_its_table_json_and_plot(tmp_path, capsys):
     timings are measured by the command, not by tests)."""
     import json
 
-    from workbench.cli import main
+    from workbench.apps.cli import main
 
     out = tmp_path / "bench"
     assert main(["bench", "ddp", "--models", "mlp", "--candidates", "ours,ours-ring", "--trials", "1",

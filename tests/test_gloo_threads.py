@@ -1,4 +1,4 @@
-"""gloo's network thread is demoted to SCHED_IDLE in every rank (see workbench/gloo_threads.py)."""
+"""gloo's network thread is demoted to SCHED_IDLE in every rank (see workbench/runtime/gloo_threads.py)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm, gloo_threads
+from workbench import comm
+from workbench.runtime import gloo_threads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),
                                 reason="SCHED_IDLE and /proc are Linux features")

@@ -187,10 +187,10 @@ def test_a_rank_that_will_not_stop_is_restarted(kernel):
     pids = kernel.pids()
     # rank 1 swallows the interrupt: after the timeout and a grace period (shortened from its 5 s
     # for the test) the group is restarted
-    kernel.ok("import workbench.live\nworkbench.live.GRACE = 1.0")
+    kernel.ok("import workbench.ranks.live\nworkbench.ranks.live.GRACE = 1.0")
     shown = kernel.run("%%ranks --timeout 1\nimport time, workbench\nwhile workbench.rank() == 1:\n"
                        "    try:\n        time.sleep(0.1)\n    except KeyboardInterrupt:\n        pass")
-    kernel.ok("workbench.live.GRACE = 5.0")
+    kernel.ok("workbench.ranks.live.GRACE = 5.0")
     assert shown["error"][0] == "LaunchTimeout" and "rank(s) 1 had not finished" in shown["error"][1]
     assert "rank(s) 1 did not stop within 1 s of an interrupt: restarted 2 fresh rank(s)" in shown["stdout"]
     assert _gone(pids)

@@ -25,7 +25,7 @@ import workbench
 from workbench.models.gpt import GPT, GPTConfig
 from workbench.parallel.mesh import Mesh, layout, parallelize
 from workbench.parallel.pipeline_split import SPLITS
-from workbench.train import preload
+from workbench.apps.train import preload
 
 CONFIG = GPTConfig(vocab_size=65, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
@@ -333,7 +333,7 @@ def test_grid_figure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from workbench import plots
+    from workbench.measure import plots
 
     fig = plots.mesh_grid(layout(dp=2, tp=2, pp=2))
     texts = [t.get_text() for t in fig.axes[0].texts]
@@ -348,7 +348,7 @@ def test_compare_3d_on_request(tmp_path, capsys):
     default, 3d (too slow for every run on 2 cores) only when named."""
     import json
 
-    from workbench import cli, strategies
+    from workbench.apps import cli, strategies
 
     out = tmp_path / "report"
     assert cli.main(["compare", "--strategies", "single,3d", "--steps", "2", "--batch-size", "8",

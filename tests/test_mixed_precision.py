@@ -17,7 +17,7 @@ import torch
 
 import workbench
 from workbench import comm
-from workbench.metrics import model_state_bytes
+from workbench.measure.metrics import model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import DynamicLossScaler, MixedPrecision, ShardedOptimizer, zero
 
@@ -281,8 +281,8 @@ def test_bf16_ddp_and_fsdp_match_torch_fully_shard_with_mixed_precision():
 
 
 def test_compare_runs_in_bf16_with_recomputation():
-    from workbench import compare
-    from workbench.train import TrainConfig
+    from workbench.apps import compare
+    from workbench.apps.train import TrainConfig
 
     config = TrainConfig(model="tiny", steps=3, batch_size=4, precision="bf16", recompute="selective",
                          memory_step=None)

@@ -8,7 +8,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 import workbench  # noqa: E402
-from workbench import comm, plots  # noqa: E402
+from workbench import comm  # noqa: E402
+from workbench.measure import plots
 from workbench.comm import pictures  # noqa: E402
 
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import workbench
 from workbench import comm
 from workbench.models.gpt import GPT, GPTConfig
-from workbench.bench.pipeline import sleeping_pipeline
-from workbench.busy import busy_fraction, were_free
+from workbench.apps.bench.pipeline import sleeping_pipeline
+from workbench.runtime.busy import busy_fraction, were_free
 from workbench.parallel import pipeline as pp
 from workbench.parallel import pipeline_schedules as plans
 
@@ -295,7 +295,7 @@ def test_zero_bubble_count_is_one_f_one_b_weighted_by_what_a_pending_w_holds():
 
 
 def test_split_backward_keeps_only_what_w_reads():
-    from workbench.memory import MemoryMeter
+    from workbench.measure.memory import MemoryMeter
     from workbench.parallel import pipeline_backward as split_backward
 
     torch.manual_seed(0)
@@ -327,7 +327,7 @@ def test_split_backward_keeps_only_what_w_reads():
 
 
 def _memory_rank() -> list[dict]:
-    from workbench.bench.pipeline import activation_memory
+    from workbench.apps.bench.pipeline import activation_memory
 
     rank = dist.get_rank()
     rows = activation_memory(list(SCHEDULES), m=8)
@@ -367,8 +367,8 @@ def test_live_activations_match_the_schedule_count(world_size):
 # ------------------------------------------------------------------------------ workbench compare
 
 def test_pp_in_compare_trains_like_single():
-    from workbench.compare import run
-    from workbench.train import TrainConfig
+    from workbench.apps.compare import run
+    from workbench.apps.train import TrainConfig
 
     rows = run(TrainConfig(steps=3, batch_size=8), ["single", "pp"], log=lambda *a: None)
     pp_row = rows[1]

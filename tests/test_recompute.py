@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import workbench
-from workbench.metrics import MemoryMeter
+from workbench.measure.metrics import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import MixedPrecision, recompute, zero
 from workbench.parallel.recompute import activation_bytes

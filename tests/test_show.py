@@ -1,9 +1,9 @@
-"""workbench.show: measured sentences and tables for the lessons."""
+"""workbench.measure.show: measured sentences and tables for the lessons."""
 from __future__ import annotations
 
 import pytest
 
-from workbench import show
+from workbench.measure import show
 
 
 def test_format_table_aligns_and_formats():

@@ -31,7 +31,7 @@ from torch import nn
 
 import workbench
 from workbench import comm
-from workbench.memory import MemoryMeter
+from workbench.measure.memory import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import tp_ops
 from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -72,7 +72,7 @@ def _parity_with_single(sp: bool, tie: bool, algorithm: str = "native") -> dict:
 
 
 def _parity_with_dtensor(sp: bool, tie: bool) -> dict:
-    from workbench.bench.tensor import torch_step, torch_tensor_parallel
+    from workbench.apps.bench.tensor import torch_step, torch_tensor_parallel
 
     torch.manual_seed(0)
     ref = GPT(GPTConfig.preset("tiny", tie_weights=tie))
@@ -273,7 +273,7 @@ def _world2() -> dict:
     res["side effects"] = _side_effects()
     res["memory"] = {sp: _memory(sp) for sp in (False, True)}
     res["params"] = _params_per_rank()
-    from workbench.train import TrainConfig, train
+    from workbench.apps.train import TrainConfig, train
 
     res["compare"] = {name: train(name, TrainConfig(model="tiny", steps=3, batch_size=4, memory_step=2))
                       for name in ("tp", "tp-sp")}
@@ -402,8 +402,8 @@ def test_activation_memory_t1_matches_formula():
 
 def test_registered_in_compare(world2):
     """``tp`` and ``tp-sp`` in the strategy registry: every rank the whole batch, the loss of one process."""
-    from workbench import strategies
-    from workbench.train import TrainConfig, train
+    from workbench.apps import strategies
+    from workbench.apps.train import TrainConfig, train
 
     config = TrainConfig(model="tiny", steps=3, batch_size=4, memory_step=2)
     single = workbench.launch(train, world_size=1, args=("single", config))[0]
@@ -439,7 +439,7 @@ def test_bench_tensor_command_writes_its_table_json_and_plot(tmp_path, capsys):
     """`workbench bench tensor` end to end on a tiny run (timings are the command's, not asserted)."""
     import json
 
-    from workbench.cli import main
+    from workbench.apps.cli import main
 
     out = tmp_path / "bench"
     assert main(["bench", "tensor", "--preset", "tiny", "--candidates", "ours,ours-sp,ddp", "--trials", "1",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import workbench
 from workbench import comm
-from workbench.bench import collectives as bc
+from workbench.apps.bench import collectives as bc
 from workbench.comm import Link, Topology, cost
 
 R = dist.ReduceOp

@@ -1,4 +1,4 @@
-"""workbench.trace: the package's timelines as Chrome trace files (Perfetto, chrome://tracing).
+"""workbench.measure.trace: the package's timelines as Chrome trace files (Perfetto, chrome://tracing).
 
 One launch of 2 ranks records a real pipeline step (1F1B, a 2-layer GPT of width 32, 4
 micro-batches), two steps of our DDP and of torch's DDP (recorded by ``TorchDDPTimeline``) on the
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import workbench
-from workbench import trace
+from workbench.measure import trace
 from workbench.models import MLP
 from workbench.models.gpt import GPT, GPTConfig
 from workbench.parallel import DistributedDataParallel

@@ -16,7 +16,7 @@ import torch
 
 import workbench
 from workbench import comm
-from workbench.metrics import model_state_bytes
+from workbench.measure.metrics import model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import ShardedOptimizer, zero
 
@@ -221,7 +221,7 @@ def test_bench_zero_runs_every_candidate_and_checks_weights(tmp_path):
     import argparse
     import json
 
-    from workbench.bench import zero as bench_zero
+    from workbench.apps.bench import zero as bench_zero
 
     parser = argparse.ArgumentParser()
     bench_zero.add_arguments(parser)

@@ -1,7 +1,7 @@
 """The ZeRO formulas (the ones lesson 04's checks and its memory explorer use), and their figure."""
 import pytest
 
-from workbench import plots
+from workbench.measure import plots
 from workbench.parallel.zero_memory import bytes_sent_per_rank, elements_moved, model_state_per_rank
 
 

@@ -126,7 +126,7 @@ Each number is turned into what one rank achieves with the machine to itself (ti
                           whatever else a step does once.
 ``machine``               a :class:`~workbench.comm.cost.CostModel` whose curves are this
                           machine's messages, timed with every pair of ranks exchanging at once
-                          (:class:`workbench.probes.Probe` with ``all_pairs``): the cost of a
+                          (:class:`workbench.measure.probes.Probe` with ``all_pairs``): the cost of a
                           link that is not emulated.
 ``links``                 the emulated topology's links, where one is given: a message on an
                           emulated link costs ``latency + bytes / bandwidth`` whatever the load.
@@ -148,7 +148,7 @@ import torch
 
 import workbench
 from workbench import comm
-from workbench import probes as measure
+from workbench.measure import probes as measure
 from workbench.advise.cluster import Cluster
 from workbench.advise.shape import ModelShape
 from workbench.advise.shared_cores import message_cpu, sync_price
@@ -160,7 +160,7 @@ from workbench.models.gpt import Block
 from workbench.parallel import pipeline_backward as split_backward
 from workbench.parallel.pipeline import PipelineStage, Schedule1F1B
 from workbench.parallel.tensor import activation_bytes_per_layer, parameters_per_rank, tensor_parallel
-from workbench.probes import Probe
+from workbench.measure.probes import Probe
 
 __all__ = ["Calibration", "CalibratedCluster", "calibrate", "load_average"]
 

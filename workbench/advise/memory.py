@@ -2,7 +2,7 @@
 
 A device of a ``dp x tp x pp`` configuration holds one tensor-parallel shard of one pipeline
 stage (two with the interleaved and ZBV schedules) of one data-parallel replica. Its bytes, in the
-categories :class:`~workbench.metrics.MemoryMeter` uses (``params``, ``grads``, ``optimizer``,
+categories :class:`~workbench.measure.metrics.MemoryMeter` uses (``params``, ``grads``, ``optimizer``,
 ``activations``, ``comm``; here spelt as :data:`~workbench.advise.plan.MEMORY_CATEGORIES`):
 
 **Model state** (``parameters``, ``gradients``, ``optimizer``). ``psi`` = the parameters of this
@@ -41,7 +41,7 @@ Adam's 4-byte step counter per tensor it updates.
   local ids and mask (``9 sb`` bytes) on the first stage.
 
 **Backward's peak** (one micro-batch, beside everything kept), the larger of its busiest moments,
-each a sum of tensors alive at once (measured op by op with :class:`~workbench.memory.MemoryMeter`):
+each a sum of tensors alive at once (measured op by op with :class:`~workbench.measure.memory.MemoryMeter`):
 
 * the last layer's first product (the MLP's output projection): the head's tensors are freed (all
   but the caller's logits); alive are the gradient flowing in (``e sbh/r``, ``r = t`` with

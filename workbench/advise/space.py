@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from itertools import product
 
-from workbench.memory import format_bytes
+from workbench.measure.memory import format_bytes
 from workbench.parallel.pipeline_schedules import min_microbatches
 from workbench.parallel.recompute import POLICIES
 

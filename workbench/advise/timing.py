@@ -126,7 +126,7 @@ by it (``cost._ring_on_links``).
   calibrated cluster whose links are all this machine's own, a message that lands while every
   core computes waits half the scheduler's time slice more on average (``time_slice_s``):
   its rank, and gloo's network thread that reads it, get a core when a running rank's slice ends
-  (:mod:`workbench.gloo_threads`); the replay decides it per message (``simulate``'s ``late``).
+  (:mod:`workbench.runtime.gloo_threads`); the replay decides it per message (``simulate``'s ``late``).
 * ``dp``: each rank's gradients (``psi_rank e`` bytes) all-reduced over ``d`` (ZeRO-0), or
   reduce-scattered and the updated parameters all-gathered (ZeRO-1/2: the same volume), or
   ZeRO-3's all-gather in forward, again in backward, and reduce-scatter, for every micro-batch
@@ -397,12 +397,12 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     ``late``: with ``cores``, the seconds more a message waits when it lands while every core
     computes (one number, or one per stage boundary as ``message``): the rank it wakes, and the
     thread that reads it out of its socket, get a core only when a running rank's time slice ends
-    (:mod:`workbench.gloo_threads`), half a slice later on average. Decided when the message is
+    (:mod:`workbench.runtime.gloo_threads`), half a slice later on average. Decided when the message is
     sent, after the ranks that can start then have started (the sender's next action among them).
     ``trace``: a list each action is appended to as it ends, in the records of a pipeline's
     measured ``schedule.timeline`` (``{"rank", "stage", "kind", "microbatch", "start", "end"}``,
     seconds from the step's start), so the replay can be drawn beside a run
-    (:func:`workbench.plots.pipeline_schedule` draws both).
+    (:func:`workbench.measure.plots.pipeline_schedule` draws both).
     """
     ranks = len(actions)
     owner = stage_to_rank(num_stages, ranks, style)

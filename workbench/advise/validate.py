@@ -8,8 +8,8 @@ micro-batches, sequence parallelism) under :func:`workbench.launch` at world siz
 configuration's prediction beside its measurement:
 
 * **memory per rank** by category: model state (parameters, gradients, optimizer state:
-  :func:`workbench.metrics.model_state_bytes` after a step) and the peak of the step
-  (:class:`workbench.memory.MemoryMeter`: activations, communication buffers, and as buffers the
+  :func:`workbench.measure.metrics.model_state_bytes` after a step) and the peak of the step
+  (:class:`workbench.measure.memory.MemoryMeter`: activations, communication buffers, and as buffers the
   gradients alive at the peak beyond those kept after the step: ZeRO-1's reduced chunk), each rank against
   :func:`workbench.advise.memory.memory_by_rank` for its pipeline stage. Model state is compared
   exactly (Adam's 4-byte step counter per tensor it updates is measured beside it,
@@ -27,7 +27,7 @@ configuration's prediction beside its measurement:
 
 One launch per setting: every configuration of the setting is built once (same seed, so the
 same model), warmed up, measured for memory, then timed in trials whose order rotates
-(``workbench.measuring.interleaved_trials``), the calibration probes last in each trial, so that the configuration
+(``workbench.measure.measuring.interleaved_trials``), the calibration probes last in each trial, so that the configuration
 that follows them (and runs slower for it) changes from trial to trial.
 
 The bar: memory within 3% (model state exactly, activations within 5%), step time within 15%,
@@ -47,14 +47,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 import workbench
-from workbench import measuring, plots
+from workbench.measure import measuring, plots
 from workbench.advise.calibrate import Calibration, _shape, cluster_from, load_average
 from workbench.advise.memory import memory_by_rank
 from workbench.advise.plan import MEMORY_CATEGORIES, Config
 from workbench.advise.timing import step_time
 from workbench.comm.topology import Topology
-from workbench.memory import MemoryMeter
-from workbench.metrics import model_state_bytes
+from workbench.measure.memory import MemoryMeter
+from workbench.measure.metrics import model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.mesh import Mesh, parallelize
 

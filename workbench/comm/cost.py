@@ -43,7 +43,7 @@ the ring wins from ``n = 4a / (0.5 b + 1.25 g)`` bytes up (:func:`crossover` fin
 
 The numbers and where they come from
 ------------------------------------
-:mod:`workbench.probes` measures them (inside a launch; ``probes.measure()`` starts one):
+:mod:`workbench.measure.probes` measures them (inside a launch; ``probes.measure()`` starts one):
 
 * alpha, beta: one message, ``t(m) = alpha + m beta``, from a ping-pong between two ranks.
 * gamma: seconds per byte of a local ``a.add_(b)``, on one thread like a rank.
@@ -349,7 +349,7 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
                   topology=None) -> float:
     """The alpha-beta-gamma terms of :func:`predict` (messages and reductions, no local copies)."""
     if not isinstance(model, CostModel):
-        raise TypeError(f"model={model!r} must be a CostModel: fit one with workbench.probes.measure() or "
+        raise TypeError(f"model={model!r} must be a CostModel: fit one with workbench.measure.probes.measure() or "
                         "build one with CostModel(alpha=..., beta=..., gamma=...)")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a whole number >= 1")

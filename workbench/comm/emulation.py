@@ -27,7 +27,7 @@ descheduled when its message is due wakes up late (see "Late wake-ups" below), a
 copies run at the machine's (loaded) speed: keep emulated messages well above a millisecond.
 The bytes themselves still cross loopback, read and written by gloo's network thread; while a
 thread waits for them that thread runs in the normal scheduling class, not its usual idle one
-(``workbench.gloo_threads.promoted``), so they move while the rank computes, as a NIC's would. The stamps are not counted as traffic. The
+(``workbench.runtime.gloo_threads.promoted``), so they move while the rank computes, as a NIC's would. The stamps are not counted as traffic. The
 ranks must share one clock (one machine; ``time.monotonic`` is system-wide on Linux), which is
 also the only setting in which emulating a cluster makes sense.
 

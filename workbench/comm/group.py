@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workbench import gloo_threads
+from workbench.runtime import gloo_threads
 from workbench.comm import emulation
 from workbench.comm.counters import LinkStat
 

@@ -6,7 +6,7 @@ all contributed (``1001``: ranks 0 and 3); in all-to-all rank r's element j is `
 (tens: where it came from, units: where it goes); in the others the values number the elements. Every
 algorithm of every collective runs on the same inputs, and its output is compared with what
 ``torch.distributed`` itself returns for them (:func:`before_and_after`, inside a launch).
-:func:`workbench.plots.holdings` draws the result: one row per rank, one cell per element.
+:func:`workbench.measure.plots.holdings` draws the result: one row per rank, one cell per element.
 
 This is the check lesson 01 pictures; the parity tests (``tests/test_comm.py``) check the same
 algorithms on random data, every dtype and uneven sizes.

@@ -502,7 +502,7 @@ class DistributedDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- reports
 
     def timeline_events(self, steps: int | None = None, origin: float = 0.0) -> list[dict]:
-        """The recorded steps as ``workbench.plots.timeline`` events, in seconds from ``origin``.
+        """The recorded steps as ``workbench.measure.plots.timeline`` events, in seconds from ``origin``.
 
         Lanes: ``"backward"`` (first gradient ready to end of backward) and ``"all-reduce"``
         (one box per bucket, ``b0``, ``b1``, ..., from when the communication thread began its

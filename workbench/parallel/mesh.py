@@ -18,7 +18,7 @@ traffic, so it may cross the slowest links)::
 A rank belongs to exactly one group of each dimension: the ranks that differ from it in that
 coordinate only; ``dp_cp`` is the ranks that differ in ``dp`` or ``cp`` (they hold the same
 parameters, so they average gradients together). :func:`layout` gives the groups without a
-process group (for figures: :func:`workbench.plots.mesh_grid`).
+process group (for figures: :func:`workbench.measure.plots.mesh_grid`).
 
 Composition (:func:`parallelize`), innermost first, each step the existing strategy given its
 group, nothing re-implemented:

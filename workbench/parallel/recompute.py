@@ -83,7 +83,7 @@ float16 attention in float32, so its copies of q, k, v and its softmax stay 4 by
 math layer is ``2 (13 sbh + 4 sb) + 4 (3 sbh + a s^2 b)`` bytes.
 
 :func:`activation_bytes` evaluates these; ``tests/test_recompute.py`` and
-``workbench bench recompute`` compare them with :class:`~workbench.metrics.MemoryMeter`.
+``workbench bench recompute`` compare them with :class:`~workbench.measure.metrics.MemoryMeter`.
 
 Cost: ``full`` runs every block's forward twice (about 4/3 of the step's compute, the paper's
 33%); ``selective`` re-runs only the attention core (a few percent).

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 import workbench
-from workbench import comm, measuring
+from workbench import comm
+from workbench.measure import measuring
 from workbench.parallel import context as cp
 
 CANDIDATES = ("sdpa", "ring", "ring-contiguous", "ulysses", "torch-ring")

@@ -1,6 +1,6 @@
 """Figures from measurements: throughput, memory breakdown, loss curves, per-rank timelines.
 
-Every function takes plain data (lists of dicts, as :func:`workbench.train.summarize` and
+Every function takes plain data (lists of dicts, as :func:`workbench.apps.train.summarize` and
 ``workbench.report`` records give them), draws on ``ax`` (a new figure when None) and returns
 the ``matplotlib`` Figure, with a title, axis units and a legend, so a lesson cell is one line::
 
@@ -370,7 +370,7 @@ def zero_model_state(ax=None, *, psi: float, world_size: int, optimizer: str = "
     (:func:`workbench.parallel.zero_memory.model_state_per_rank`), in MiB.
 
     ``stage`` outlines one stage's bar. ``measured``: rows with ``stage``, ``params``, ``grads``
-    and ``optimizer`` bytes (``workbench.bench.zero.state_and_traffic``), drawn hatched beside the
+    and ``optimizer`` bytes (``workbench.apps.bench.zero.state_and_traffic``), drawn hatched beside the
     formula's bars, labelled with ``measured_world_size``, so the predictor sits next to a run.
     """
     fig, ax = _axes(ax, figsize=(7, 4))

@@ -1,7 +1,7 @@
 """The ``workbench`` command.
 
 ``workbench compare``            the main job: every registered strategy on one model, one report
-``workbench bench NAME [...]``   a benchmark; NAME is a module ``workbench.bench.NAME`` exposing
+``workbench bench NAME [...]``   a benchmark; NAME is a module ``workbench.apps.bench.NAME`` exposing
                                  ``add_arguments(parser)`` and ``main(args) -> int``
 ``workbench advise [...]``       choose the strategy for a model and a cluster (``workbench.advise.cli``)
 
@@ -14,8 +14,8 @@ import importlib
 import pkgutil
 import sys
 
-import workbench.bench as bench
-from workbench import compare
+import workbench.apps.bench as bench
+from workbench.apps import compare
 from workbench.advise import cli as advise_cli
 
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a benchmark (nccl-tests style tables against PyTorch)")
     bsub = b.add_subparsers(dest="benchmark", required=True)
     for name in _benchmarks():
-        module = importlib.import_module(f"workbench.bench.{name}")
+        module = importlib.import_module(f"workbench.apps.bench.{name}")
         bp = bsub.add_parser(name, help=(module.__doc__ or "").strip().split("\n")[0])
         module.add_arguments(bp)
         bp.set_defaults(run=module.main)

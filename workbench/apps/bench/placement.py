@@ -40,7 +40,8 @@ import time
 import torch
 
 import workbench
-from workbench import comm, measuring
+from workbench import comm
+from workbench.measure import measuring
 from workbench.comm import Topology, cost, emulation
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.mesh import Mesh, parallelize

@@ -17,7 +17,7 @@ ep-bruck       the same with Bruck's all-to-all (ceil(lg P) rounds, more bytes)
 Both kinds compute the load-balancing loss over every rank's tokens (one small all-reduce per
 layer), so they train the same model on the same data.
 
-Reported (``workbench.measuring``: interleaved trials in rotating order, the slowest rank,
+Reported (``workbench.measure.measuring``: interleaved trials in rotating order, the slowest rank,
 the median):
 
 * **step time** of each candidate, with the ratio to ``replicated`` and, for the hand-written
@@ -50,9 +50,10 @@ import time
 import torch
 
 import workbench
-from workbench import comm, measuring, probes
+from workbench import comm
+from workbench.measure import measuring, probes
 from workbench.comm import cost
-from workbench.data import synthetic_batch
+from workbench.models.data import synthetic_batch
 from workbench.models import GPT, GPTConfig
 from workbench.models.moe import MoE
 from workbench.parallel.ddp import DistributedDataParallel

@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import runtime
-from workbench.launch import (LaunchTimeout, RankFailed, _collect_stacks, _exception_name, _kill,
+from workbench.ranks.launch import (LaunchTimeout, RankFailed, _collect_stacks, _exception_name, _kill,
                               _rank_setup, _root_cause, _start_rank, _validate, init_group)
 
 __all__ = ["LiveRanks", "CellResult"]

@@ -14,10 +14,10 @@ torch-zero      PyTorch DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`
 torch-fsdp      PyTorch FSDP2: ``fully_shard`` on every block, then the root (ZeRO-3)
 ==============  ===============================================================================
 
-For each: the median step time over interleaved trials (``workbench.measuring``: candidates
+For each: the median step time over interleaved trials (``workbench.measure.measuring``: candidates
 take turns in rotating order; a trial's number is the slowest rank's mean step time), the ratio
 to ``torch-fsdp`` measured in the same run, the peak bytes of live tensors during one step
-(``workbench.metrics.MemoryMeter``, split into parameters, gradients, optimizer state,
+(``workbench.measure.metrics.MemoryMeter``, split into parameters, gradients, optimizer state,
 activations, communication buffers), and the model-state bytes held between steps
 (``model_state_bytes``). The figure to reach: ``stage3`` at most 1.25x ``torch-fsdp``'s step time.
 After the timed loop, ``stage1`` must hold the same weights as ``torch-zero`` and ``stage3`` as
@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 import workbench
-from workbench import comm, measuring
-from workbench.data import synthetic_batch
-from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench import comm
+from workbench.measure import measuring
+from workbench.models.data import synthetic_batch
+from workbench.measure.metrics import MemoryMeter, model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import zero
 from workbench.parallel.zero_memory import bytes_sent_per_rank, model_state_per_rank

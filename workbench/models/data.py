@@ -44,7 +44,7 @@ def corpus_path() -> Path:
     if env:
         path = Path(env).expanduser()
         return path / CORPUS_FILE if path.is_dir() else path
-    return Path(__file__).resolve().parent.parent / "data" / CORPUS_FILE
+    return Path(__file__).resolve().parents[2] / "data" / CORPUS_FILE
 
 
 @functools.lru_cache(maxsize=4)

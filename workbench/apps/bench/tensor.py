@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 import workbench
-from workbench import measuring, runtime
-from workbench.data import synthetic_batch
-from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench import runtime
+from workbench.measure import measuring
+from workbench.models.data import synthetic_batch
+from workbench.measure.metrics import MemoryMeter, model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.tensor import ParallelSelfAttention, tensor_parallel
 

@@ -4,7 +4,7 @@
                       [--strategies single torch-ddp ...] [--out DIR]
                       [--precision fp32|bf16] [--recompute none|selective|full]
 
-For each strategy the common loop (:func:`workbench.train.train`) runs in fresh ranks started by
+For each strategy the common loop (:func:`workbench.apps.train.train`) runs in fresh ranks started by
 :func:`workbench.launch` -- one process for a non-distributed strategy, ``--world-size`` for the
 others -- from the same seed-initialised model on the same global batches. The report
 (``runs/<timestamp>/`` or ``--out``) holds:
@@ -16,7 +16,7 @@ others -- from the same seed-initialised model on the same global batches. The r
 * ``throughput.png``, ``memory.png`` (stacked by category, per rank), ``loss.png``;
 * ``results.json``: every number, for notebooks and tests.
 
-Strategies come from :mod:`workbench.strategies`, the one registry.
+Strategies come from :mod:`workbench.apps.strategies`, the one registry.
 """
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import workbench
-from workbench import plots, runtime, strategies
-from workbench.memory import format_bytes
+from workbench import runtime
+from workbench.measure import plots
+from workbench.apps import strategies
+from workbench.measure.memory import format_bytes
 from workbench.models import GPTConfig
-from workbench.train import TrainConfig, preload, summarize, train
+from workbench.apps.train import TrainConfig, preload, summarize, train
 
 __all__ = ["add_arguments", "main", "run", "format_table", "write_report"]
 
@@ -79,7 +81,7 @@ def _selected(requested: list[str] | None) -> list[strategies.Strategy]:
 
 def run(config: TrainConfig, names: list[str] | None = None, world_size: int = 2, timeout: float = 600.0,
         log=print, device: str | None = None) -> list[dict]:
-    """Train with each strategy and return one summary row each (see :func:`workbench.train.summarize`).
+    """Train with each strategy and return one summary row each (see :func:`workbench.apps.train.summarize`).
 
     The reference ``single`` runs first when selected; the others' ``loss_diff`` is measured
     against it (None without it). ``device``: see ``workbench.launch``; ``"cuda"`` runs every

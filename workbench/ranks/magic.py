@@ -25,7 +25,7 @@ Commands (``%ranks help`` prints them):
 This file is only the notebook front end: parsing the magic's arguments and showing what the
 ranks produced (text ``[rank k]``-prefixed in rank order, the last expression's value, and each
 matplotlib figure a rank drew, rendered there with Agg and displayed here as a PNG). The ranks
-themselves, their failures, hangs and restarts are :mod:`workbench.live`'s.
+themselves, their failures, hangs and restarts are :mod:`workbench.ranks.live`'s.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import Image, display
 
-from workbench.live import CellResult, LiveRanks, print_results
+from workbench.ranks.live import CellResult, LiveRanks, print_results
 
 __all__ = ["RanksMagics", "load_ipython_extension", "unload_ipython_extension"]
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from workbench import comm
 from workbench.comm.cost import CostModel, fit_line
 from workbench.comm.group import Comm, resolve_group
-from workbench.launch import launch
+from workbench.ranks.launch import launch
 
 __all__ = ["Probe", "pingpong", "stream", "exchange", "call_overheads", "reduction_time", "copy_time", "fit",
            "measure", "DEFAULT_PINGPONG_SIZES", "DEFAULT_REDUCTION_SIZES", "DEFAULT_EXCHANGE_SIZES"]

@@ -65,7 +65,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from workbench import gloo_threads, runtime
+from workbench import runtime
+from workbench.runtime import gloo_threads
 from workbench.comm import emulation
 from workbench.comm.topology import Topology
 
@@ -578,7 +579,8 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     ctx = mp.get_context(method)
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         try:
-            return _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology, device)
+            return _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology, device,
+                                      retrying=attempt < RENDEZVOUS_RETRIES)
         except RankFailed as failure:
             if attempt == RENDEZVOUS_RETRIES or not _failed_to_connect(failure):
                 raise
@@ -600,7 +602,8 @@ def _failed_to_connect(failure: RankFailed) -> bool:
     return "connectFullMesh" in failure.exc_message and "init_group" in failure.remote_traceback
 
 
-def _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology, device) -> LaunchResult:
+def _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology, device,
+                       retrying: bool = False) -> LaunchResult:
     """Start ``world_size`` ranks running ``fn`` and wait for them (see :func:`launch`)."""
     rendezvous = tempfile.TemporaryDirectory(prefix="workbench-launch-")
     store_path = os.path.join(rendezvous.name, "store")
@@ -617,7 +620,7 @@ def _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stre
             procs.append(proc)
             outputs.append(output)
             dumps.append(dump)
-        return _monitor(procs, outputs, dumps, queue, timeout, start)
+        return _monitor(procs, outputs, dumps, queue, timeout, start, retrying)
     finally:
         for proc in procs:
             if proc.is_alive() or proc.exitcode is None:
@@ -652,7 +655,10 @@ def _root_cause(errors: list[RankFailed], died: dict[int, int]) -> RankFailed:
     return errors[0]
 
 
-def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
+def _monitor(procs, outputs, dumps, queue, timeout, start, retrying: bool = False) -> LaunchResult:
+    """Collect the ranks' messages, output and exits until all returned, one failed or ``timeout``
+    passed. ``retrying``: a failure to connect will be retried, so the ranks' output (gloo's own
+    error lines) is not printed for it: the warning says what happened."""
     world_size = len(procs)
     results: dict[int, Any] = {}
     records: list[dict] = []
@@ -730,7 +736,8 @@ def _monitor(procs, outputs, dumps, queue, timeout, start) -> LaunchResult:
             proc.join(10)
     for out in outputs:
         out.finish()
-    _print_output(outputs)
+    if not (failure is not None and retrying and _failed_to_connect(failure)):
+        _print_output(outputs)
     if failure is not None:
         raise failure
     return LaunchResult([results[r] for r in range(world_size)], records=records,

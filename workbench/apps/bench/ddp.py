@@ -20,7 +20,7 @@ on the ``MLP`` (8 x Linear(1024, 1024), batch 64 per rank) and the GPT ``small``
 of 128 tokens per rank), world size 2. ``--models mlp-reversed`` adds the same MLP with its
 layers *defined* in the reverse of the order they run in: reverse parameter order is then the
 opposite of the order gradients become ready, the first bucket is ready last, and only the
-bucket rebuild (compare ``ours`` with ``ours-no-rebuild``, column "hidden") restores overlap. Discipline (``workbench.measuring``): candidates take
+bucket rebuild (compare ``ours`` with ``ours-no-rebuild``, column "hidden") restores overlap. Discipline (``workbench.measure.measuring``): candidates take
 turns inside every trial in rotating order; a trial's number is the slowest rank's mean step
 time; the report gives the median over trials and the ratio to ``torch`` measured in the same
 run. Each candidate owns its own copy of the model and optimizer; since all of them see the same
@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 import workbench
-from workbench import measuring
-from workbench.data import synthetic_batch
+from workbench.measure import measuring
+from workbench.models.data import synthetic_batch
 from workbench.models import GPT, MLP, GPTConfig
 from workbench.parallel import DistributedDataParallel
 

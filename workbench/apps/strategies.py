@@ -1,7 +1,7 @@
 """The registry of training strategies that ``workbench compare`` runs side by side.
 
 A strategy is one way of spreading the same training over ranks. The common training loop
-(:mod:`workbench.train`) asks it three questions, and never special-cases one:
+(:mod:`workbench.apps.train`) asks it three questions, and never special-cases one:
 
 1. **How is the model wrapped?** ``wrap(model, make_optimizer) -> (model, optimizer)`` is called
    inside every rank on an identically initialised model.
@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from workbench import runtime
-from workbench.data import shard_batch
+from workbench.models.data import shard_batch
 from workbench.parallel import DistributedDataParallel, FullyShardedDataParallel, ShardedOptimizer
 from workbench.parallel.mesh import Mesh, ParallelModel, parallelize
 from workbench.parallel.pipeline import PipelineStage, Schedule1F1B, partition
@@ -183,7 +183,7 @@ _REGISTRY: dict[str, Strategy] = {}
 def register(strategy: Strategy, *, replace: bool = False) -> Strategy:
     """Add ``strategy`` to the registry (``replace=True`` to overwrite an entry of that name)."""
     if not isinstance(strategy, Strategy):
-        raise TypeError(f"register(strategy={strategy!r}): pass a workbench.strategies.Strategy")
+        raise TypeError(f"register(strategy={strategy!r}): pass a workbench.apps.strategies.Strategy")
     if strategy.name in _REGISTRY and not replace:
         raise ValueError(f"a strategy named {strategy.name!r} is already registered: pick another name, "
                          "or pass replace=True to overwrite it")

@@ -20,7 +20,7 @@
    ``pipeline_schedules.bubble_formula``. Target: within 0.03.
 3. **Activation memory and bytes** (``--parts memory``): real GPT stages (``tiny``, 8 blocks),
    p = 2 and 4 (``--memory-stages``), m = 8. Per rank, the peak *live activation bytes*: what
-   :class:`~workbench.memory.MemoryMeter` counts as activations at the end of each action of
+   :class:`~workbench.measure.memory.MemoryMeter` counts as activations at the end of each action of
    the step (between actions no forward or backward is running, so what is alive is what the
    micro-batches in flight hold), against the schedule's count: the plan's micro-batches in
    flight, each weighted by what it holds -- M_B from its forward to its backward, and for the
@@ -48,9 +48,10 @@ import torch
 import torch.nn.functional as F
 
 import workbench
-from workbench import comm, measuring
-from workbench.data import synthetic_batch
-from workbench.memory import MemoryMeter
+from workbench import comm
+from workbench.measure import measuring
+from workbench.models.data import synthetic_batch
+from workbench.measure.memory import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.models.sleep import SleepStage
 from workbench.parallel import pipeline as pp
@@ -312,7 +313,7 @@ def activation_memory(schedules=SCHEDULES, m: int = 8, n_layer: int = 8, microba
     activation bytes during one step of real GPT ``tiny`` stages (``n_layer`` blocks) against
     the schedule's count. Returns one row per schedule for this rank.
 
-    * measured: :class:`~workbench.memory.MemoryMeter`'s activation bytes at the end of every
+    * measured: :class:`~workbench.measure.memory.MemoryMeter`'s activation bytes at the end of every
       action of the step (``history`` read at the ``schedule.timeline`` ends), the largest;
     * count: ``pipeline_schedules.peak_live_bytes`` of this rank's action list, with M_B and M_W
       of each stage measured on one micro-batch alone (:func:`_lone_microbatch`);

@@ -34,9 +34,10 @@ import time
 import torch
 
 import workbench
-from workbench import comm, measuring
-from workbench.data import synthetic_batch
-from workbench.metrics import MemoryMeter, model_state_bytes
+from workbench import comm
+from workbench.measure import measuring
+from workbench.models.data import synthetic_batch
+from workbench.measure.metrics import MemoryMeter, model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import MixedPrecision, recompute, zero
 from workbench.parallel.recompute import activation_bytes

@@ -31,7 +31,7 @@ in-place column includes one local copy.
 Fair comparison
 ---------------
 All algorithms of a collective, ``native`` included, run in the same trials, in an order that
-rotates from trial to trial (``workbench.measuring.interleaved_trials``), so machine noise
+rotates from trial to trial (``workbench.measure.measuring.interleaved_trials``), so machine noise
 falls on all of them alike; the ratio compares medians. Big messages run fewer iterations
 (at most ``--budget`` bytes per measurement, at least one): the ``iters`` column says how many.
 The defaults (7 trials of 50 calls, at most 256 MiB per trial: 4 calls of 64 MiB) are set for a
@@ -39,13 +39,13 @@ machine with fewer cores than ranks and threads, where a call now and then takes
 milliseconds longer (a descheduled rank): a median needs several calls of even the largest size
 per trial, and enough trials that one slow trial does not move it (how far the ratios moved with
 fewer: ``docs/benchmarks/2026-11-27-figures-from-the-code-2vcpu.md``). Gloo's network thread is demoted
-(``workbench/gloo_threads.py``), without which slow calls are a large share of all calls.
+(``workbench/runtime/gloo_threads.py``), without which slow calls are a large share of all calls.
 
 Predictions (``pred``, ``err%``)
 --------------------------------
-Unless ``--no-predict``, the cost model is fitted after the sweep (``workbench.probes.fit``), and an
+Unless ``--no-predict``, the cost model is fitted after the sweep (``workbench.measure.probes.fit``), and an
 exchange and a one-way message of size/p and size bytes are timed *inside* each size's trials as
-extra candidates (``workbench.probes.Probe``), so the model's curves come from the same moments as the
+extra candidates (``workbench.measure.probes.Probe``), so the model's curves come from the same moments as the
 collectives they predict. ``err%`` = predicted / measured in-place time - 1.
 
 Under an emulated cluster (``--topology``)
@@ -83,8 +83,9 @@ import torch
 import torch.distributed as dist
 
 import workbench
-from workbench import comm, measuring
-from workbench import probes as probing
+from workbench import comm
+from workbench.measure import measuring
+from workbench.measure import probes as probing
 from workbench.comm import Topology, cost
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
@@ -266,7 +267,7 @@ def sweep(collectives, algorithms, sizes, *, trials=7, warmup=5, iters=50, budge
     checked once; times are the slowest rank's.
 
     ``probes``: a dict to fill with the cost model's primitives timed in the same trials: for
-    each collective and size, an exchange and a one-way message (:class:`~workbench.probes.Probe`)
+    each collective and size, an exchange and a one-way message (:class:`~workbench.measure.probes.Probe`)
     of the sizes its algorithms send (size/p and size) join the candidates, and their medians are
     added as ``probes[collective]["exchange"]`` and ``probes[collective]["one_way"]``, lists of
     ``(bytes, seconds)`` (see :func:`models_for`).

@@ -1,11 +1,11 @@
 """Timelines as Chrome trace files: open what a run did in Perfetto or ``chrome://tracing``.
 
-``workbench.plots.timeline`` draws a timeline as a static figure; a trace file lets a reader zoom
+``workbench.measure.plots.timeline`` draws a timeline as a static figure; a trace file lets a reader zoom
 into one bucket's all-reduce or one micro-batch's backward, measure a gap with the mouse and read
 every event's fields. This module writes the package's timelines in the Chrome trace event
 format, the JSON that ``torch.profiler``'s ``export_chrome_trace`` writes::
 
-    from workbench import trace
+    from workbench.measure import trace
     trace.export("runs/ddp.json", ddp.timeline_events())               # one source
     trace.export("runs/ddp.json", {"ours": ours, "torch": theirs})     # several, one origin each
 
@@ -222,7 +222,7 @@ def chrome_trace(events: Any, *, origin: float | None = None) -> dict:
             meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": row}})
             meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
     return {"traceEvents": meta + trace, "displayTimeUnit": "ms",
-            "otherData": {"producer": "workbench.trace", "time_unit": "us"}}
+            "otherData": {"producer": "workbench.measure.trace", "time_unit": "us"}}
 
 
 def without_overlap(events: Iterable[Mapping]) -> list[dict]:

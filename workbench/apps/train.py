@@ -4,7 +4,7 @@ Fairness is the point of sharing the loop. For every strategy:
 
 * the model is built from the same seed (``torch.manual_seed(seed)`` then ``GPT(config)``), so
   every rank and every strategy starts from identical weights;
-* step ``i`` trains on the same *global* batch (``workbench.data.get_batch(step=i)``); the
+* step ``i`` trains on the same *global* batch (``workbench.models.data.get_batch(step=i)``); the
   strategy says what reaches each rank (``Strategy.batch``: a data-parallel rank r keeps rows
   ``[r B/N, (r+1) B/N)``, a tensor-parallel rank the whole batch);
 * the loss reported for a step is the global batch's mean loss (``Strategy.global_loss``: for
@@ -14,7 +14,7 @@ Fairness is the point of sharing the loop. For every strategy:
   a step's time is the slowest rank's (the ranks wait for each other in the collectives), and
   its tokens are the global batch's, however the strategy spread them over ranks;
 * memory is measured on one steady-state step (by default the second: Adam's moments exist by
-  then) with :class:`workbench.metrics.MemoryMeter`, which slows the step it watches.
+  then) with :class:`workbench.measure.metrics.MemoryMeter`, which slows the step it watches.
 
 The step is the strategy's (``Strategy.step``, by default the same three lines for every
 data-parallel strategy, whatever ``Strategy.wrap`` did)::
@@ -36,9 +36,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from workbench import runtime, strategies
-from workbench.data import encoded_corpus, get_batch
-from workbench.metrics import MemoryMeter, Throughput, model_state_bytes
+from workbench import runtime
+from workbench.apps import strategies
+from workbench.models.data import encoded_corpus, get_batch
+from workbench.measure.metrics import MemoryMeter, Throughput, model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import MixedPrecision, recompute
 

@@ -1,0 +1,1 @@
+"""Benchmarks, one module per ``workbench bench NAME`` (see ``workbench.apps.cli``)."""

@@ -1,1 +1,0 @@
-"""Benchmarks, one module per ``workbench bench NAME`` (see ``workbench.cli``)."""
