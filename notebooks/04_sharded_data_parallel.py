@@ -49,8 +49,8 @@ from IPython.display import Markdown, display
 
 import workbench
 from workbench import everyone
-from workbench import measuring, plots
-from workbench.bench import zero as zero_bench
+from workbench.measure import measuring, plots
+from workbench.apps.bench import zero as zero_bench
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import zero
 from workbench.parallel.zero_memory import OPTIMIZER_STATE_BYTES, PRECISIONS, model_state_per_rank
@@ -66,7 +66,7 @@ SMOKE = workbench.smoke_test()  # the test suite's quick run: one short trial, n
 # holds right after the second step (`model_state_bytes`: every storage of parameters,
 # gradients and optimizer state, counted once and in full, padding included), and how many
 # bytes it sent during that step (`comm.counters()`). World sizes 2 and 4. The run is
-# `workbench.bench.zero.state_and_traffic`.
+# `workbench.apps.bench.zero.state_and_traffic`.
 
 # %%
 # Keyed by the world size that really ran: under torchrun, launch() runs in torchrun's own world.
@@ -175,7 +175,7 @@ _ = ax.legend()
 # Model state is what stays between steps; the peak also holds activations and, at stage 3,
 # the units being gathered (our gathered units are plain tensors, so they count as
 # `activations`; FSDP2's are parameters). `workbench bench zero`'s run
-# (`workbench.bench.zero.run`) records the peak of live tensors during one training step
+# (`workbench.apps.bench.zero.run`) records the peak of live tensors during one training step
 # (`MemoryMeter`) for every stage and for PyTorch's FSDP2 `fully_shard` (a block per unit, like
 # ours), then times them all in interleaved trials. It runs twice, with the same model and so
 # the same bytes on the wire per step, but very different compute per step:
@@ -193,7 +193,7 @@ _ = ax.legend()
 # NBVAL_IGNORE_OUTPUT
 CANDIDATES = ["stage0", "stage1", "stage2", "stage3", "torch-fsdp"]
 # (batch, tokens, trials, steps per trial): the short steps get more trials, for a steadier median
-RUNS = {"few tokens (1 x 8 per rank)": (1, 8, 5, 3), "many tokens (4 x 128 per rank)": (4, 128, 3, 2)}
+RUNS = {"few tokens (1 x 8 per rank)": (1, 8, 3, 3), "many tokens (4 x 128 per rank)": (4, 128, 2, 2)}
 if SMOKE:  # the code path once: one step of the smallest batch under both labels
     RUNS = {label: (1, 8, 1, 1) for label in RUNS}
 bench = {label: workbench.launch(zero_bench.run, world_size=2, args=(CANDIDATES, "small", b, trials, steps, 1, t),
