@@ -108,13 +108,15 @@ CFG = GPTConfig.preset("tiny", n_layer=2)
 MESHES = [(2, 2, 1, 1), (1, 2, 2, 0), (2, 1, 2, 3)] if FOUR else [(1, 2, 1, 0), (1, 1, 2, 0)]
 
 
-def parity(meshes, steps=STEPS):
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(CFG.vocab_size, (4, CFG.block_size), generator=gen),
-                torch.randint(CFG.vocab_size, (4, CFG.block_size), generator=gen)) for _ in range(steps)]
+def one_process(cfg, steps, seed=0, lr=1e-3, dtype=torch.float32):
+    """The reference: ``steps`` AdamW steps of one process on random batches of 4 sequences (seeded
+    by ``seed``); returns the batches, the trained model and its losses."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = [(torch.randint(cfg.vocab_size, (4, cfg.block_size), generator=gen),
+                torch.randint(cfg.vocab_size, (4, cfg.block_size), generator=gen)) for _ in range(steps)]
     torch.manual_seed(0)
-    ref = GPT(CFG)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref = GPT(cfg).to(dtype)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     ref_losses = []
     for x, y in batches:
         opt.zero_grad()
@@ -122,6 +124,11 @@ def parity(meshes, steps=STEPS):
         loss.backward()
         opt.step()
         ref_losses.append(loss.item())
+    return batches, ref, ref_losses
+
+
+def parity(meshes, steps=STEPS):
+    batches, ref, ref_losses = one_process(CFG, steps)
     rows = []
     for dp, tp, pp, zero in meshes:
         torch.manual_seed(0)
@@ -166,19 +173,7 @@ def parity_3d(steps=STEPS):
     state against one process, in float64; the groups against PyTorch's DeviceMesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(CFG_3D.vocab_size, (4, CFG_3D.block_size), generator=gen),
-                torch.randint(CFG_3D.vocab_size, (4, CFG_3D.block_size), generator=gen)) for _ in range(steps)]
-    torch.manual_seed(0)
-    ref = GPT(CFG_3D).double()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        _, loss = ref(x, y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    batches, ref, ref_losses = one_process(CFG_3D, steps, seed=1, lr=1e-2, dtype=torch.float64)
     mesh = Mesh(dp=2, tp=2, pp=2)
     theirs = init_device_mesh("cpu", tuple(mesh.size(d) for d in DIMS_3D), mesh_dim_names=DIMS_3D)
     torch.manual_seed(0)
