@@ -176,7 +176,9 @@ def test_lessons_asserting_a_timing_claim_run_on_cores_nothing_else_uses():
     says so in a comment ("timing claim") and must be in that list; every name listed must exist. A
     claim on CPU time (02's: the GIL, one interpreter against one per rank) is not one: other work
     on the cores stretches the wall clock, not a process's own CPU time. Nor is one asserted only
-    where ``workbench.runtime.busy.were_free`` says other work left the cores free (05, 07, 08)."""
+    where ``workbench.runtime.busy.were_free`` says other work left the cores free (05, 07, 08), nor
+    one whose margins other work cannot flip, which the lesson says ("load-robust timing claim": 00's
+    message times held 20 of 20 beside two busy loops on the 2 cores)."""
     makefile = (REPO / "Makefile").read_text()
     block = re.search(r"^TIMED_LESSONS := \$\(addprefix notebooks/,(.*?)\)$", makefile, re.M | re.S)
     assert block, "Makefile: TIMED_LESSONS := $(addprefix notebooks/,...) not found"
@@ -184,7 +186,8 @@ def test_lessons_asserting_a_timing_claim_run_on_cores_nothing_else_uses():
     # a lesson that asserts its timing claims only where were_free(...) says the cores were free may
     # run beside other work: there it states them without asserting them
     timed = {s.with_suffix(".ipynb").name for s in SCRIPTS
-             if "timing claim" in s.read_text() and "were_free(" not in s.read_text()}
+             if "timing claim" in (text := s.read_text()) and "were_free(" not in text
+             and "load-robust timing claim" not in text}
     assert listed == timed, f"listed but asserting no timing claim: {sorted(listed - timed)}; asserting a " \
                             f"timing claim but not listed: {sorted(timed - listed)}"
     assert all((REPO / "notebooks" / name).exists() for name in listed), sorted(listed)
