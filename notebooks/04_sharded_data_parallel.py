@@ -48,6 +48,7 @@ import torch.distributed as dist
 from IPython.display import Markdown, display
 
 import workbench
+from workbench.apps.train import preload
 from workbench import everyone
 from workbench.measure import measuring, plots
 from workbench.apps.bench import zero as zero_bench
@@ -57,6 +58,9 @@ from workbench.parallel.zero_memory import OPTIMIZER_STATE_BYTES, PRECISIONS, mo
 
 MIB = 2 ** 20
 SMOKE = workbench.smoke_test()  # the test suite's quick run: one short trial, no timing claim asserted
+# the first optimizer of a process imports torch._dynamo (slow): do it once here, and every rank
+# launch() forks below inherits it instead of importing it again
+preload()
 
 
 # %% [markdown]

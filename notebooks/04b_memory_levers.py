@@ -48,6 +48,7 @@ import torch
 from IPython.display import Markdown, display
 
 import workbench
+from workbench.apps.train import preload
 from workbench.advise.shape import ModelShape
 from workbench.advise.timing import flops_per_token
 from workbench.apps.bench import memory as bench_memory
@@ -58,6 +59,9 @@ from workbench.models import GPT, GPTConfig
 from workbench.parallel import MixedPrecision, zero
 
 SMOKE = workbench.smoke_test()  # the test suite's quick run: one timing trial, a few training steps
+# the first optimizer of a process imports torch._dynamo (slow): do it once here, and every rank
+# launch() forks below inherits it instead of importing it again
+preload()
 results = workbench.launch(bench_memory.run, world_size=2, args=("small", 2, 1 if SMOKE else 3, 1), timeout=600)[0]
 psi, n = results["parameters"], results["world_size"]
 print(f"psi = {psi:,} parameters, N = {n} ranks")
