@@ -37,6 +37,9 @@
 # context-parallel mesh, and when to pick which.
 
 # %%
+import json
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 
 import workbench
 from workbench import comm, everyone
+from workbench.measure import trace
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import context as cp
 from workbench.parallel.mesh import Mesh, parallelize
@@ -263,9 +267,13 @@ _ = ax.legend(handles=[Patch(color=color, label=what) for what, color in colors.
 for r, events in enumerate(timeline):
     spent = {what: sum(e - s for _, w, s, e in events if w == what) for what in colors}
     print(f"rank {r}: " + ", ".join(f"{what} {1e3 * t:.2f} ms" for what, t in spent.items()))
+# the same timeline as a Chrome trace: open it at https://ui.perfetto.dev (or chrome://tracing)
+trace_file = trace.export(Path("runs") / "09_context_parallel" / "ring.json", timeline)
+print("wrote", trace_file)
 
 # %% [markdown]
-# Read the red bars against the blue ones: a wait much shorter than the compute before it means
+# The trace file holds the same events, one rank per row: open it at ui.perfetto.dev (drag the
+# file in) or `chrome://tracing` to zoom into a step. Read the red bars against the blue ones: a wait much shorter than the compute before it means
 # the block arrived while that compute ran (on a loaded machine a rank may also wait for its
 # partner to reach the step). The first step is the rank's own block under the causal mask; a
 # later step under zigzag is half a block with no mask (the ring trims each block to the queries
@@ -351,5 +359,7 @@ for i in range(len(SEQS)):
     assert per_rank[1][i] >= 2 * per_rank[2][i] >= 4 * per_rank[4][i], per_rank
 for events in timeline:  # each step: post the next block, compute this one, wait; the last step computes only
     assert [(s, w) for s, w, _, _ in events] == [(0, "post"), (0, "compute"), (0, "wait"), (1, "compute")], events
+traced = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e["ph"] == "X"]
+assert len(traced) == sum(len(events) for events in timeline) and {e["pid"] for e in traced} == {0, 1}, traced
 print(f"check passed: ring and Ulysses equal one process on {P} ranks, bytes = formulas, zigzag balances "
-      "causal work, the cp mesh trains as one process")
+      "causal work, the cp mesh trains as one process, the trace file holds the ring's timeline")
