@@ -12,8 +12,8 @@ What is measured, and which :class:`~workbench.advise.device.Device` figure it g
 ==========================  ===================================================================
 probe                       figure
 ==========================  ===================================================================
-matrix multiplies over      ``gemm_ceiling``: the best achieved rate over the large shapes, over
-shapes (:data:`GEMM_SHAPES`) the peak; the other shapes are kept to check the tile/wave model
+matrix multiplies over      ``gemm_ceiling`` and ``kernel_fixed_s``: the pair with which the tile,
+shapes (:data:`GEMM_SHAPES`) wave and epilogue model prices every shape best (:func:`fit_gemms`)
 a large copy                ``memory_bandwidth``: bytes read + written per second
 a tiny block's forward +    ``kernel_overhead_s``: the host's time per operator of eager training
 backward, many times        (wall time over the steps and the operators the model counts; the
@@ -38,6 +38,7 @@ Time: about a minute on one GPU; memory: the largest multiply's three matrices (
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
@@ -49,7 +50,7 @@ from workbench.models.gpt import Block
 
 from .cluster import Cluster
 from .cluster import PRESETS as CLUSTERS
-from .device import PROFILES, Device, gemm_efficiency, kernels_per_layer, layer_seconds
+from .device import PROFILES, Device, gemm_seconds, kernels_per_layer, layer_seconds
 from .shape import ModelShape
 
 __all__ = ["GEMM_SHAPES", "measure", "device_from_measurements", "calibrate_cuda", "profile_for"]
@@ -254,10 +255,28 @@ def measure(dtype=torch.bfloat16, nccl: bool = True) -> dict:
     return out
 
 
+def fit_gemms(base: Device, gemms: list[dict], precision: str = "bf16") -> tuple[float, float]:
+    """``(gemm_ceiling, kernel_fixed_s)`` that price the timed multiplies best: each ``{"m", "n",
+    "k", "seconds"}`` priced as :func:`~workbench.advise.device.gemm_seconds` plus one kernel's fixed
+    cost, the two chosen to minimise the squared log ratio of priced to measured seconds over every
+    shape (so a 4-microsecond multiply weighs as much as a 1.5-millisecond one). A grid: ceilings
+    0.30-1.00 by 0.005, fixed costs 0-10 microseconds by 0.25."""
+    best = (math.inf, base.gemm_ceiling, base.kernel_fixed_s)
+    for c in range(60, 201):
+        probe = base.with_(gemm_ceiling=c / 200, k_half=0.0)
+        work = [gemm_seconds(probe, g["m"], g["n"], g["k"], precision) for g in gemms]
+        for f in range(41):
+            fixed = f * 0.25e-6
+            err = sum(math.log((w + fixed) / g["seconds"]) ** 2 for w, g in zip(work, gemms))
+            if err < best[0]:
+                best = (err, c / 200, fixed)
+    return best[1], best[2]
+
+
 def device_from_measurements(measured: dict, base: Device | None = None) -> Device:
     """The :class:`Device` the measurements describe (pure: no GPU needed). Peaks from ``base``
     (the published profile of the same GPU; None: the best rate measured, ceiling 1), the rest
-    measured: the GEMM ceiling from the large shapes, the bandwidth, the launch cost, flash
+    measured: the GEMM ceiling and a kernel's fixed cost fitted over every shape, the bandwidth, the launch cost, flash
     attention's efficiency; the per-micro-batch overhead is ``base``'s (a framework figure)."""
     dtype = measured.get("dtype", "bfloat16")
     key = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
@@ -268,21 +287,18 @@ def device_from_measurements(measured: dict, base: Device | None = None) -> Devi
                       gemm_ceiling=1.0, memory_bandwidth=measured["memory_bandwidth"],
                       memory_bytes=measured["memory_bytes"], flash_efficiency=0.5)
     peak = base.peak(key)
-    # the ceiling: the best large multiply over the peak, less what tile and wave quantization cost it
-    shape = max(measured["gemms"][:LARGE], key=lambda g: g["flops"])
-    probe = base.with_(sms=sms, gemm_ceiling=1.0)
-    quantized = gemm_efficiency(probe, shape["m"], shape["n"], shape["k"])
-    ceiling = min(1.0, best / peak / quantized)
+    ceiling, fixed = fit_gemms(base.with_(sms=sms, memory_bandwidth=float(measured["memory_bandwidth"])),
+                               measured["gemms"], key)
     att = measured.get("attention")
     flash = min(1.0, att["flops"] / peak * (att["seq"] + 256) / att["seq"]) if att else base.flash_efficiency
     when = time.strftime("%Y-%m-%d")
-    return base.with_(name=measured["name"], sms=sms, gemm_ceiling=ceiling,
+    return base.with_(name=measured["name"], sms=sms, gemm_ceiling=ceiling, kernel_fixed_s=fixed, k_half=0.0,
                       memory_bandwidth=float(measured["memory_bandwidth"]),
                       memory_bytes=float(measured["memory_bytes"]), flash_efficiency=flash,
                       kernel_overhead_s=float(measured["kernel_overhead_s"]),
                       source=(f"measured {when} by workbench advise --calibrate --device cuda "
                               f"(torch {measured.get('torch')}, CUDA {measured.get('cuda')}): gemm_ceiling, "
-                              "memory_bandwidth, kernel_overhead_s, flash_efficiency, sms, memory_bytes",
+                              "kernel_fixed_s, memory_bandwidth, kernel_overhead_s, flash_efficiency, sms, memory_bytes",
                               f"peaks and microbatch_overhead_s: {base.name}'s published profile"))
 
 

@@ -18,11 +18,20 @@ quantization). So the efficiency of a multiply is the product of
   clock limits, the epilogue): measured, not a datasheet figure;
 * tile quantization: ``m n`` over the tiled area ``ceil(m / tm) tm x ceil(n / tn) tn``;
 * wave quantization: the tiles over ``ceil(tiles / sms) x sms`` (the last wave runs part-empty);
-* a short-``k`` roll-off, ``k / (k + k_half)``: each tile fills its pipeline of operand loads
-  and writes its result once whatever ``k``, so short reductions spend more of their time outside
-  the main loop (``k_half``: 64 in every profile, about one main-loop step of a 64-deep tile: an
-  estimate, which the published end-to-end checks barely move -- 64 to 256 changes the Megatron
-  H100 rows by 1-4% -- and which a calibration does not fit);
+* the epilogue, ``k / (k + k_half)``: a tile computes its ``tm x tn`` outputs over a main loop
+  of ``2 k`` FLOPs each, then writes them (``e`` bytes each) once, whatever ``k``; where the write
+  does not overlap the main loop, a multiply's time is ``2 m n k / rate + m n e / bandwidth``,
+  i.e. the rate times ``k / (k + k_half)`` with ``k_half = e x rate / (2 x bandwidth)``
+  (:func:`epilogue_k`: about 250 on an H100 in bf16, 150 on an A100), the reduction length at
+  which writing the result takes as long as computing it. Short reductions (a 128-long one, the
+  weight gradient of a few tokens) run far below the ceiling;
+
+and every kernel costs ``kernel_fixed_s`` of GPU time beyond its work (the launch reaching the
+GPU, the prologue, the last wave draining: :func:`kernel_seconds`), which a multiply of a few
+microseconds cannot hide. On the H100 the two together took the twelve multiplies the calibration
+timed (a 512 cube to an 8,192 cube) from 0.33-1.24x of the model's time to 0.86-1.17x
+(``docs/benchmarks/2026-11-27-h100-calibration.md``); ``--calibrate --device cuda`` fits the
+ceiling and the fixed cost over every shape it times.
 
 best over a few tiles (cuBLAS's heuristics pick smaller tiles for small problems, which fill
 the SMs at a lower per-SM rate: :data:`TILES`). A 4,096 x 4,096 x 4,096 multiply lands near the
@@ -95,7 +104,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 
-__all__ = ["Device", "PROFILES", "TILES", "gemm_efficiency", "gemm_seconds", "memory_seconds", "kernel_seconds",
+__all__ = ["Device", "PROFILES", "TILES", "epilogue_k", "gemm_efficiency", "gemm_seconds", "memory_seconds", "kernel_seconds",
            "layer_operators", "layer_seconds", "head_seconds", "optimizer_seconds", "kernels_per_layer",
            "fsdp_copy_seconds", "EAGER_NORM", "EAGER_ROTARY"]
 
@@ -103,7 +112,9 @@ __all__ = ["Device", "PROFILES", "TILES", "gemm_efficiency", "gemm_seconds", "me
 # bf16 tiles, and the smaller ones its heuristics fall back to when the large ones leave SMs idle
 # (less reuse of each loaded operand, so a lower rate per SM)
 TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.9), (64, 128, 0.75))
-K_HALF = 64           # default: the reduction length at which a tile spends half its time in its main loop
+# GPU seconds a kernel costs beyond its work: fitted with the ceiling on the H100 calibration's twelve multiplies
+# (docs/benchmarks/2026-11-27-h100-calibration.md); the A100 profiles take the same figure
+KERNEL_FIXED_S = 2e-6
 CAUSAL = 0.5          # a causal flash kernel skips about half the score matrix
 FLASH_SEQ_HALF = 256  # flash attention's efficiency at sequence s: flash_efficiency x s / (s + this)
 FLASH_BACKWARD = 2.5  # flash backward's FLOPs over forward's (it recomputes the scores: 5 products, not 2)
@@ -130,7 +141,9 @@ class Device:
     multiprocessors (wave quantization). ``gemm_ceiling``: the fraction of the peak a large, well-shaped
     multiply achieves. ``memory_bandwidth``: achieved HBM bytes/s. ``flash_efficiency``: the fraction
     of the 16-bit peak flash attention achieves at long sequences. ``k_half``: the reduction length at
-    which a tile spends half its time in its main loop. ``kernel_overhead_s``: the host's
+    which a tile's epilogue takes as long as its main loop (0: derived from the rate and the
+    bandwidth, :func:`epilogue_k`). ``kernel_fixed_s``: GPU time every kernel costs beyond its work.
+    ``kernel_overhead_s``: the host's
     cost to launch one kernel (framework). ``microbatch_overhead_s``: fixed cost per micro-batch
     (framework). ``memory_bytes``: device memory. ``attention``: ``"flash"`` or ``"math"``.
     ``source``: where each figure comes from.
@@ -148,7 +161,8 @@ class Device:
     kernel_overhead_s: float = 20e-6
     microbatch_overhead_s: float = 1e-3
     tf32_flops: float = 0.0
-    k_half: int = K_HALF
+    k_half: float = 0.0
+    kernel_fixed_s: float = KERNEL_FIXED_S
     attention: str = "flash"
     source: tuple = ()
 
@@ -161,7 +175,7 @@ class Device:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise ValueError(f"Device({f}={v!r}): a fraction of the peak in (0, 1], e.g. 0.75")
-        for f in ("kernel_overhead_s", "microbatch_overhead_s", "tf32_flops"):
+        for f in ("kernel_overhead_s", "microbatch_overhead_s", "tf32_flops", "k_half", "kernel_fixed_s"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"Device({f}={v!r}): must be a finite number >= 0")
@@ -215,9 +229,20 @@ class Device:
 
 # ----------------------------------------------------------------------------- one operator
 
-def gemm_efficiency(device: Device, m: int, n: int, k: int, batch: int = 1) -> float:
+def epilogue_k(device: Device, precision: str = "bf16") -> float:
+    """The reduction length at which a multiply's epilogue (writing its ``m x n`` result, ``e``
+    bytes each, at the memory bandwidth) takes as long as its main loop (``2 k`` FLOPs per output
+    at the achieved rate): ``e x peak x ceiling / (2 x memory_bandwidth)``, or the device's own
+    ``k_half`` where it sets one."""
+    if device.k_half:
+        return device.k_half
+    return BYTES.get(precision, 2) * device.achieved(precision) / (2 * device.memory_bandwidth)
+
+
+def gemm_efficiency(device: Device, m: int, n: int, k: int, batch: int = 1, precision: str = "bf16") -> float:
     """The fraction of the peak a ``batch`` of ``(m x k) @ (k x n)`` multiplies reaches: the ceiling
-    times the best tile's tile and wave quantization, times the short-``k`` roll-off."""
+    times the best tile's tile and wave quantization, times the epilogue's ``k / (k + k_half)``
+    (:func:`epilogue_k`)."""
     best = 0.0
     for tm, tn, rate in TILES:
         across, down = -(-m // tm), -(-n // tn)
@@ -225,14 +250,14 @@ def gemm_efficiency(device: Device, m: int, n: int, k: int, batch: int = 1) -> f
         tile_q = m * n / (across * tm * down * tn)
         wave_q = tiles / (-(-tiles // device.sms) * device.sms)
         best = max(best, rate * tile_q * wave_q)
-    return device.gemm_ceiling * best * k / (k + device.k_half)
+    return device.gemm_ceiling * best * k / (k + epilogue_k(device, precision))
 
 
 def gemm_seconds(device: Device, m: int, n: int, k: int, precision: str, batch: int = 1) -> float:
     """GPU seconds of ``batch`` multiplies ``(m x k) @ (k x n)`` (``2 m n k`` FLOPs each)."""
     if min(m, n, k, batch) <= 0:
         return 0.0
-    return 2.0 * m * n * k * batch / (device.peak(precision) * gemm_efficiency(device, m, n, k, batch))
+    return 2.0 * m * n * k * batch / (device.peak(precision) * gemm_efficiency(device, m, n, k, batch, precision))
 
 
 def memory_seconds(device: Device, nbytes: float) -> float:
@@ -254,8 +279,9 @@ def flash_seconds(device: Device, rows: int, seq: int, width: int, precision: st
 def kernel_seconds(device: Device, gpu_seconds: float, kernels: int) -> float:
     """Wall seconds of ``kernels`` kernels doing ``gpu_seconds`` of GPU work, launched one after the
     other by the host at ``kernel_overhead_s`` each while the GPU runs the earlier ones: the slower
-    of the two, ``max(gpu_seconds, kernels x kernel_overhead_s)``."""
-    return max(gpu_seconds, max(0, kernels) * device.kernel_overhead_s)
+    of the two, ``max(gpu_seconds + kernels x kernel_fixed_s, kernels x kernel_overhead_s)`` (each
+    kernel's fixed GPU cost on the GPU's side)."""
+    return max(gpu_seconds + max(0, kernels) * device.kernel_fixed_s, max(0, kernels) * device.kernel_overhead_s)
 
 
 # ----------------------------------------------------------------------------- one layer
