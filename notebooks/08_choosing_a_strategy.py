@@ -482,10 +482,11 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15%; m
       f"= {median_error:.2f}; largest ratio {ratios[-1]:.2f}, smallest {ratios[0]:.2f}")
 
 # %% [markdown]
-# What the misses say (the command's notes give each row's assumptions): the two smallest Megatron
-# models come out fast, where nothing in the per-operator model accounts for the gap; three of
-# torchtitan's A100 rows ran on a cluster whose network is not published, and its 128-GPU H100 run
-# comes out fast too; the largest Megatron model is predicted not to fit where it ran. The GPU figures are public measurements, not runs of this workbench:
+# What the misses say (the command's notes give each row's assumptions): the smallest Megatron
+# model comes out fast, where nothing in the per-operator model accounts for the gap; two of
+# torchtitan's A100 rows, which ran on a cluster whose network is not published, come out fast too,
+# the two the model puts nearest the memory limit; the largest Megatron model is predicted not to
+# fit where it ran. The GPU figures are public measurements, not runs of this workbench:
 # `workbench advise --calibrate --device cuda` measures a GPU's own profile where one is at hand.
 #
 # ## Check
@@ -504,7 +505,7 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15%; m
 #   error within 15%, and the configuration predicted fastest measured within 10% of the measured
 #   fastest (`validate`'s own bar is 5%; three trials here). On busy cores a rank waits for a core
 #   after each message, time the model does not price, so the check says it did not assert them;
-# * on GPU clusters: at least four in five published rows within 15%, and the median error within 10%.
+# * on GPU clusters: at least nine in ten published rows within 15%, and the median error within 10%.
 
 # %%
 assert best_slow.feasible and best_slow.config.tp <= slow.devices_per_node
@@ -528,7 +529,7 @@ for r in rows:
         actions = [{(a["rank"], a["kind"], a["microbatch"]) for a in r[key] if a["kind"] in ("F", "B", "W")}
                    for key in ("timeline_predicted", "timeline_measured")]
         assert actions[0] == actions[1] and actions[0], r["config"]
-assert sum(r["within"] for r in checked) >= 0.8 * len(checked), [(r["row"].name, round(r["ratio"], 2)) for r in checked]
+assert sum(r["within"] for r in checked) >= 0.9 * len(checked), [(r["row"].name, round(r["ratio"], 2)) for r in checked]
 assert median_error <= 0.10, median_error
 if rows and FREE_CORES:  # step times: only where other work left the cores free around the runs
     assert median_time_error <= 0.15, [(r["config"], round(r["time_error"], 3)) for r in rows]
