@@ -86,6 +86,30 @@ __all__ = ["DistributedDataParallel"]
 _now = time.perf_counter
 
 
+def _check_arguments(module, bucket_cap_mb, overlap, find_unused_parameters, broadcast_buffers,
+                     algorithm: str) -> None:
+    """DistributedDataParallel's arguments, checked before anything is sent; and the process
+    group, which must exist (the broadcast of the parameters is the constructor's first message)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={module!r} must be an nn.Module")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, Real) or not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB >= 0 "
+                         "(25 is PyTorch's default; 0 means one all-reduce per parameter)")
+    for name, flag in (("overlap", overlap), ("find_unused_parameters", find_unused_parameters),
+                       ("broadcast_buffers", broadcast_buffers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} must be True or False")
+    known = getattr(comm, "ALGORITHMS", None)
+    names = known.get("all_reduce", known) if isinstance(known, dict) else known
+    names = tuple(names or ()) + getattr(comm, "TOPOLOGY_ALGORITHMS", {}).get("all_reduce", ())  # hierarchical
+    if names is not None and algorithm not in names:
+        raise ValueError(f"algorithm={algorithm!r} is not an all-reduce algorithm of workbench.comm: "
+                         f"use one of {sorted(names)}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("DistributedDataParallel needs a process group: create it inside a rank, "
+                           "e.g. workbench.launch(train, world_size=2), or run the script under torchrun")
+
+
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves every rank with the averaged gradient.
 
@@ -109,25 +133,7 @@ class DistributedDataParallel(nn.Module):
                  algorithm: str = "native", process_group=None, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, mp_policy=None):
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module={module!r} must be an nn.Module")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, Real) or not bucket_cap_mb >= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB >= 0 "
-                             "(25 is PyTorch's default; 0 means one all-reduce per parameter)")
-        for name, flag in (("overlap", overlap), ("find_unused_parameters", find_unused_parameters),
-                           ("broadcast_buffers", broadcast_buffers)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}={flag!r} must be True or False")
-        known = getattr(comm, "ALGORITHMS", None)
-        names = known.get("all_reduce", known) if isinstance(known, dict) else known
-        names = tuple(names or ()) + getattr(comm, "TOPOLOGY_ALGORITHMS", {}).get("all_reduce", ())  # hierarchical
-        if names is not None and algorithm not in names:
-            raise ValueError(f"algorithm={algorithm!r} is not an all-reduce algorithm of workbench.comm: "
-                             f"use one of {sorted(names)}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("DistributedDataParallel needs a process group: create it inside a rank, "
-                               "e.g. workbench.launch(train, world_size=2), or run the script under torchrun")
-
+        _check_arguments(module, bucket_cap_mb, overlap, find_unused_parameters, broadcast_buffers, algorithm)
         self.mp_policy = resolve_policy(mp_policy, "DistributedDataParallel")
         self.module = module
         self.process_group = process_group
@@ -151,10 +157,19 @@ class DistributedDataParallel(nn.Module):
         if self.mp_policy is not None:
             self._setup_mixed_precision(named)
         self._param_names = [n for n, _ in trainable]
-        cap = int(self.bucket_cap_mb * MB)
-        assignment = assign_buckets(self._params, cap, FIRST_BUCKET_BYTES)
         self.buckets: list[Bucket] = []
         self._slot: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, slot, param index)
+        self._fill_buckets(assign_buckets(self._params, int(self.bucket_cap_mb * MB), FIRST_BUCKET_BYTES))
+        self._init_step_state()
+        self._register_gradient_hooks()
+
+    # ------------------------------------------------------------------------ construction
+
+    def _fill_buckets(self, assignment: list[list[int]]) -> None:
+        """Build the buckets of ``assignment`` (per bucket, the indices of its parameters): one flat
+        buffer each, every parameter's ``.grad`` a view into it. A gradient a parameter already
+        has is kept, moved into its bucket."""
+        self.buckets, self._slot = [], {}
         for b, indices in enumerate(assignment):
             bucket = Bucket(b, [self._params[i] for i in indices], [self._param_names[i] for i in indices])
             self.buckets.append(bucket)
@@ -163,7 +178,10 @@ class DistributedDataParallel(nn.Module):
                 if self._params[i].grad is not None:  # keep an existing gradient, now in the bucket
                     bucket.adopt_grad(s)
 
-        # per-step state
+    def _init_step_state(self) -> None:
+        """The state the backward hooks and ``forward`` keep from step to step (see the module
+        docstring's algorithm): which gradients are ready, which buckets are launched, what is in
+        flight, the first backward's gradient order (for the rebuild) and the timing events."""
         self._sync_enabled = True            # False inside no_sync()
         self._expect_sync = False            # set by forward: the next backward must all-reduce
         self._require_forward_buffer_sync = True  # PyTorch's require_forward_param_sync
@@ -176,11 +194,15 @@ class DistributedDataParallel(nn.Module):
         self._inflight: list = []            # (handle, event record) of unfinished all-reduces
         self._step = 0
         self._ready_order: list[int] = []    # first synchronising backward: gradient-ready order
-        self._rebuild_pending = not find_unused_parameters
+        self._rebuild_pending = not self.find_unused_parameters
         self.rebuilt_per_bucket_param_indices: list[list[int]] | None = None
         self._current: dict | None = None
         self.events: deque[dict] = deque(maxlen=64)  # the last steps' bucket timings
 
+    def _register_gradient_hooks(self) -> None:
+        """A post-accumulate-grad hook on every trainable parameter (or its 16-bit twin): it marks
+        the gradient ready and launches the buckets that are complete (:meth:`_on_grad_ready`).
+        The hook holds the wrapper weakly, so a dropped wrapper is not kept alive by its module."""
         me = weakref.ref(self)  # hooks must not keep a dropped wrapper alive
 
         def hook(param: torch.Tensor) -> None:
@@ -189,8 +211,6 @@ class DistributedDataParallel(nn.Module):
                 ddp._on_grad_ready(param)
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
-
-    # ------------------------------------------------------------------------ construction
 
     def _setup_mixed_precision(self, named) -> None:
         """Give every trainable parameter a 16-bit *compute* twin: a leaf tensor of
@@ -294,14 +314,7 @@ class DistributedDataParallel(nn.Module):
             comm.broadcast(order, src=self._src, group=self.process_group)
         order = order.tolist()
         assignment = assign_buckets(self._params, int(self.bucket_cap_mb * MB), FIRST_BUCKET_BYTES, order=order)
-        self.buckets, self._slot = [], {}
-        for b, indices in enumerate(assignment):
-            bucket = Bucket(b, [self._params[i] for i in indices], [self._param_names[i] for i in indices])
-            self.buckets.append(bucket)
-            for s, i in enumerate(indices):
-                self._slot[id(self._params[i])] = (b, s, i)
-                if self._params[i].grad is not None:
-                    bucket.adopt_grad(s)
+        self._fill_buckets(assignment)
         self.rebuilt_per_bucket_param_indices = assignment
 
     @property

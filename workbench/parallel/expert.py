@@ -160,6 +160,28 @@ def expert_parallel(model: nn.Module, group=None, *, algorithm: str = "native", 
     the whole data-parallel group. ``average_gradients=False`` leaves each rank's gradients as
     they are (the experts' divided by ``ep``, the size of ``group``) for an optimizer that averages
     them itself: :class:`ExpertShardedOptimizer` (ZeRO-1). Every check runs before the first message."""
+    layers = _check_model(model, algorithm)
+    p, r, dp_group, dp, replicas = _check_groups(layers, group, data_parallel_group, expert_data_parallel_group)
+
+    expert_ids = {id(q) for _, moe in layers for q in moe.experts.parameters()}
+    replicated = [q for q in model.parameters() if id(q) not in expert_ids]
+    _broadcast_from_first_rank(replicated + list(model.buffers()), dp_group)  # replicas start equal
+    # ZeRO-1 (average_gradients=False) then averages over the dp/ep replicas itself
+    experts = _keep_local_experts(layers, group, dp_group, p, r, algorithm, scale=dp if average_gradients else p)
+    if replicas > 1:  # an expert's replicas start equal too
+        _broadcast_from_first_rank(experts, expert_data_parallel_group)
+
+    if average_gradients:
+        _reduce_after_backward([(replicated, dp_group, dp),
+                                (experts if replicas > 1 else [], expert_data_parallel_group, 1)])
+    model._expert_parallel = {"group": group, "size": p, "rank": r, "algorithm": algorithm, "dp_group": dp_group,
+                              "edp_group": expert_data_parallel_group}
+    return model
+
+
+def _check_model(model: nn.Module, algorithm: str) -> list[tuple[str, MoE]]:
+    """The model's mixture-of-experts layers, checked: a module with some, not split already, a
+    process group to split them over and a known all-to-all algorithm."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={model!r} must be an nn.Module")
     if not (dist.is_available() and dist.is_initialized()):
@@ -173,6 +195,14 @@ def expert_parallel(model: nn.Module, group=None, *, algorithm: str = "native", 
     if algorithm not in comm.ALGORITHMS["all_to_all_single"]:
         raise ValueError(f"expert_parallel: algorithm={algorithm!r} is not an all-to-all algorithm: use one of "
                          f"{comm.ALGORITHMS['all_to_all_single']}")
+    return layers
+
+
+def _check_groups(layers: list[tuple[str, MoE]], group, data_parallel_group, expert_data_parallel_group
+                  ) -> tuple[int, int, object, int, int]:
+    """The three groups, checked against each other and the experts: this rank in ``group`` (ep),
+    every layer's experts splitting evenly over it, and ``dp = ep x replicas``. Returns
+    ``(ep size, this rank in it, the data-parallel group, its size, replicas of each expert)``."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
     if r < 0:
         raise ValueError("expert_parallel: this rank is not in group: call it only on the group's ranks")
@@ -189,14 +219,23 @@ def expert_parallel(model: nn.Module, group=None, *, algorithm: str = "native", 
                          f"expert_data_parallel_group {replicas}: the data-parallel ranks must be ep x (replicas of "
                          f"each expert); pass expert_data_parallel_group with {dp // p if dp % p == 0 else '?'} ranks "
                          "(Mesh(dp=..., ep=...) builds all three)")
+    return p, r, dp_group, dp, replicas
 
-    expert_ids = {id(q) for _, moe in layers for q in moe.experts.parameters()}
-    replicated = [q for q in model.parameters() if id(q) not in expert_ids]
-    with torch.no_grad():  # replicas start equal: data-parallel rank 0's values
-        src = dist.get_global_rank(dp_group, 0) if dp_group is not None else 0
-        for q in replicated + list(model.buffers()):
-            comm.broadcast(q.data, src=src, group=dp_group)
 
+def _broadcast_from_first_rank(tensors: list[torch.Tensor], group) -> None:
+    """Make ``tensors`` equal to those of ``group``'s first rank (the default group's rank 0 for
+    None), in place: one broadcast per tensor, in order."""
+    with torch.no_grad():
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        for q in tensors:
+            comm.broadcast(q.data, src=src, group=group)
+
+
+def _keep_local_experts(layers: list[tuple[str, MoE]], group, dp_group, p: int, r: int, algorithm: str,
+                        scale: int) -> list[nn.Parameter]:
+    """Turn every MoE layer into an :class:`ExpertParallelMoE` holding experts ``[r E/p, (r+1) E/p)``
+    (the others deleted) and return their parameters. Each expert's gradient is divided by
+    ``scale`` by a hook: the backward all-to-all has summed the gradients of ``group``'s ranks."""
     experts = []
     for _, moe in layers:
         local = moe.n_experts // p
@@ -209,22 +248,10 @@ def expert_parallel(model: nn.Module, group=None, *, algorithm: str = "native", 
         moe.ep_group, moe.algorithm = group if group is not None else dist.group.WORLD, algorithm
         moe.ep_size, moe.ep_rank, moe.experts_per_rank = p, r, local
         moe.send_rows, moe.recv_rows = None, None
-        scale = dp if average_gradients else p  # ZeRO-1 then averages over the dp/ep replicas itself
         for q in moe.experts.parameters():  # the backward all-to-all summed the gradients of group's ranks
             q.register_hook(lambda g, scale=scale: g / scale)
             experts.append(q)
-    if replicas > 1:
-        with torch.no_grad():  # an expert's replicas start equal too
-            src = dist.get_global_rank(expert_data_parallel_group, 0)
-            for q in experts:
-                comm.broadcast(q.data, src=src, group=expert_data_parallel_group)
-
-    if average_gradients:
-        _reduce_after_backward([(replicated, dp_group, dp),
-                                (experts if replicas > 1 else [], expert_data_parallel_group, 1)])
-    model._expert_parallel = {"group": group, "size": p, "rank": r, "algorithm": algorithm, "dp_group": dp_group,
-                              "edp_group": expert_data_parallel_group}
-    return model
+    return experts
 
 
 def _reduce_after_backward(parts: list[tuple[list[torch.Tensor], object, int]]) -> None:

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -476,6 +477,75 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     Returns a :class:`ParallelModel`.
     """
     # -- every check before any message
+    setup = _validate(model, mesh, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
+                      sequence_parallel=sequence_parallel, recompute=recompute, cp_method=cp_method,
+                      cp_layout=cp_layout, tp_plan=tp_plan, pp_split=pp_split)
+    make_optimizer = _optimizer_factory(optimizer_cls, optimizer_kwargs)
+
+    model = model.to(runtime.device())
+    device = next(model.parameters()).device
+    shapes = {n: (v.shape, v.dtype, v.device) for n, v in model.state_dict().items()}
+
+    # 1. tensor parallelism over tp, on the whole model (every stage's layers are then split)
+    tp_info = None
+    if setup.tp > 1:
+        model = tensor_parallel(model, group=mesh.group("tp"), plan=tp_plan, sequence_parallel=sequence_parallel)
+        tp_info = model._tensor_parallel
+    # 2. pipeline over pp: this rank keeps its stage
+    stage_module, owners = _take_stage(model, mesh, setup, pp_split, tp_info, sequence_parallel, shapes)
+    # 3. context parallelism over cp: sequence shards, global positions, ring or Ulysses attention
+    if setup.cp > 1:
+        context_parallel(stage_module, mesh.group("cp"), method=cp_method, layout=cp_layout)
+    if recompute != "none":   # this rank's blocks, before data parallelism wraps them (its hooks rerun)
+        _recompute_blocks(model, stage_module, recompute, setup.ours)
+    marks = {name: {a: getattr(p, a, None) for a in _TP_MARKS}
+             for name, p in stage_module.named_parameters(remove_duplicate=False)}
+    # the tied tensors, under this stage's name for them (the last stage calls wte.weight lm_head.weight)
+    ties = {_name_in(stage_module, name): holders
+            for name, (_, holders) in getattr(stage_module, "shared_parameters", {}).items()}
+
+    # 4. data parallelism over dp x cp, on this rank's stage
+    wrapped, optimizer = _data_parallel(stage_module, mesh, setup, zero_stage, make_optimizer)
+    sharded_ties = _who_sums_ties(wrapped, stage_module, ties)
+
+    pipeline = _pipeline_schedule(wrapped, mesh, setup, schedule, tp_info, device) if setup.pp > 1 else None
+    return ParallelModel(wrapped, optimizer, mesh, zero_stage=zero_stage, schedule=pipeline,
+                         stage_module=stage_module, owners=owners, shapes=shapes, tp_info=tp_info,
+                         tp_marks=marks, sharded_ties=sharded_ties, cp_layout=cp_layout, hugging_face=not setup.ours)
+
+
+# ------------------------------------------------------------------ parallelize: the checks
+
+@dataclass(frozen=True)
+class _Setup:
+    """What :func:`_validate` established about one call of :func:`parallelize`: the mesh's
+    sizes, the model's family (``ours``: our GPT, ``model(x, y) -> (logits, loss)``; else Hugging
+    Face's ``model(input_ids=, labels=).loss``), its experts and tie, and the micro-batch count."""
+
+    ours: bool
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    n_experts: int
+    n_microbatches: int
+    tied: bool  # a tied embedding and head: one Parameter reached under two names
+
+    @property
+    def dpc(self) -> int:
+        """The ranks holding the same parameters (``dp x cp``): gradients are averaged over them."""
+        return self.dp * self.cp
+
+
+def _validate(model: nn.Module, mesh: Mesh, *, zero_stage, schedule, n_microbatches, sequence_parallel,
+              recompute, cp_method, cp_layout, tp_plan, pp_split) -> _Setup:
+    """Every check of :func:`parallelize`'s arguments, in one fixed order, before any message.
+
+    Each rank runs the same checks on the same arguments, so a bad call raises the same
+    ``ValueError`` on every rank before any of them has sent anything: no rank is left waiting
+    in a collective that the others never reach. Nothing here sends: ``mesh.size`` reads the
+    mesh's shape, and the split and plan checks only read the model."""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"parallelize(mesh={mesh!r}): pass a workbench.parallel.mesh.Mesh")
     if not isinstance(model, nn.Module):
@@ -488,6 +558,24 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelize: schedule={schedule!r} is not one of {SCHEDULES}")
     dp, tp, pp, cp = mesh.size("dp"), mesh.size("tp"), mesh.size("pp"), mesh.size("cp")
+    _check_context(model, ours, tp, cp, cp_method, cp_layout)
+    n_microbatches = _check_microbatches(n_microbatches, schedule, pp)
+    _check_recompute_and_sequence_parallel(recompute, sequence_parallel, schedule, tp, pp)
+    if pp > 1:
+        _check_split(model, pp, pp_split)
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    _check_zero(model, ours, zero_stage, sequence_parallel, tp_plan, pp, tied, dp * cp)
+    ep, n_experts = mesh.size("ep"), getattr(getattr(model, "config", None), "n_experts", 0)
+    if ep > 1:
+        _check_experts(ep, n_experts, zero_stage, tp, pp, cp)
+    return _Setup(ours=ours, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, n_experts=n_experts,
+                  n_microbatches=n_microbatches, tied=tied)
+
+
+def _check_context(model: nn.Module, ours: bool, tp: int, cp: int, cp_method: str, cp_layout: str) -> None:
+    """Context parallelism's arguments, and what it needs of the model: our GPT (a Hugging Face
+    model derives positions and mask from the whole sequence), the heads of each tp rank divisible
+    by ``cp`` for Ulysses (its all-to-all trades sequence shards for head shards), no dropout."""
     check_cp_args(cp_method, cp_layout)
     if cp > 1 and not ours:
         raise ValueError(f"parallelize: cp={cp} on {type(model).__name__}: context parallelism here shards our GPT's "
@@ -503,6 +591,12 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         if getattr(config, "dropout", 0.0):
             raise ValueError(f"parallelize: cp={cp} with dropout={config.dropout}: ring and Ulysses attention apply "
                              "no dropout; build the model with GPTConfig(dropout=0)")
+
+
+def _check_microbatches(n_microbatches, schedule: str, pp: int) -> int:
+    """The micro-batches per data-parallel rank (default: ``pp``, one per stage), checked: a whole
+    number, 1 without a pipeline, and ``>= pp`` for 1F1B and ZB-H1 (their steady state needs a
+    micro-batch in every stage)."""
     if n_microbatches is None:
         n_microbatches = pp
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
@@ -514,6 +608,14 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         name = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}[schedule]
         raise ValueError(f"parallelize: {name} needs n_microbatches >= pp stages: got {n_microbatches} < {pp}; "
                          "use more micro-batches or schedule='gpipe'")
+    return n_microbatches
+
+
+def _check_recompute_and_sequence_parallel(recompute: str, sequence_parallel, schedule: str, tp: int,
+                                           pp: int) -> None:
+    """The activation-memory options: a known recomputation policy, sequence parallelism only
+    over ``tp > 1`` ranks, and no recomputation under ZB-H1 (its deferred W would keep what B
+    recomputed alive until W runs, undoing the saving)."""
     if recompute not in POLICIES:
         raise ValueError(f"parallelize: recompute={recompute!r} must be one of {POLICIES}")
     if not isinstance(sequence_parallel, bool):
@@ -525,11 +627,14 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
         raise ValueError(f"parallelize: schedule='zb-h1' with recompute={recompute!r} is not supported: B recomputes "
                          "each block and keeps what it recomputed until W runs, so the activations recomputation "
                          "frees come back, for longer; use schedule='1f1b' with recomputation, or zb-h1 without it")
-    if pp > 1:
-        _check_split(model, pp, pp_split)
-    # a tied embedding and head: one Parameter reached under two names
-    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
-    dpc = dp * cp  # the ranks holding the same parameters: gradients averaged over them
+
+
+def _check_zero(model: nn.Module, ours: bool, zero_stage: int, sequence_parallel: bool, tp_plan, pp: int,
+                tied: bool, dpc: int) -> None:
+    """The ZeRO stages that cannot compose here: ZeRO-2 with a tied embedding cut across stages
+    (it frees each gradient in backward, before the two stages add their halves), and ZeRO-3
+    with sequence parallelism on a model whose norms are summed over tp by parameter hooks
+    (ZeRO-3's flat shards replace the hooked parameters)."""
     if pp > 1 and tied and zero_stage == 2 and dpc > 1:
         raise ValueError("parallelize: zero_stage=2 with pp > 1 and a tied embedding is not supported (ZeRO-2 "
                          "frees each gradient during backward, before the first and last stage can add their "
@@ -545,85 +650,89 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
                              "nn.LayerNorm, so tensor parallelism sums their weights' gradients over tp by hooks on "
                              "the parameters, which ZeRO-3's flat shards replace; use zero_stage=1 or 2, or "
                              "sequence_parallel=False")
-    ep, n_experts = mesh.size("ep"), getattr(getattr(model, "config", None), "n_experts", 0)
-    if ep > 1:
-        if not n_experts:
-            raise ValueError(f"parallelize: the mesh has ep={ep} but the model has no experts: build it with "
-                             "GPTConfig(n_experts=...) or use a mesh with ep=1")
-        if n_experts % ep:
-            raise ValueError(f"parallelize: n_experts={n_experts} does not split over ep={ep} ranks: use a multiple "
-                             f"of {ep} experts, or an ep that divides {n_experts}")
-        if tp > 1 or pp > 1 or cp > 1:
-            raise ValueError(f"parallelize: ep={ep} with tp={tp}, pp={pp}, cp={cp} is not supported: expert "
-                             "parallelism composes here with data parallelism only (a pipeline's load-balancing "
-                             "loss would be per micro-batch, not the batch's); use Mesh(dp=..., ep=...)")
-        if zero_stage > 1:
-            raise ValueError(f"parallelize: zero_stage={zero_stage} with ep={ep} is not supported: ZeRO-{zero_stage} "
-                             "shards the gradients (and ZeRO-3 the parameters) of every parameter over the dp ranks "
-                             "as if they all held it, but with ep > 1 they hold different experts (each held by "
-                             "dp/ep of them); use zero_stage=1 (optimizer state: the replicated parameters' over "
-                             "dp, each expert's over its replicas) or 0")
-    make_optimizer = _optimizer_factory(optimizer_cls, optimizer_kwargs)
 
-    model = model.to(runtime.device())
-    device = next(model.parameters()).device
-    shapes = {n: (v.shape, v.dtype, v.device) for n, v in model.state_dict().items()}
 
-    # 1. tensor parallelism over tp, on the whole model (every stage's layers are then split)
-    tp_info = None
-    if tp > 1:
-        model = tensor_parallel(model, group=mesh.group("tp"), plan=tp_plan, sequence_parallel=sequence_parallel)
-        tp_info = model._tensor_parallel
+def _check_experts(ep: int, n_experts: int, zero_stage: int, tp: int, pp: int, cp: int) -> None:
+    """Expert parallelism (``ep > 1``): a model with experts, ``ep`` dividing their number, and only
+    data parallelism with ZeRO 0 or 1 beside it (see "Expert parallelism" in the module docstring)."""
+    if not n_experts:
+        raise ValueError(f"parallelize: the mesh has ep={ep} but the model has no experts: build it with "
+                         "GPTConfig(n_experts=...) or use a mesh with ep=1")
+    if n_experts % ep:
+        raise ValueError(f"parallelize: n_experts={n_experts} does not split over ep={ep} ranks: use a multiple "
+                         f"of {ep} experts, or an ep that divides {n_experts}")
+    if tp > 1 or pp > 1 or cp > 1:
+        raise ValueError(f"parallelize: ep={ep} with tp={tp}, pp={pp}, cp={cp} is not supported: expert "
+                         "parallelism composes here with data parallelism only (a pipeline's load-balancing "
+                         "loss would be per micro-batch, not the batch's); use Mesh(dp=..., ep=...)")
+    if zero_stage > 1:
+        raise ValueError(f"parallelize: zero_stage={zero_stage} with ep={ep} is not supported: ZeRO-{zero_stage} "
+                         "shards the gradients (and ZeRO-3 the parameters) of every parameter over the dp ranks "
+                         "as if they all held it, but with ep > 1 they hold different experts (each held by "
+                         "dp/ep of them); use zero_stage=1 (optimizer state: the replicated parameters' over "
+                         "dp, each expert's over its replicas) or 0")
 
-    # 2. pipeline over pp: this rank keeps its stage
+
+# ------------------------------------------------------------------ parallelize: the steps
+
+def _take_stage(model: nn.Module, mesh: Mesh, setup: _Setup, pp_split, tp_info, sequence_parallel: bool,
+                shapes: dict) -> tuple[nn.Module, dict[str, int]]:
+    """Step 2: cut the (tensor-parallel) model into ``pp`` stages and keep this rank's; returns it
+    and, for every name of the single model's state, the stage that holds it (all 0 without a
+    pipeline). The other stages are dropped here: their layers are freed once the caller lets go
+    of ``model``. A sequence-parallel first stage of our GPT takes its ``T/t`` positions."""
     owners = {name: 0 for name in shapes}
-    if pp > 1:
-        stages = partition(model, pp, pp_split)
-        for k, st in enumerate(stages):
-            for name in st.state_dict():
-                owners[name] = k
-        s = mesh.coords["pp"]
-        stage_module = stages[s]
-        if tp_info is not None:
-            stage_module._tensor_parallel = tp_info  # so tensor.full_state_dict gathers the stage
-            if sequence_parallel and s == 0 and ours:  # (a Hugging Face model's hooks split its blocks' input)
-                stage_module.wpe = _SequenceShardedPositions(stage_module.wpe, tp_info.group, tp_info.algorithm)
-        del stages
-    else:
-        stage_module = model
-    # 3. context parallelism over cp: sequence shards, global positions, ring or Ulysses attention
-    if cp > 1:
-        context_parallel(stage_module, mesh.group("cp"), method=cp_method, layout=cp_layout)
-    if recompute != "none":   # this rank's blocks, before data parallelism wraps them (its hooks rerun)
-        family = pipeline_split.detect(model)
-        if ours or family is None:  # our GPT (or its stage) keeps them in .blocks; else recompute finds them
-            checkpoint_blocks(stage_module, recompute)
-        else:  # the split's block list: the model's ModuleList, or a stage's ModuleDict of its blocks
-            blocks = stage_module.get_submodule(pipeline_split.SPLITS[family].blocks)
-            blocks = blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
-            checkpoint_blocks(nn.ModuleList(blocks), recompute)  # the same block objects, changed in place
-    marks = {name: {a: getattr(p, a, None) for a in _TP_MARKS}
-             for name, p in stage_module.named_parameters(remove_duplicate=False)}
+    if setup.pp == 1:
+        return model, owners
+    stages = partition(model, setup.pp, pp_split)
+    for k, st in enumerate(stages):
+        for name in st.state_dict():
+            owners[name] = k
+    s = mesh.coords["pp"]
+    stage_module = stages[s]
+    if tp_info is not None:
+        stage_module._tensor_parallel = tp_info  # so tensor.full_state_dict gathers the stage
+        if sequence_parallel and s == 0 and setup.ours:  # (a Hugging Face model's hooks split its blocks' input)
+            stage_module.wpe = _SequenceShardedPositions(stage_module.wpe, tp_info.group, tp_info.algorithm)
+    return stage_module, owners
 
-    # the tied tensors, under this stage's name for them (the last stage calls wte.weight lm_head.weight)
-    ties = {_name_in(stage_module, name): holders
-            for name, (_, holders) in getattr(stage_module, "shared_parameters", {}).items()}
 
-    # 4. data parallelism over dp x cp, on this rank's stage
+def _recompute_blocks(model: nn.Module, stage_module: nn.Module, recompute: str, ours: bool) -> None:
+    """Activation recomputation on this rank's blocks, in place, before data parallelism wraps
+    them (so its hooks run again with the recomputed forward)."""
+    family = pipeline_split.detect(model)
+    if ours or family is None:  # our GPT (or its stage) keeps them in .blocks; else recompute finds them
+        checkpoint_blocks(stage_module, recompute)
+    else:  # the split's block list: the model's ModuleList, or a stage's ModuleDict of its blocks
+        blocks = stage_module.get_submodule(pipeline_split.SPLITS[family].blocks)
+        blocks = blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
+        checkpoint_blocks(nn.ModuleList(blocks), recompute)  # the same block objects, changed in place
+
+
+def _data_parallel(stage_module: nn.Module, mesh: Mesh, setup: _Setup, zero_stage: int,
+                   make_optimizer: Callable) -> tuple[nn.Module, Any]:
+    """Step 4: data parallelism over ``dp x cp`` on this rank's stage; returns the module the step
+    runs (the stage itself, or its DDP / FSDP wrapper) and its optimizer.
+
+    Experts (``ep > 1``) get no DDP, which would average each expert with another rank's: their
+    gradients are reduced by :func:`expert_parallel` (ZeRO-0) or :class:`ExpertShardedOptimizer`
+    (ZeRO-1). Otherwise ZeRO-0 is DDP, ZeRO-3 FSDP, ZeRO-1/2 a :class:`ShardedOptimizer` on the
+    bare stage; with one rank per replica group, a plain optimizer."""
+    dpc = setup.dpc
     wrapped = stage_module
-    if n_experts and dpc > 1:  # the load-balancing loss counts every data-parallel rank's tokens
+    if setup.n_experts and dpc > 1:  # the load-balancing loss counts every data-parallel rank's tokens
         for layer in stage_module.modules():
             if isinstance(layer, MoE):
                 layer.group = mesh.group("dp_cp")
-    if ep > 1:  # experts over the ep group; no DDP, which would average every expert with another one
+    if setup.ep > 1:  # experts over the ep group; no DDP, which would average every expert with another one
         expert_parallel(stage_module, mesh.group("ep"), data_parallel_group=mesh.group("dp"),
-                        expert_data_parallel_group=mesh.group("edp") if dp > ep else None,
+                        expert_data_parallel_group=mesh.group("edp") if setup.dp > setup.ep else None,
                         average_gradients=zero_stage == 0)
         optimizer = (ExpertShardedOptimizer(stage_module, make_optimizer) if zero_stage == 1
                      else make_optimizer(stage_module.parameters()))
     elif dpc > 1 and zero_stage == 0:  # an expert no token chose this step has no gradient: zeros
         wrapped = DistributedDataParallel(stage_module, process_group=mesh.group("dp_cp"),
-                                          find_unused_parameters=bool(n_experts))
+                                          find_unused_parameters=bool(setup.n_experts))
         optimizer = make_optimizer(wrapped.parameters())
     elif dpc > 1 and zero_stage == 3:
         wrapped = FullyShardedDataParallel(stage_module, process_group=mesh.group("dp_cp"))
@@ -633,31 +742,39 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
                                      process_group=mesh.group("dp_cp"), shard_gradients=zero_stage == 2)
     else:
         optimizer = make_optimizer(stage_module.parameters())
-    sharded_ties = {}
-    if isinstance(wrapped, FullyShardedDataParallel):  # FSDP replaced the parameters: mesh sums the ties
-        sharded_ties = ties
-    elif wrapped is not stage_module and hasattr(stage_module, "shared_parameters"):
-        wrapped.shared_parameters = stage_module.shared_parameters  # the pipeline sums tied gradients by it
+    return wrapped, optimizer
 
-    pipeline = None
-    if pp > 1 and schedule == "zb-h1" and isinstance(wrapped, FullyShardedDataParallel):
+
+def _who_sums_ties(wrapped: nn.Module, stage_module: nn.Module, ties: dict) -> dict:
+    """Who sums the tied embedding's gradient between the first and the last stage. Under FSDP
+    the mesh does (the parameters are flat shards: :meth:`ParallelModel._sum_sharded_ties`), so
+    the ties are returned for it; otherwise the pipeline does, by the ``shared_parameters`` of
+    the module it runs, so a wrapper (DDP) is given the stage's. Returns ``{}`` then."""
+    if isinstance(wrapped, FullyShardedDataParallel):  # FSDP replaced the parameters: mesh sums the ties
+        return ties
+    if wrapped is not stage_module and hasattr(stage_module, "shared_parameters"):
+        wrapped.shared_parameters = stage_module.shared_parameters  # the pipeline sums tied gradients by it
+    return {}
+
+
+def _pipeline_schedule(wrapped: nn.Module, mesh: Mesh, setup: _Setup, schedule: str, tp_info, device):
+    """The schedule running this rank's (wrapped) stage over the ``pp`` group, with the stage's loss:
+    vocabulary-parallel cross-entropy on our GPT's tensor-parallel head shards, else the loss on
+    whole logits (our GPT's, or Hugging Face's with labels shifted by one)."""
+    if schedule == "zb-h1" and isinstance(wrapped, FullyShardedDataParallel):
         warnings.warn("parallelize: schedule='zb-h1' with zero_stage=3 defers no weight gradient: FSDP's "
                       "parameters are flat 1-D shards, and the split defers only matrices, so B runs the whole "
                       "backward (1F1B's work and memory in ZB-H1's order); use zero_stage=1 to defer W",
-                      stacklevel=2)
-    if pp > 1:
-        if tp_info is not None and tp_info.loss_parallel:  # our GPT's head: this rank's vocabulary shard
-            def loss_fn(logits, target):
-                return vocab_parallel_cross_entropy(logits, target, tp_info.group, vocab_size=tp_info.vocab_size,
-                                                    algorithm=tp_info.algorithm)
-        else:  # whole logits: our GPT's loss, or Hugging Face's (labels shifted by one)
-            loss_fn = _cross_entropy if ours else pipeline_split.causal_lm_loss
-        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "zb-h1": ScheduleZeroBubble}[schedule]
-        pipeline = cls(PipelineStage(wrapped, mesh.coords["pp"], pp, device=device, group=mesh.group("pp")),
-                       n_microbatches, loss_fn=loss_fn)
-    return ParallelModel(wrapped, optimizer, mesh, zero_stage=zero_stage, schedule=pipeline,
-                         stage_module=stage_module, owners=owners, shapes=shapes, tp_info=tp_info,
-                         tp_marks=marks, sharded_ties=sharded_ties, cp_layout=cp_layout, hugging_face=not ours)
+                      stacklevel=3)  # the caller of parallelize
+    if tp_info is not None and tp_info.loss_parallel:  # our GPT's head: this rank's vocabulary shard
+        def loss_fn(logits, target):
+            return vocab_parallel_cross_entropy(logits, target, tp_info.group, vocab_size=tp_info.vocab_size,
+                                                algorithm=tp_info.algorithm)
+    else:  # whole logits: our GPT's loss, or Hugging Face's (labels shifted by one)
+        loss_fn = _cross_entropy if setup.ours else pipeline_split.causal_lm_loss
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "zb-h1": ScheduleZeroBubble}[schedule]
+    return cls(PipelineStage(wrapped, mesh.coords["pp"], setup.pp, device=device, group=mesh.group("pp")),
+               setup.n_microbatches, loss_fn=loss_fn)
 
 
 def _check_split(model: nn.Module, pp: int, split) -> None:

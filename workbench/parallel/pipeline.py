@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,23 @@ class PipelineStage:
 
 
 # ----------------------------------------------------------------------------- the interpreter
+
+@dataclass
+class _StepState:
+    """What the interpreter holds during one step, keyed by ``(stage, micro-batch)``; dropped
+    with the step, so nothing outlives it (a tensor leaves its dict as soon as it is spent)."""
+
+    actions: list[Action]                                            # this rank's actions, in order
+    inputs: dict[tuple, tuple] = field(default_factory=dict)         # the forward's inputs
+    outputs: dict[tuple, torch.Tensor] = field(default_factory=dict)  # output (loss / m on the last stage)
+    grad_out: dict[tuple, torch.Tensor] = field(default_factory=dict)  # dL/d(output)
+    grad_in: dict[tuple, torch.Tensor] = field(default_factory=dict)   # dL/d(input), to send or pass on
+    saved: dict[tuple, split_backward.SavedActivations] = field(default_factory=dict)  # split: its forward's
+    results: list[torch.Tensor] = field(default_factory=list)        # the last stage's outputs, to return
+    posted: dict[int, tuple] = field(default_factory=dict)           # action index -> (handle, buffer)
+    sends: dict[int, tuple] = field(default_factory=dict)            # tag -> (handle, tensor), not known over
+    records: list[tuple] = field(default_factory=list)               # the timeline: one per action
+
 
 class _Schedule:
     """What every schedule shares: checks, the action lists, and the interpreter (``step``)."""
@@ -327,105 +345,121 @@ class _Schedule:
         return out
 
     def _run(self, actions: list[Action], arg_chunks, target_chunks, losses, keep_outputs: bool):
-        m, n_stages, group = self._n, self._num_stages, self._group
-        inputs: dict[tuple, tuple] = {}      # (stage, mb) -> the forward's inputs
-        outputs: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> output (loss / m on the last stage)
-        grad_out: dict[tuple, torch.Tensor] = {}  # (stage, mb) -> dL/d(output)
-        grad_in: dict[tuple, torch.Tensor] = {}   # (stage, mb) -> dL/d(input), to send or pass on
-        saved: dict[tuple, split_backward.SavedActivations] = {}  # split (stage, mb) -> its forward's
-        results: list[torch.Tensor] = []
-        posted: dict[int, tuple] = {}        # action index -> (handle, buffer)
-        sends: dict[int, tuple] = {}         # tag -> (handle, tensor) of a send not known to be over
-        records = []
+        """Run this rank's action list for one step, in order, timing each action.
+
+        Before each compute action (F, B, W) the receives up to the next one are posted, so their
+        data arrives while it runs; after it, sends the peers have completed are let go of. At the
+        end: the remaining sends waited for, the tied gradients summed, the timeline gathered."""
+        st = _StepState(actions)
         compute_at = [j for j, a in enumerate(actions) if a.kind in ("F", "B", "W")]
         # line the ranks up (one 4-byte all-reduce), so that every rank's step starts together
         # and the timelines of different ranks share their origin
-        comm.all_reduce(torch.zeros(1, device=comm.wire_device(group)), group=group)
+        comm.all_reduce(torch.zeros(1, device=comm.wire_device(self._group)), group=self._group)
         t0 = self.timeline_origin = time.perf_counter()
         self._step_params: dict[int, list] = {}
-
-        def post(j: int) -> None:
-            a = actions[j]
-            if j in posted:
-                return
-            grad = a.peer == a.stage + 1
-            shape, dtype = self._shapes[a.stage + 1] if grad else self._shapes[a.stage]
-            buf = torch.empty(shape, dtype=dtype, device=self._stages[a.stage].device)
-            tag = self._tag(a.stage, a.microbatch, grad)
-            posted[j] = (comm.irecv(buf, group=group, group_src=self._owner[a.peer], tag=tag), buf)
-
         nxt = 0
         for j, a in enumerate(actions):
             s, i = a.stage, a.microbatch
             if a.kind in ("F", "B", "W"):
-                # post the receives the next compute action needs, so they arrive while this runs
                 nxt += 1
-                upto = compute_at[nxt] if nxt < len(compute_at) else len(actions)
-                for k in range(j + 1, upto):
-                    if actions[k].kind == "recv":
-                        post(k)
+                self._prefetch(st, j, compute_at[nxt] if nxt < len(compute_at) else len(actions))
             start = time.perf_counter()
             if a.kind == "recv":
-                post(j)
-                work, buf = posted.pop(j)
-                work.wait()
-                for tag in self._acked.get(self._message(a), ()) & sends.keys():
-                    sends.pop(tag)[0].wait()  # the peer received it before sending this: over
-                if a.peer == s - 1:
-                    inputs[(s, i)] = (buf.requires_grad_(buf.is_floating_point()),)
-                else:
-                    grad_out[(s, i)] = buf
-                work = buf = None  # the dicts hold what is still needed
+                self._receive(st, j)
             elif a.kind == "send":
-                if a.peer == s + 1:
-                    t = outputs[(s, i)].detach()
-                    tag = self._tag(s + 1, i, False)
-                else:
-                    t = grad_in.pop((s, i))
-                    tag = self._tag(s - 1, i, True)
-                sends[tag] = (comm.isend(t, group=group, group_dst=self._owner[a.peer], tag=tag), t)
-                t = None
+                self._send(st, a)
             elif a.kind == "F":
-                stage = self._stages[s]
-                if s == 0:
-                    x = tuple(t.to(stage.device) for t in arg_chunks[i])
-                else:
-                    x = inputs.get((s, i))
-                    if x is None:  # the previous stage is on this rank (the tip of ZBV's V)
-                        x = (outputs[(s - 1, i)].detach().requires_grad_(),)
-                inputs[(s, i)] = x
-                if (s, i) in self._split:  # box what autograd saves: B releases what W won't read
-                    with split_backward.SavedActivations() as saved[(s, i)]:
-                        out = stage.submodule(*x)
-                else:
-                    out = stage.submodule(*x)
-                x = None
-                if s == n_stages - 1:
-                    if keep_outputs:
-                        results.append(out.detach())
-                    if self._loss_fn is not None:
-                        loss = self._loss_fn(out, target_chunks[i][0].to(out.device))
-                        if losses is not None:
-                            losses.append(loss.detach())
-                        out = loss / m
-                outputs[(s, i)] = out
-                out = loss = None
+                self._forward(st, a, arg_chunks, target_chunks, losses, keep_outputs)
             elif a.kind == "B":
-                self._backward(s, i, inputs, outputs, grad_out, grad_in, saved)
+                self._backward(s, i, st.inputs, st.outputs, st.grad_out, st.grad_in, st.saved)
             elif a.kind == "W":
-                self._weight_backward(s, i, inputs, outputs, grad_out)
-            records.append((self._rank, s, a.kind, i, start - t0, time.perf_counter() - t0))
-            if a.kind in ("F", "B", "W") and sends:  # let go of sent tensors as soon as they left
-                for tag in [k for k, (w, _) in sends.items() if w.is_completed()]:  # NCCL knows
-                    sends.pop(tag)[0].wait()
-        for work, _ in sends.values():
+                self._weight_backward(s, i, st.inputs, st.outputs, st.grad_out)
+            st.records.append((self._rank, s, a.kind, i, start - t0, time.perf_counter() - t0))
+            if a.kind in ("F", "B", "W") and st.sends:  # let go of sent tensors as soon as they left
+                for tag in [k for k, (w, _) in st.sends.items() if w.is_completed()]:  # NCCL knows
+                    st.sends.pop(tag)[0].wait()
+        for work, _ in st.sends.values():
             work.wait()
         if self._loss_fn is not None:
             self._sum_shared_gradients()
-        self.timeline = self._gather_timeline(records)
+        self.timeline = self._gather_timeline(st.records)
         if self._num_stages - 1 in self._stages and keep_outputs:
-            return torch.cat(results, dim=0)
+            return torch.cat(st.results, dim=0)
         return None
+
+    def _post(self, st: _StepState, j: int) -> None:
+        """Post receive action ``j`` (once): a buffer of the message's shape, and its irecv."""
+        a = st.actions[j]
+        if j in st.posted:
+            return
+        grad = a.peer == a.stage + 1
+        shape, dtype = self._shapes[a.stage + 1] if grad else self._shapes[a.stage]
+        buf = torch.empty(shape, dtype=dtype, device=self._stages[a.stage].device)
+        tag = self._tag(a.stage, a.microbatch, grad)
+        st.posted[j] = (comm.irecv(buf, group=self._group, group_src=self._owner[a.peer], tag=tag), buf)
+
+    def _prefetch(self, st: _StepState, j: int, upto: int) -> None:
+        """Post the receives between compute action ``j`` and the next one (``upto``), so they
+        arrive while ``j`` runs."""
+        for k in range(j + 1, upto):
+            if st.actions[k].kind == "recv":
+                self._post(st, k)
+
+    def _receive(self, st: _StepState, j: int) -> None:
+        """recv: wait for the message (posted now if it was not yet); it is the stage's input
+        (an activation from the previous stage) or dL/d(output) (a gradient from the next).
+        Sends the peer provably got before sending this are over: waited for and let go."""
+        a = st.actions[j]
+        s, i = a.stage, a.microbatch
+        self._post(st, j)
+        work, buf = st.posted.pop(j)
+        work.wait()
+        for tag in self._acked.get(self._message(a), ()) & st.sends.keys():
+            st.sends.pop(tag)[0].wait()  # the peer received it before sending this: over
+        if a.peer == s - 1:
+            st.inputs[(s, i)] = (buf.requires_grad_(buf.is_floating_point()),)
+        else:
+            st.grad_out[(s, i)] = buf
+
+    def _send(self, st: _StepState, a: Action) -> None:
+        """send: the output forward to the next stage, or dL/d(input) back to the previous one;
+        never waited for here (the tensor is held in ``st.sends`` until the send is over)."""
+        s, i = a.stage, a.microbatch
+        if a.peer == s + 1:
+            t = st.outputs[(s, i)].detach()
+            tag = self._tag(s + 1, i, False)
+        else:
+            t = st.grad_in.pop((s, i))
+            tag = self._tag(s - 1, i, True)
+        st.sends[tag] = (comm.isend(t, group=self._group, group_dst=self._owner[a.peer], tag=tag), t)
+
+    def _forward(self, st: _StepState, a: Action, arg_chunks, target_chunks, losses, keep_outputs: bool) -> None:
+        """F: the stage's forward of one micro-batch; on the last stage, the loss (kept as
+        ``loss / m`` for backward, so the gradients are those of the batch's mean). A micro-batch
+        whose backward is split runs under :class:`SavedActivations`, so B can release what W won't read."""
+        s, i = a.stage, a.microbatch
+        stage = self._stages[s]
+        if s == 0:
+            x = tuple(t.to(stage.device) for t in arg_chunks[i])
+        else:
+            x = st.inputs.get((s, i))
+            if x is None:  # the previous stage is on this rank (the tip of ZBV's V)
+                x = (st.outputs[(s - 1, i)].detach().requires_grad_(),)
+        st.inputs[(s, i)] = x
+        if (s, i) in self._split:  # box what autograd saves: B releases what W won't read
+            with split_backward.SavedActivations() as st.saved[(s, i)]:
+                out = stage.submodule(*x)
+        else:
+            out = stage.submodule(*x)
+        if s == self._num_stages - 1:
+            if keep_outputs:
+                st.results.append(out.detach())
+            if self._loss_fn is not None:
+                loss = self._loss_fn(out, target_chunks[i][0].to(out.device))
+                if losses is not None:
+                    losses.append(loss.detach())
+                out = loss / self._n
+        st.outputs[(s, i)] = out
 
     def _backward(self, s: int, i: int, inputs, outputs, grad_out, grad_in, saved) -> None:
         """B: the full backward, or (split) only dL/d(inputs), keeping for W only what it reads

@@ -184,26 +184,40 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
         return (), {"edges": None, "grads": grad_out, "out": out}
     deferred = [p for p in params if p.dim() >= 2]
     now = [p for p in params if p.dim() < 2]
-    root = out.grad_fn
+    children = _graph_below(out.grad_fn)
+    by_node = {_node(p): p for p in deferred}
+    owned, branch_nodes = _intermediates(children, {_node(x) for x in inputs}, set(by_node))
+    grads, kept = _input_gradients(out, grad_out, inputs, now, owned)
+    work = _weight_calls(owned, kept, by_node)
+    if saved is not None:
+        saved.keep_only_read_by(set(owned) | branch_nodes)
+    return grads, {"edges": work, "grads": None, "out": None}
+
+
+def _graph_below(root) -> dict:
+    """The whole autograd graph below ``root``: node -> its children (``next_functions``)."""
     children: dict = {}
     stack = [root]
-    while stack:  # the whole graph below `out`
+    while stack:
         n = stack.pop()
         if n is None or n in children:
             continue
         children[n] = [k for k, _ in n.next_functions if k is not None]
         stack.extend(children[n])
-    input_path = _reaching(children, {_node(x) for x in inputs})
-    by_node = {_node(p): p for p in deferred}
-    param_nodes = set(by_node)
+    return children
+
+
+def _intermediates(children: dict, input_nodes: set, param_nodes: set) -> tuple[dict, set]:
+    """The intermediates: input-path nodes with a child off the input path that leads to a
+    deferred parameter. Returns ``{intermediate: the parameter nodes its off-path children reach}``
+    and the nodes on those branches (W runs them again, so their saved tensors stay after B).
+
+    In the order autograd runs them (latest first), not a set's: the W calls must issue any
+    collectives inside them (sequence parallelism's re-gather) in the same order on every rank."""
+    input_path = _reaching(children, input_nodes)
     towards_params = _reaching(children, param_nodes)
-    # intermediates: input-path nodes with a child off the input path that leads to a deferred
-    # parameter; each one's parameters are those reachable through such children, and the nodes
-    # on the way (W runs them) are its branch
     owned: dict = {}
     branch_nodes: set = set()
-    # in the order autograd runs them (latest first), not a set's: the W calls must issue any
-    # collectives inside them (sequence parallelism's re-gather) in the same order on every rank
     for n in sorted(input_path & towards_params, key=lambda node: -node._sequence_nr()):
         found, stack = set(), [k for k in children[n] if k in towards_params and k not in input_path]
         seen = set(stack)
@@ -218,6 +232,15 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
         if found:
             owned[n] = found
             branch_nodes |= seen
+    return owned, branch_nodes
+
+
+def _input_gradients(out: torch.Tensor, grad_out, inputs: list[torch.Tensor], now: list[torch.Tensor],
+                     owned: dict) -> tuple[tuple, dict]:
+    """B proper: one ``autograd.grad`` for dL/d(inputs) and the gradients of ``now`` (the small
+    parameters, accumulated into their ``.grad`` here), the graph kept for W when it has
+    intermediates. A pre-hook on each intermediate keeps the gradients that flowed into it.
+    Returns ``(dL/d(inputs), {intermediate: its incoming gradients})``."""
     kept: dict = {}
     handles = [n.register_prehook(lambda grads, n=n: kept.__setitem__(n, grads)) for n in owned]
     try:
@@ -228,10 +251,14 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
             h.remove()
     for p, g in zip(now, grads[len(inputs):]):
         _accumulate(p, g)
-    grads = grads[:len(inputs)]
-    # one W call per group of intermediates sharing parameters, with inputs= only that group's
-    # parameters: from one Linear's node, the input path also leads on to the layers below, whose
-    # weights are another intermediate's business (they must not be counted twice)
+    return grads[:len(inputs)], kept
+
+
+def _weight_calls(owned: dict, kept: dict, by_node: dict) -> list[tuple[list, list, list]]:
+    """W's work: one ``(edges, gradients, parameters)`` per group of intermediates sharing
+    parameters, with only that group's parameters as ``inputs=``: from one Linear's node the input
+    path also leads on to the layers below, whose weights are another intermediate's business (they
+    must not be counted twice). Edges in autograd's order (latest first), as in B."""
     groups: list[tuple[set, set]] = []
     for n, ps in owned.items():
         merged = [g for g in groups if g[1] & ps]
@@ -251,9 +278,7 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: lis
                     values.append(g)
         if edges:
             work.append((edges, values, [by_node[k] for k in pset]))
-    if saved is not None:
-        saved.keep_only_read_by(set(owned) | branch_nodes)
-    return grads, {"edges": work, "grads": None, "out": None}
+    return work
 
 
 def backward_weight(state: dict, params: list[torch.Tensor]) -> None:

@@ -194,6 +194,29 @@ def tensor_parallel(model: nn.Module, group=None, plan=None, sequence_parallel: 
     ``dropout > 0`` those masks repeat across ranks. Parity with one process holds for
     ``dropout=0`` (``GPTConfig``'s default).
     """
+    _check_call(model, sequence_parallel, algorithm)
+    t, r = group_size(group), group_rank(group)
+    plan, layers, heads = _resolve_plan(model, plan, t, sequence_parallel, algorithm)
+    sp, kw = sequence_parallel, dict(group=group, algorithm=algorithm)
+    ties = _ties(model, layers)
+
+    vocab, padded = _swap_layers(model, plan, layers, t, sp, kw)
+    for first, second in ties:  # both halves are split the same way over the padded vocabulary
+        model.get_submodule(second).weight = model.get_submodule(first).weight
+    _divide_heads(model, heads, t)
+    if sp and not plan.loss_parallel:
+        parents = sorted({n.rpartition(".")[0] for n, s in layers.items() if s.kind == "colwise"})
+        _sequence_region(model, plan.sequence_blocks, parents, t, **kw)
+    split_head = any(s.kind == "colwise_gather" for s in layers.values())
+    model._tensor_parallel = TensorParallelInfo(group, t, r, sp, algorithm, vocab, padded, plan.name,
+                                                plan.loss_parallel and split_head)
+    if plan.loss_parallel:
+        model.__class__ = _tensor_parallel_class(type(model))
+    return model
+
+
+def _check_call(model: nn.Module, sequence_parallel, algorithm: str) -> None:
+    """The arguments that need no plan: a module not split already, a known algorithm, a flag."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"tensor_parallel(model={type(model).__name__}): pass an nn.Module such as workbench's GPT")
     if is_tensor_parallel(model):
@@ -202,7 +225,16 @@ def tensor_parallel(model: nn.Module, group=None, plan=None, sequence_parallel: 
     _check_algorithm(algorithm, "tensor_parallel")
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"tensor_parallel: sequence_parallel={sequence_parallel!r} must be True or False")
-    t, r = group_size(group), group_rank(group)
+
+
+def _resolve_plan(model: nn.Module, plan, t: int, sequence_parallel: bool, algorithm: str) -> tuple:
+    """The plan for ``model`` (see :func:`~workbench.parallel.tensor_plans.plan_for`), the layers
+    it matches (name -> style) and the head counts it divides, checked against ``t`` and the
+    model before anything is changed: ``(plan, layers, heads)``.
+
+    A plan with our loss (``loss_parallel``) needs our GPT's shape; sequence parallelism needs,
+    with our forward, a vocabulary-parallel embedding (it hands out the sequence shard), else the
+    plan's block list (where the shard is cut and gathered again)."""
     plan = plans.plan_for(model, plan)
     if plan.loss_parallel:
         _validate(model, t, algorithm)
@@ -217,40 +249,62 @@ def tensor_parallel(model: nn.Module, group=None, plan=None, sequence_parallel: 
                          "'wte': 'vocab' to the plan or pass sequence_parallel=False")
     heads = plans.head_modules(model, plan)
     _check_divisible(model, plan, layers, heads, t)
-    sp, kw = sequence_parallel, dict(group=group, algorithm=algorithm)
-    ties = _ties(model, layers)
+    return plan, layers, heads
 
+
+def _swap_layers(model: nn.Module, plan, layers: dict, t: int, sp: bool, kw: dict) -> tuple[int, int]:
+    """Replace every planned layer by its split twin (:func:`_split_layer`), in plan order;
+    returns the vocabulary and its padded size (a multiple of ``t``): the vocabulary-parallel
+    embedding's, else the split head's outputs (0 when neither is split)."""
     vocab = padded = None
     head_vocab = 0
     for name, style in layers.items():
         module = model.get_submodule(name)
         if style.kind == "colwise_gather":
             head_vocab = _features(module)[0]
-        if style.kind == "colwise":  # (a model whose forward we leave alone gathers before the module)
-            new = _transposed(module, lambda lin: ColumnParallelLinear.from_linear(
-                lin, chunks=style.chunks, sequence_parallel=sp and plan.loss_parallel, **kw))
-        elif style.kind == "rowwise":
-            new = _transposed(module, lambda lin: RowParallelLinear.from_linear(lin, sequence_parallel=sp, **kw))
-        elif style.kind == "vocab":
-            # our GPT's forward takes a sequence shard from the embedding; a model whose forward is left
-            # alone takes the whole sequence there (its positions and mask follow the embedding's length)
-            new = VocabParallelEmbedding.from_embedding(module, sequence_parallel=sp and plan.loss_parallel, **kw)
+        new = _split_layer(module, style, plan.loss_parallel, t, sp, kw)
+        if new is None:
+            continue
+        if style.kind == "vocab":
             vocab, padded = module.num_embeddings, new.padded_num_embeddings
-        elif style.kind == "colwise_gather" and plan.loss_parallel:
-            new = _vocab_parallel_head(module, -(-module.out_features // t) * t, sp, **kw)
-        elif style.kind == "colwise_gather":
-            new = _transposed(module, lambda lin: GatheredColumnParallelLinear.from_linear(lin, **kw))
-        elif sp and isinstance(module, nn.LayerNorm):
-            new = SequenceParallelLayerNorm(module, **kw)
-        elif sp and style.kind == "sequence" and not isinstance(module, nn.Dropout):  # another norm (RMSNorm)
-            _sum_gradients_over_group(module, **kw)
-            continue
-        else:  # "sequence" without sequence parallelism, or a dropout: nothing to split
-            continue
         _set_submodule(model, name, new)
-    for first, second in ties:  # both halves are split the same way over the padded vocabulary
-        model.get_submodule(second).weight = model.get_submodule(first).weight
+    if vocab is None:  # no vocabulary-parallel embedding: the head's outputs, if it is split
+        vocab = head_vocab
+        padded = -(-vocab // t) * t
+    return vocab, padded
 
+
+def _split_layer(module: nn.Module, style, loss_parallel: bool, t: int, sp: bool, kw: dict) -> nn.Module | None:
+    """One planned layer's split twin, by its style, or None where the layer stays as it is: a
+    dropout, a norm without sequence parallelism, or a norm other than ``nn.LayerNorm`` under it
+    (its parameters get gradient hooks instead, :func:`_sum_gradients_over_group`).
+
+    ``loss_parallel`` (our GPT's forward): the column-parallel layers and the embedding work on
+    sequence shards, and the head stays split for our loss; otherwise the model's own forward
+    sees whole sequences there and the head gathers its logits."""
+    if style.kind == "colwise":  # (a model whose forward we leave alone gathers before the module)
+        return _transposed(module, lambda lin: ColumnParallelLinear.from_linear(
+            lin, chunks=style.chunks, sequence_parallel=sp and loss_parallel, **kw))
+    if style.kind == "rowwise":
+        return _transposed(module, lambda lin: RowParallelLinear.from_linear(lin, sequence_parallel=sp, **kw))
+    if style.kind == "vocab":
+        # our GPT's forward takes a sequence shard from the embedding; a model whose forward is left
+        # alone takes the whole sequence there (its positions and mask follow the embedding's length)
+        return VocabParallelEmbedding.from_embedding(module, sequence_parallel=sp and loss_parallel, **kw)
+    if style.kind == "colwise_gather" and loss_parallel:
+        return _vocab_parallel_head(module, -(-module.out_features // t) * t, sp, **kw)
+    if style.kind == "colwise_gather":
+        return _transposed(module, lambda lin: GatheredColumnParallelLinear.from_linear(lin, **kw))
+    if sp and isinstance(module, nn.LayerNorm):
+        return SequenceParallelLayerNorm(module, **kw)
+    if sp and style.kind == "sequence" and not isinstance(module, nn.Dropout):  # another norm (RMSNorm)
+        _sum_gradients_over_group(module, **kw)
+    return None  # "sequence" without sequence parallelism, or a dropout: nothing to split
+
+
+def _divide_heads(model: nn.Module, heads: list, t: int) -> None:
+    """Each rank holds ``1/t`` of the heads: divide the planned head counts by ``t`` (or replace the
+    module, where the plan gives a function for it), so attention reshapes by the local count."""
     for name, module, what in heads:
         if callable(what):
             _set_submodule(model, name, what(module, t))
@@ -258,19 +312,6 @@ def tensor_parallel(model: nn.Module, group=None, plan=None, sequence_parallel: 
             for attr in what:
                 if isinstance(getattr(module, attr, None), int):
                     setattr(module, attr, getattr(module, attr) // t)
-
-    if vocab is None:  # no vocabulary-parallel embedding: the head's outputs, if it is split
-        vocab = head_vocab
-        padded = -(-vocab // t) * t
-    if sp and not plan.loss_parallel:
-        parents = sorted({n.rpartition(".")[0] for n, s in layers.items() if s.kind == "colwise"})
-        _sequence_region(model, plan.sequence_blocks, parents, t, **kw)
-    split_head = any(s.kind == "colwise_gather" for s in layers.values())
-    model._tensor_parallel = TensorParallelInfo(group, t, r, sp, algorithm, vocab, padded, plan.name,
-                                                plan.loss_parallel and split_head)
-    if plan.loss_parallel:
-        model.__class__ = _tensor_parallel_class(type(model))
-    return model
 
 
 def _sum_gradients_over_group(module: nn.Module, group, algorithm: str) -> None:
