@@ -345,9 +345,11 @@ def predict(collective: str, algorithm: str, nbytes: int, world_size: int, model
     return t
 
 
-def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel,
-                  topology=None) -> float:
-    """The alpha-beta-gamma terms of :func:`predict` (messages and reductions, no local copies)."""
+def _checked_algorithm(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel,
+                       topology) -> str:
+    """The algorithm to price (``native`` mapped to :data:`NATIVE_AS`), after refusing what has no cost:
+    a model that is not a :class:`CostModel`, a bad world size or size, an unknown collective or
+    algorithm, ``hierarchical`` without a topology."""
     if not isinstance(model, CostModel):
         raise TypeError(f"model={model!r} must be a CostModel: fit one with workbench.measure.probes.measure() or "
                         "build one with CostModel(alpha=..., beta=..., gamma=...)")
@@ -365,12 +367,23 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
             raise ValueError(f"collective={collective!r} is not known: use one of {sorted(NATIVE_AS)}")
         raise ValueError(f"algorithm={algorithm!r} has no cost formula for {collective}: use one of "
                          f"{known + ['native']}")
-    one, ex = model.one_way, model.exchange  # seconds of one message / one exchange step of m bytes
-    g = model.reduction  # seconds to reduce m bytes
-    p, n = world_size, float(nbytes)
     if algorithm == "hierarchical" and topology is None:
         raise ValueError(f"{collective}: algorithm='hierarchical' has no cost without a topology: pass "
                          "topology=Topology(ranks_per_node, intra=Link(...), inter=Link(...))")
+    return algorithm
+
+
+def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int, model: CostModel,
+                  topology=None) -> float:
+    """The alpha-beta-gamma terms of :func:`predict` (messages and reductions, no local copies).
+
+    Without a topology every message costs this machine's ``one_way`` or ``exchange``. Under one, the
+    hierarchical algorithms and the rings are replayed on their links; every other algorithm has each
+    of its steps priced on the slowest link of the world (see "Under a topology" in the module docstring).
+    """
+    algorithm = _checked_algorithm(collective, algorithm, nbytes, world_size, model, topology)
+    one, ex = model.one_way, model.exchange  # seconds of one message / one exchange step of m bytes
+    p, n = world_size, float(nbytes)
     if p == 1:
         return 0.0
     if topology is not None:
@@ -387,21 +400,31 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
         slow = "inter" if nodes > 1 else "intra"  # each step waits for its slowest message
         one = lambda m: _on_link(topology, slow, m, model.one_way)  # noqa: E731
         ex = lambda m: _on_link(topology, slow, m, model.exchange)  # noqa: E731
+    return _schedule_time(collective, algorithm, n, p, one, ex, model.reduction)
+
+
+def _halving(total: float, steps: int, step) -> float:
+    """``steps`` rounds whose messages halve each round and add up to ``total`` bytes
+    (n/2, n/4, ... n/p for a power of two), each priced by ``step(bytes)``."""
+    return sum(step(total * 2 ** (steps - k) / (2 ** steps - 1)) for k in range(1, steps + 1))
+
+
+def _schedule_time(collective: str, algorithm: str, n: float, p: int, one, ex, g) -> float:
+    """Seconds of ``algorithm``'s rounds for ``collective`` of ``n`` bytes on ``p`` > 1 ranks, with
+    ``one(m)``, ``ex(m)`` and ``g(m)`` the seconds of one message, one exchange step and one reduction
+    of ``m`` bytes.
+
+    Every step is priced at the size of the message it sends: exchange steps (ring, recursive
+    doubling/halving, Rabenseifner, Bruck) at ex(m), one-way steps (trees, flat, folds) at one(m).
+    With straight lines these sums are exactly the textbook formulas of the module docstring. Where
+    ``p`` is not a power of two, the recursive algorithms fold the extra ranks in and out.
+    """
     lg = _lg(p)
     share = (p - 1) / p * n  # the bytes a bandwidth-optimal algorithm moves per rank
     q, odd = _fold(p)
     lgq = _lg(q)
     fold_in = (one(n) + g(n)) if odd else 0.0  # an extra rank hands its vector to a partner
     fold_out = one(n) if odd else 0.0  # and gets the result back at the end
-
-    def halving(total: float, steps: int, step) -> float:
-        """``steps`` rounds whose messages halve each round and add up to ``total`` bytes
-        (n/2, n/4, ... n/p for a power of two)."""
-        return sum(step(total * 2 ** (steps - k) / (2 ** steps - 1)) for k in range(1, steps + 1))
-
-    # Every step is priced at the size of the message it sends: exchange steps (ring, recursive
-    # doubling/halving, Rabenseifner, Bruck) at ex(m), one-way steps (trees, flat, folds) at one(m).
-    # With straight lines these sums are exactly the textbook formulas of the module docstring.
     if collective == "all_reduce":
         if algorithm == "ring":
             return 2 * (p - 1) * ex(n / p) + (p - 1) * g(n / p)
@@ -409,7 +432,7 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
             return fold_in + lgq * (ex(n) + g(n)) + fold_out
         if algorithm == "rabenseifner":
             sq = (q - 1) / q * n
-            return fold_in + 2 * halving(sq, lgq, ex) + halving(sq, lgq, g) + fold_out
+            return fold_in + 2 * _halving(sq, lgq, ex) + _halving(sq, lgq, g) + fold_out
         if algorithm == "reduce_broadcast":
             return lg * (2 * one(n) + g(n))
     if collective == "all_gather":
@@ -424,13 +447,13 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
         if algorithm == "ring":
             return (p - 1) * (ex(n / p) + g(n / p))
         folds = (one(n) + g(n) + one(n / p)) if odd else 0.0  # whole input in, one block back out
-        return halving(share, lgq, ex) + halving(share, lgq, g) + folds
+        return _halving(share, lgq, ex) + _halving(share, lgq, g) + folds
     if collective == "broadcast":
         if algorithm == "flat":
             return (p - 1) * one(n)
         if algorithm == "binomial":
             return lg * one(n)
-        return halving(share, lg, one) + (p - 1) * ex(n / p)  # scatter_allgather: tree scatter, ring all-gather
+        return _halving(share, lg, one) + (p - 1) * ex(n / p)  # scatter_allgather: tree scatter, ring all-gather
     if collective == "reduce":
         if algorithm == "flat":
             return (p - 1) * (one(n) + g(n))
@@ -442,7 +465,7 @@ def _network_time(collective: str, algorithm: str, nbytes: int, world_size: int,
     # scatter, gather
     if algorithm == "flat":
         return (p - 1) * one(n / p)
-    return halving(share, lg, one)
+    return _halving(share, lg, one)
 
 
 def _on_link(topology, link_class: str, nbytes: float, machine) -> float:

@@ -655,6 +655,73 @@ def _root_cause(errors: list[RankFailed], died: dict[int, int]) -> RankFailed:
     return errors[0]
 
 
+def _drain_messages(queue, results: dict, records: list, errors: list, progress: _Progress) -> None:
+    """Take every message the ranks have queued, waiting up to 20 ms for the first: records (fed to the
+    progress bar), results (unpickled, by rank) and errors (as :class:`RankFailed`)."""
+    try:
+        kind, rank, payload = queue.get(timeout=0.02)
+        while True:
+            if kind == "record":
+                records.append(payload)
+                progress.update(payload)
+            elif kind == "result":
+                results[rank] = pickle.loads(payload)
+            elif kind == "error":
+                errors.append(RankFailed(rank, *payload))
+            kind, rank, payload = queue.get_nowait()
+    except Exception:  # noqa: BLE001 - queue.Empty: nothing more for now
+        pass
+
+
+def _read_outputs(outputs) -> None:
+    """Read what the ranks printed, waiting up to 20 ms for any pipe to have something."""
+    open_fds = [o.fd for o in outputs if o.open]
+    ready, _, _ = select.select(open_fds, [], [], 0.02) if open_fds else ([], [], [])
+    for out in outputs:
+        if out.fd in ready:
+            out.read()
+
+
+def _judge_trouble(procs, results: dict, errors: list, first_trouble: float | None,
+                   now: float) -> tuple[float | None, RankFailed | None]:
+    """``(first_trouble, failure)``: when trouble (an error, a rank that died, one that exited 0 without
+    its result) was first seen, and the failure to report once it is time, else None.
+
+    Trouble is not judged at once: a rank that dies breaks its peers, whose errors and exits follow a
+    moment later, and the message of a rank whose exit was seen first may still be in the queue's pipe. The
+    root cause is picked once every rank has answered or exited and 0.25 s passed, or after 1 s
+    regardless; with no error or death to report, a rank that exited 0 without its result is
+    reported after 2 s."""
+    reported = {e.rank for e in errors}
+    died = {r: p.exitcode for r, p in enumerate(procs)
+            if p.exitcode not in (None, 0) and r not in reported and r not in results}
+    silent = [r for r, p in enumerate(procs) if p.exitcode == 0 and r not in results]
+    if not (errors or died or silent):
+        return first_trouble, None
+    first_trouble = first_trouble or now
+    settled = all(r in results or r in reported or procs[r].exitcode is not None for r in range(len(procs)))
+    if (settled and now - first_trouble > 0.25) or now - first_trouble > 1.0:
+        if errors or died:
+            return first_trouble, _root_cause(errors, died)
+        if now - first_trouble > 2.0:  # exited 0 but its result never came
+            return first_trouble, RankFailed(silent[0], "ProcessExited",
+                                             "rank process exited without returning a result", "", exitcode=0)
+    return first_trouble, None
+
+
+def _time_out(procs, outputs, dumps, results: dict, timeout: float) -> None:
+    """The deadline passed: take the unfinished ranks' stacks, kill every rank, show their output and
+    raise :class:`LaunchTimeout` with the stacks."""
+    unfinished = [r for r in range(len(procs)) if r not in results]
+    stacks = _collect_stacks(procs, dumps, unfinished)
+    for proc in procs:
+        _kill(proc)
+    for out in outputs:
+        out.finish()
+    _print_output(outputs)
+    raise LaunchTimeout(timeout, stacks)
+
+
 def _monitor(procs, outputs, dumps, queue, timeout, start, retrying: bool = False) -> LaunchResult:
     """Collect the ranks' messages, output and exits until all returned, one failed or ``timeout``
     passed. ``retrying``: a failure to connect will be retried, so the ranks' output (gloo's own
@@ -669,57 +736,17 @@ def _monitor(procs, outputs, dumps, queue, timeout, start, retrying: bool = Fals
     deadline = start + timeout
     try:
         while True:
-            # 1. messages from the ranks
-            try:
-                kind, rank, payload = queue.get(timeout=0.02)
-                while True:
-                    if kind == "record":
-                        records.append(payload)
-                        progress.update(payload)
-                    elif kind == "result":
-                        results[rank] = pickle.loads(payload)
-                    elif kind == "error":
-                        errors.append(RankFailed(rank, *payload))
-                    kind, rank, payload = queue.get_nowait()
-            except Exception:  # noqa: BLE001 - queue.Empty: nothing more for now
-                pass
-            # 2. what the ranks printed
-            open_fds = [o.fd for o in outputs if o.open]
-            ready, _, _ = select.select(open_fds, [], [], 0.02) if open_fds else ([], [], [])
-            for out in outputs:
-                if out.fd in ready:
-                    out.read()
+            _drain_messages(queue, results, records, errors, progress)  # 1. messages from the ranks
+            _read_outputs(outputs)  # 2. what the ranks printed
             # 3. who has finished, who has died
             if len(results) == world_size:
                 break
             now = time.monotonic()
-            reported = {e.rank for e in errors}
-            died = {r: p.exitcode for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in reported and r not in results}
-            silent = [r for r, p in enumerate(procs) if p.exitcode == 0 and r not in results]
-            if errors or died or silent:
-                first_trouble = first_trouble or now
-                settled = all(r in results or r in reported or procs[r].exitcode is not None
-                              for r in range(world_size))
-                # wait a moment for the other ranks' errors and exits, to find the root cause (and
-                # for the message of a rank whose exit was seen first: it is in the queue's pipe)
-                if (settled and now - first_trouble > 0.25) or now - first_trouble > 1.0:
-                    if errors or died:
-                        failure = _root_cause(errors, died)
-                        break
-                    if now - first_trouble > 2.0:  # exited 0 but its result never came
-                        failure = RankFailed(silent[0], "ProcessExited",
-                                             "rank process exited without returning a result", "", exitcode=0)
-                        break
+            first_trouble, failure = _judge_trouble(procs, results, errors, first_trouble, now)
+            if failure is not None:
+                break
             if now > deadline:
-                unfinished = [r for r in range(world_size) if r not in results]
-                stacks = _collect_stacks(procs, dumps, unfinished)
-                for proc in procs:
-                    _kill(proc)
-                for out in outputs:
-                    out.finish()
-                _print_output(outputs)
-                raise LaunchTimeout(timeout, stacks)
+                _time_out(procs, outputs, dumps, results, timeout)
     except KeyboardInterrupt:
         for proc in procs:
             _kill(proc)

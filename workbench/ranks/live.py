@@ -315,6 +315,20 @@ def _describe(e: BaseException, interrupted: bool = False) -> tuple[str, str, st
 
 # ---------------------------------------------------------------------------------- the parent
 
+def _failure(ranks: list[int], replies: dict, died: dict, stuck: list[int], missing_ok: bool) -> RankFailed | None:
+    """The failure to raise once the ranks are quiet: a rank's own error (not an interrupt; with
+    ``missing_ok`` the caller reads the errors itself), else a rank that died, else one that did not answer."""
+    own = [RankFailed(r, *replies[r][1]) for r in ranks
+           if r in replies and replies[r][0] == "error" and replies[r][1][0] != _INTERRUPTED]
+    if own and not missing_ok:
+        return _root_cause(own, died)
+    if died:
+        return _root_cause([], died)
+    if stuck:
+        return RankFailed(stuck[0], "Unresponsive", "the rank did not answer", "")
+    return None
+
+
 class LiveRanks:
     """N ranks that stay up between calls: ``run`` source on them, ``pull``/``push`` names, ``stop``.
 
@@ -490,60 +504,19 @@ class LiveRanks:
         """
         self._ensure_running()
         if request != "start":
-            self._request_id += 1  # a late reply to an abandoned request is recognised and dropped
-            for r in ranks:
-                self._requests[r].send_bytes(pickle.dumps((self._request_id, *request)))
+            self._send(ranks, request)
         replies: dict[int, tuple] = {}
-        deadline = time.monotonic() + timeout
-        trouble_since = None
-        cause: BaseException | None = None
-        try:
-            while True:
-                self._pump(ranks, replies, results, 0.05)
-                pending = [r for r in ranks if r not in replies]
-                died = self._died()
-                errors = [r for r in ranks if r in replies and replies[r][0] == "error"]
-                if not pending or died:
-                    break
-                if errors and not missing_ok:
-                    trouble_since = trouble_since or time.monotonic()
-                    if time.monotonic() - trouble_since > 0.25:  # the others' own errors arrive first
-                        break
-                if time.monotonic() > deadline:
-                    stacks = _collect_stacks(self._procs, self._dumps, pending, below="in _exec_cell")
-                    cause = LaunchTimeout(timeout, {r: _main_thread(s) for r, s in stacks.items()},
-                                          what=_WHAT.get(request[0], "ranks request") if request != "start"
-                                          else "starting the ranks", outcome="The ranks were interrupted.")
-                    break
-        except KeyboardInterrupt as e:
-            cause = e
+        cause = self._await_replies(ranks, timeout, request, replies, results, missing_ok)
         pending = [r for r in ranks if r not in replies]
         interrupted = bool(pending)
         if pending and not self._died():
-            for r in pending:
-                try:
-                    self._controls[r].send_bytes(b"interrupt")
-                except OSError:
-                    pass
-            end = time.monotonic() + GRACE
-            while [r for r in ranks if r not in replies] and not self._died() and time.monotonic() < end:
-                self._pump(ranks, replies, results, 0.05)
+            self._interrupt(ranks, pending, replies, results)
         self._pump(ranks, replies, results, 0.0)
         for out in self._outputs:
             out.finish()  # a last line printed without a newline belongs to this cell too
         died = self._died()
         stuck = [r for r in ranks if r not in replies]
-
-        failure = cause
-        if failure is None:
-            own = [RankFailed(r, *replies[r][1]) for r in ranks
-                   if r in replies and replies[r][0] == "error" and replies[r][1][0] != _INTERRUPTED]
-            if own and not missing_ok:
-                failure = _root_cause(own, died)
-            elif died:
-                failure = _root_cause([], died)
-            elif stuck:
-                failure = RankFailed(stuck[0], "Unresponsive", "the rank did not answer", "")
+        failure = cause if cause is not None else _failure(ranks, replies, died, stuck, missing_ok)
         if request == "start":
             if failure is not None:
                 raise failure
@@ -551,6 +524,66 @@ class LiveRanks:
         self._collect(results, ranks)
         if show is not None and results is not None:
             show([results[r] for r in ranks])
+        self._recover(died, stuck, interrupted, pending)
+        if failure is not None:
+            raise failure
+        return replies
+
+    def _send(self, ranks: list[int], request) -> None:
+        """Send ``request`` to ``ranks`` under a new request id (a late reply to an abandoned request
+        carries an older one, and is recognised and dropped)."""
+        self._request_id += 1
+        for r in ranks:
+            self._requests[r].send_bytes(pickle.dumps((self._request_id, *request)))
+
+    def _await_replies(self, ranks: list[int], timeout: float, request, replies: dict, results: dict | None,
+                       missing_ok: bool) -> BaseException | None:
+        """Fill ``replies`` until every rank answered, a rank died, or (unless ``missing_ok``) a rank's
+        error has had 0.25 s for the others' own errors to arrive: then None. Or the cause of stopping
+        early: a :class:`LaunchTimeout` with the pending ranks' stacks after ``timeout`` seconds, or the
+        ``KeyboardInterrupt`` of a user who interrupted the wait."""
+        deadline = time.monotonic() + timeout
+        trouble_since = None
+        try:
+            while True:
+                self._pump(ranks, replies, results, 0.05)
+                pending = [r for r in ranks if r not in replies]
+                died = self._died()
+                errors = [r for r in ranks if r in replies and replies[r][0] == "error"]
+                if not pending or died:
+                    return None
+                if errors and not missing_ok:
+                    trouble_since = trouble_since or time.monotonic()
+                    if time.monotonic() - trouble_since > 0.25:  # the others' own errors arrive first
+                        return None
+                if time.monotonic() > deadline:
+                    return self._timed_out(pending, timeout, request)
+        except KeyboardInterrupt as e:
+            return e
+
+    def _timed_out(self, pending: list[int], timeout: float, request) -> LaunchTimeout:
+        """The :class:`LaunchTimeout` of ``request``: where each pending rank's cell is stuck (its main
+        thread's stack), and what the ranks are about to be (interrupted)."""
+        stacks = _collect_stacks(self._procs, self._dumps, pending, below="in _exec_cell")
+        return LaunchTimeout(timeout, {r: _main_thread(s) for r, s in stacks.items()},
+                             what=_WHAT.get(request[0], "ranks request") if request != "start"
+                             else "starting the ranks", outcome="The ranks were interrupted.")
+
+    def _interrupt(self, ranks: list[int], pending: list[int], replies: dict, results: dict | None) -> None:
+        """Ask the ``pending`` ranks to interrupt their request (their control threads break the group's
+        connections), and collect replies for up to :data:`GRACE` seconds, or until a rank dies."""
+        for r in pending:
+            try:
+                self._controls[r].send_bytes(b"interrupt")
+            except OSError:
+                pass
+        end = time.monotonic() + GRACE
+        while [r for r in ranks if r not in replies] and not self._died() and time.monotonic() < end:
+            self._pump(ranks, replies, results, 0.05)
+
+    def _recover(self, died: dict, stuck: list[int], interrupted: bool, pending: list[int]) -> None:
+        """Make the group usable for the next request: restart it if a rank died or did not come back
+        from an interrupt; every rank joins a fresh process group after an interrupt that all survived."""
         if died or stuck:
             what = (f"rank {min(died)} died" if died else
                     f"rank(s) {', '.join(map(str, stuck))} did not stop within {GRACE:g} s of an interrupt")
@@ -559,9 +592,6 @@ class LiveRanks:
             self._regroup()
             print(f"workbench: interrupted rank(s) {', '.join(map(str, pending))}; every rank joined a fresh "
                   "process group (names are kept; groups made with dist.new_group are not)")
-        if failure is not None:
-            raise failure
-        return replies
 
     def _pump(self, ranks, replies, results, wait_s) -> None:
         waitables = [self._requests[r] for r in ranks if r not in replies]

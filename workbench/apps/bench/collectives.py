@@ -78,6 +78,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+import concurrent.futures
+import resource
 
 import torch
 import torch.distributed as dist
@@ -139,120 +141,148 @@ class _Case:
     wrong: Callable[[], int]  # elements of this rank's output that differ from the expected result
 
 
+def _mismatches(got, want) -> int:
+    """Elements of ``got`` that differ from ``want`` (exact: the check data are small integers)."""
+    return int((got != want).sum().item())
+
+
+def _one_buffer_case(collective: str, numel: int, inplace: bool, dtype: torch.dtype, r: int, n: int) -> _Case:
+    """all_reduce, reduce, broadcast: PyTorch has them in place only, so out of place copies the input into
+    the output before every call (what a caller who must keep ``x`` pays). reduce is checked on the root."""
+    x = _pattern(r, numel, dtype)
+    out = x if inplace else torch.empty_like(x)
+    if collective == "all_reduce":
+        run = lambda a: comm.all_reduce(out, algorithm=a)  # noqa: E731
+        expected = lambda: sum(_pattern(q, numel, dtype) for q in range(n))  # noqa: E731
+        checked = True
+    elif collective == "reduce":
+        run = lambda a: comm.reduce(out, ROOT, algorithm=a)  # noqa: E731
+        expected = lambda: sum(_pattern(q, numel, dtype) for q in range(n))  # noqa: E731
+        checked = r == ROOT
+    else:
+        run = lambda a: comm.broadcast(out, ROOT, algorithm=a)  # noqa: E731
+        expected = lambda: _pattern(ROOT, numel, dtype)  # noqa: E731
+        checked = True
+
+    def call(a):
+        if not inplace:
+            out.copy_(x)
+        run(a)
+
+    def fill():
+        out.copy_(_pattern(r, numel, dtype))
+        if not inplace:
+            x.copy_(_pattern(r, numel, dtype))
+
+    return _Case(call, fill, lambda: _mismatches(out, expected()) if checked else 0)
+
+
+def _all_gather_case(numel: int, inplace: bool, dtype: torch.dtype, r: int, n: int) -> _Case:
+    """all_gather into one flat buffer of ``n`` slots; in place, the input *is* this rank's slot."""
+    flat = torch.zeros(n * numel, dtype=dtype)
+    outs = list(flat.chunk(n)) if numel else [flat[:0] for _ in range(n)]
+    x = outs[r] if inplace else _pattern(r, numel, dtype)
+
+    def fill():
+        flat.zero_()
+        x.copy_(_pattern(r, numel, dtype))
+
+    want = lambda: torch.cat([_pattern(q, numel, dtype) for q in range(n)])  # noqa: E731
+    return _Case(lambda a: comm.all_gather(outs, x, algorithm=a), fill, lambda: _mismatches(flat, want()))
+
+
+def _reduce_scatter_case(numel: int, inplace: bool, dtype: torch.dtype, r: int, n: int) -> _Case:
+    """reduce_scatter of a flat input of ``n`` blocks; in place, the output *is* this rank's input block."""
+    flat = _pattern(r, n * numel, dtype)
+    ins = list(flat.chunk(n))
+    out = ins[r] if inplace else torch.zeros(numel, dtype=dtype)
+
+    def fill():
+        flat.copy_(_pattern(r, n * numel, dtype))
+        if not inplace:
+            out.zero_()
+
+    def want():
+        return sum(_pattern(q, n * numel, dtype) for q in range(n))[r * numel:(r + 1) * numel]
+
+    return _Case(lambda a: comm.reduce_scatter(out, ins, algorithm=a), fill, lambda: _mismatches(out, want()))
+
+
+def _gather_case(numel: int, inplace: bool, dtype: torch.dtype, r: int, n: int) -> _Case:
+    """gather to ``ROOT``, the only rank with an output (and the only one checked); in place, the root's
+    input is its own slot of the output."""
+    flat = torch.zeros(n * numel, dtype=dtype) if r == ROOT else None
+    outs = list(flat.chunk(n)) if r == ROOT else None
+    x = outs[ROOT] if (inplace and r == ROOT) else _pattern(r, numel, dtype)
+
+    def fill():
+        if flat is not None:
+            flat.zero_()
+        x.copy_(_pattern(r, numel, dtype))
+
+    def wrong():
+        if r != ROOT:
+            return 0
+        return _mismatches(flat, torch.cat([_pattern(q, numel, dtype) for q in range(n)]))
+
+    return _Case(lambda a: comm.gather(x, outs, dst=ROOT, algorithm=a), fill, wrong)
+
+
+def _scatter_case(numel: int, inplace: bool, dtype: torch.dtype, r: int, n: int) -> _Case:
+    """scatter from ``ROOT``, the only rank with an input; in place, the root's output is its own slot of
+    the input."""
+    flat = torch.cat([_pattern(q, numel, dtype) for q in range(n)]) if r == ROOT else None
+    ins = list(flat.chunk(n)) if r == ROOT else None
+    out = ins[ROOT] if (inplace and r == ROOT) else torch.zeros(numel, dtype=dtype)
+
+    def fill():
+        if flat is not None:
+            flat.copy_(torch.cat([_pattern(q, numel, dtype) for q in range(n)]))
+        if not (inplace and r == ROOT):
+            out.zero_()
+
+    return _Case(lambda a: comm.scatter(out, ins, src=ROOT, algorithm=a), fill,
+                 lambda: _mismatches(out, _pattern(r, numel, dtype)))
+
+
+def _all_to_all_case(numel: int, inplace: bool, dtype: torch.dtype, r: int, n: int) -> _Case:
+    """all_to_all_single: block j of rank i's input lands in block i of rank j's output. It exists out of
+    place only; in place (the result in the caller's buffer) copies that buffer aside before every call."""
+    x = _pattern(r, numel, dtype)
+    out = torch.zeros(numel, dtype=dtype)
+    aside = torch.empty_like(out) if inplace else None
+
+    def call(a):
+        if inplace:  # the result replaces the caller's buffer: it is copied aside first
+            aside.copy_(out)
+            comm.all_to_all_single(out, aside, algorithm=a)
+        else:
+            comm.all_to_all_single(out, x, algorithm=a)
+
+    def fill():
+        if inplace:
+            out.copy_(x)
+        else:
+            out.zero_()
+
+    want = lambda: torch.cat([_pattern(q, numel, dtype).chunk(n)[r] for q in range(n)])  # noqa: E731
+    return _Case(call, fill, lambda: _mismatches(out, want()))
+
+
+# the collectives with separate input and output buffers, each its own builder
+_SHARDED_CASES = {"all_gather": _all_gather_case, "reduce_scatter": _reduce_scatter_case, "gather": _gather_case,
+                  "scatter": _scatter_case, "all_to_all_single": _all_to_all_case}
+
+
 def _make_case(collective: str, numel: int, placement: str, dtype: torch.dtype) -> _Case:
+    """This rank's buffers for ``collective`` of ``numel`` elements per call argument, ``placement``
+    ``"in-place"`` or ``"out-of-place"`` (see the module docstring for what each means per collective)."""
     r, n = dist.get_rank(), dist.get_world_size()
     inplace = placement == "in-place"
-
-    def mismatches(got, want) -> int:
-        return int((got != want).sum().item())
-
     if collective in ("all_reduce", "broadcast", "reduce"):
-        x = _pattern(r, numel, dtype)
-        out = x if inplace else torch.empty_like(x)
-        if collective == "all_reduce":
-            run = lambda a: comm.all_reduce(out, algorithm=a)  # noqa: E731
-            expected = lambda: sum(_pattern(q, numel, dtype) for q in range(n))  # noqa: E731
-            checked = True
-        elif collective == "reduce":
-            run = lambda a: comm.reduce(out, ROOT, algorithm=a)  # noqa: E731
-            expected = lambda: sum(_pattern(q, numel, dtype) for q in range(n))  # noqa: E731
-            checked = r == ROOT
-        else:
-            run = lambda a: comm.broadcast(out, ROOT, algorithm=a)  # noqa: E731
-            expected = lambda: _pattern(ROOT, numel, dtype)  # noqa: E731
-            checked = True
-
-        def call(a):
-            if not inplace:
-                out.copy_(x)
-            run(a)
-
-        def fill():
-            out.copy_(_pattern(r, numel, dtype))
-            if not inplace:
-                x.copy_(_pattern(r, numel, dtype))
-
-        return _Case(call, fill, lambda: mismatches(out, expected()) if checked else 0)
-
-    if collective == "all_gather":
-        flat = torch.zeros(n * numel, dtype=dtype)
-        outs = list(flat.chunk(n)) if numel else [flat[:0] for _ in range(n)]
-        x = outs[r] if inplace else _pattern(r, numel, dtype)
-
-        def fill():
-            flat.zero_()
-            x.copy_(_pattern(r, numel, dtype))
-
-        want = lambda: torch.cat([_pattern(q, numel, dtype) for q in range(n)])  # noqa: E731
-        return _Case(lambda a: comm.all_gather(outs, x, algorithm=a), fill, lambda: mismatches(flat, want()))
-
-    if collective == "reduce_scatter":
-        flat = _pattern(r, n * numel, dtype)
-        ins = list(flat.chunk(n))
-        out = ins[r] if inplace else torch.zeros(numel, dtype=dtype)
-
-        def fill():
-            flat.copy_(_pattern(r, n * numel, dtype))
-            if not inplace:
-                out.zero_()
-
-        def want():
-            return sum(_pattern(q, n * numel, dtype) for q in range(n))[r * numel:(r + 1) * numel]
-
-        return _Case(lambda a: comm.reduce_scatter(out, ins, algorithm=a), fill, lambda: mismatches(out, want()))
-
-    if collective == "gather":
-        flat = torch.zeros(n * numel, dtype=dtype) if r == ROOT else None
-        outs = list(flat.chunk(n)) if r == ROOT else None
-        x = outs[ROOT] if (inplace and r == ROOT) else _pattern(r, numel, dtype)
-
-        def fill():
-            if flat is not None:
-                flat.zero_()
-            x.copy_(_pattern(r, numel, dtype))
-
-        def wrong():
-            if r != ROOT:
-                return 0
-            return mismatches(flat, torch.cat([_pattern(q, numel, dtype) for q in range(n)]))
-
-        return _Case(lambda a: comm.gather(x, outs, dst=ROOT, algorithm=a), fill, wrong)
-
-    if collective == "scatter":
-        flat = torch.cat([_pattern(q, numel, dtype) for q in range(n)]) if r == ROOT else None
-        ins = list(flat.chunk(n)) if r == ROOT else None
-        out = ins[ROOT] if (inplace and r == ROOT) else torch.zeros(numel, dtype=dtype)
-
-        def fill():
-            if flat is not None:
-                flat.copy_(torch.cat([_pattern(q, numel, dtype) for q in range(n)]))
-            if not (inplace and r == ROOT):
-                out.zero_()
-
-        return _Case(lambda a: comm.scatter(out, ins, src=ROOT, algorithm=a), fill,
-                     lambda: mismatches(out, _pattern(r, numel, dtype)))
-
-    if collective == "all_to_all_single":  # block j of rank i's input lands in block i of rank j's output
-        x = _pattern(r, numel, dtype)
-        out = torch.zeros(numel, dtype=dtype)
-        aside = torch.empty_like(out) if inplace else None
-
-        def call(a):
-            if inplace:  # the result replaces the caller's buffer: it is copied aside first
-                aside.copy_(out)
-                comm.all_to_all_single(out, aside, algorithm=a)
-            else:
-                comm.all_to_all_single(out, x, algorithm=a)
-
-        def fill():
-            if inplace:
-                out.copy_(x)
-            else:
-                out.zero_()
-
-        want = lambda: torch.cat([_pattern(q, numel, dtype).chunk(n)[r] for q in range(n)])  # noqa: E731
-        return _Case(call, fill, lambda: mismatches(out, want()))
-
+        return _one_buffer_case(collective, numel, inplace, dtype, r, n)
+    if collective in _SHARDED_CASES:
+        return _SHARDED_CASES[collective](numel, inplace, dtype, r, n)
     raise ValueError(f"collective={collective!r} is not known: use one of {', '.join(COLLECTIVES)}")
 
 
@@ -348,8 +378,6 @@ def page_faults(collectives, algorithms, nbytes: int, *, calls: int = 10, placem
     ``faults_per_call``, ``time_s`` (the slowest rank's), ``fault_s`` (seconds per fault on
     this machine, from :func:`fault_cost`) and ``faulting_s`` = faults x seconds per fault.
     """
-    import resource
-
     world = dist.get_world_size()
     torch_dtype = DTYPES[dtype]
     esize = torch.tensor([], dtype=torch_dtype).element_size()
@@ -403,9 +431,6 @@ def gloo_structure(nbytes: int, *, calls: int = 10, trials: int = 7) -> list[dic
     rank's mean), ``sent_bytes`` (bytes this rank wrote to its sockets per call, rank 0's,
     None without ``/proc/self/io``) and ``faults_per_call`` (rank 0's minor page faults).
     """
-    import concurrent.futures
-    import resource
-
     world, rank = dist.get_world_size(), dist.get_rank()
     n = counts("all_gather", nbytes, world, 4)[0]
     x, out = torch.randn(n), torch.empty(n)
@@ -459,8 +484,6 @@ def fault_cost(nbytes: int = 64 << 20) -> float:
     (``mmap``-backed at this size, so every page faults) less a second touch of the same pages,
     divided by the faults counted. Timed in this thread's CPU time (``time.thread_time``, kernel
     time included), one intra-op thread, so that other processes' load does not count."""
-    import resource
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     samples = []

@@ -43,6 +43,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 
 import workbench
 from workbench import comm
@@ -76,7 +77,6 @@ def scores_bytes(candidate: str, batch: int, heads: int, seq_len: int, p: int) -
 def _torch_ring():
     """``(forward(q, k, v) -> out, None)`` with torch's private ring attention, or ``(None, why)``."""
     try:
-        import torch.distributed as dist
         from torch.distributed.tensor.experimental._context_parallel import _attention
         ring = _attention._templated_ring_attention
         kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -92,12 +92,114 @@ def _torch_ring():
     return forward, None
 
 
+# the layout each sharded candidate's inputs are cut in
+_LAYOUT = {"ring": "zigzag", "ring-contiguous": "contiguous", "ulysses": "zigzag", "torch-ring": "zigzag"}
+
+
+def _inputs(names, q, k, v, w) -> tuple[dict, dict]:
+    """``(args, weights)`` per candidate: leaf copies of ``q, k, v`` that collect gradients (the whole
+    sequence for sdpa, this rank's shard in the candidate's layout for the others), and the weights
+    ``w`` the output is summed against for backward, cut the same way."""
+    args = {"sdpa": [t.clone().requires_grad_() for t in (q, k, v)]}
+    for c in names:
+        if c != "sdpa":
+            args[c] = [cp.shard_sequence(t, layout=_LAYOUT[c]).requires_grad_() for t in (q, k, v)]
+    weights = {c: w if c == "sdpa" else cp.shard_sequence(w, layout=_LAYOUT[c]) for c in names}
+    return args, weights
+
+
+def _attend(c: str, args: dict, torch_forward):
+    """Candidate ``c``'s causal attention on its own inputs."""
+    if c == "sdpa":
+        return F.scaled_dot_product_attention(*args[c], is_causal=True)
+    if c == "torch-ring":
+        return torch_forward(*args[c])
+    method = cp.ulysses_attention if c == "ulysses" else cp.ring_attention
+    return method(*args[c], is_causal=True, layout=_LAYOUT[c])
+
+
+def _count_and_check(names, args: dict, weights: dict, w, attention) -> tuple[dict, dict]:
+    """One call of each candidate outside the timed loop: ``(bytes sent (forward, backward), largest
+    difference from one process over the output and gradients, the largest over ranks)`` per candidate
+    (torch-ring: forward only, no bytes). The reference is one process's sdpa on the whole sequence."""
+    reference = F.scaled_dot_product_attention(*args["sdpa"], is_causal=True)
+    (reference * w).sum().backward()
+    want = [reference.detach()] + [t.grad.clone() for t in args["sdpa"]]
+    counted, diff = {}, {}
+    for c in names:
+        for t in args[c]:
+            t.grad = None
+        with comm.counters() as fwd:
+            out = attention(c)
+        if c == "torch-ring":
+            got, wanted = [out.detach()], want[:1]
+        else:
+            with comm.counters() as bwd:
+                (out * weights[c]).sum().backward()
+            got, wanted = [out.detach()] + [t.grad for t in args[c]], want
+            counted[c] = (fwd.total_bytes_sent, bwd.total_bytes_sent)
+        if c != "sdpa":
+            wanted = [cp.shard_sequence(t, layout=_LAYOUT[c]) for t in wanted]
+        diff[c] = measuring.max_over_ranks(max((a - b).abs().max().item() for a, b in zip(got, wanted)))
+    return counted, diff
+
+
+def _time_candidates(names, weights: dict, attention, trials: int, steps: int, warmup: int) -> dict:
+    """Seconds per call of each candidate's forward (``"c|fwd"``, no gradients) and forward + backward
+    (``"c|fwd+bwd"``, not torch-ring): ``warmup`` untimed calls each, then interleaved trials, the
+    slowest rank."""
+    def forward(c):
+        with torch.no_grad():
+            attention(c)
+
+    def forward_backward(c):
+        (attention(c) * weights[c]).sum().backward()
+
+    timed = [f"{c}|fwd" for c in names] + [f"{c}|fwd+bwd" for c in names if c != "torch-ring"]
+    run = {name: (forward if name.endswith("|fwd") else forward_backward) for name in timed}
+    for name in timed:
+        for _ in range(warmup):
+            run[name](name.split("|")[0])
+
+    def time_one(name):
+        c = name.split("|")[0]
+        return measuring.max_over_ranks(measuring.timed(lambda: run[name](c), steps))
+
+    return measuring.interleaved_trials(timed, trials, time_one)
+
+
+def _row(c: str, s: int, samples: dict, counted: dict, diff: dict, batch: int, heads: int, head_dim: int,
+         p: int) -> dict:
+    """Candidate ``c``'s row at sequence length ``s``: medians, scores by the formula, the check, and the
+    counted bytes against the formula's."""
+    row = {"seq_len": s, "candidate": c, "fwd_ms": 1e3 * measuring.median(samples[f"{c}|fwd"]),
+           "fwd_samples_ms": [1e3 * x for x in samples[f"{c}|fwd"]],
+           "scores_MiB": scores_bytes(c, batch, heads, s, p) / 2**20, "max_diff": diff[c]}
+    if c != "torch-ring":
+        row["total_ms"] = 1e3 * measuring.median(samples[f"{c}|fwd+bwd"])
+        row["total_samples_ms"] = [1e3 * x for x in samples[f"{c}|fwd+bwd"]]
+    formula = formula_bytes(c, batch, heads, s, head_dim, p)
+    if c in counted and formula is not None:
+        row["sent_fwd"], row["sent_bwd"] = counted[c]
+        row["formula_fwd"], row["formula_bwd"] = formula
+        row["bytes_match"] = tuple(counted[c]) == formula
+    return row
+
+
+def _add_ratios(rows: list[dict], s: int, p: int) -> None:
+    """``vs_sdpa`` and ``vs_ideal`` (over ``sdpa / P``) for the rows of sequence length ``s``: fwd+bwd
+    times, forward for torch-ring; NaN without an sdpa row."""
+    sdpa = next((r for r in rows if r["seq_len"] == s and r["candidate"] == "sdpa"), None)
+    for r in (r for r in rows if r["seq_len"] == s):
+        key = "fwd_ms" if r["candidate"] == "torch-ring" else "total_ms"
+        r["vs_sdpa"] = r[key] / sdpa[key] if sdpa else float("nan")
+        r["vs_ideal"] = r[key] / (sdpa[key] / p) if sdpa and r["candidate"] != "sdpa" else float("nan")
+
+
 def measure(seq_lens, batch: int, heads: int, head_dim: int, candidates, trials: int, steps: int,
             warmup: int) -> dict:
     """In every rank: time every candidate at every sequence length (interleaved trials, slowest
     rank), count bytes, check against one process; ``{"rows", "skipped"}`` (the same on every rank)."""
-    import torch.distributed as dist
-
     p = dist.get_world_size()
     skipped = {}
     torch_forward = None
@@ -110,77 +212,15 @@ def measure(seq_lens, batch: int, heads: int, head_dim: int, candidates, trials:
     for s in seq_lens:
         g = torch.Generator().manual_seed(s)
         q, k, v, w = (torch.randn(batch, heads, s, head_dim, generator=g) for _ in range(4))
-        layout = {"ring": "zigzag", "ring-contiguous": "contiguous", "ulysses": "zigzag", "torch-ring": "zigzag"}
-        args = {"sdpa": [t.clone().requires_grad_() for t in (q, k, v)]}
-        for c in names:
-            if c != "sdpa":
-                args[c] = [cp.shard_sequence(t, layout=layout[c]).requires_grad_() for t in (q, k, v)]
-        weights = {c: w if c == "sdpa" else cp.shard_sequence(w, layout=layout[c]) for c in names}
+        args, weights = _inputs(names, q, k, v, w)
 
         def attention(c):
-            if c == "sdpa":
-                return F.scaled_dot_product_attention(*args[c], is_causal=True)
-            if c == "torch-ring":
-                return torch_forward(*args[c])
-            method = cp.ulysses_attention if c == "ulysses" else cp.ring_attention
-            return method(*args[c], is_causal=True, layout=layout[c])
+            return _attend(c, args, torch_forward)
 
-        def forward(c):
-            with torch.no_grad():
-                attention(c)
-
-        def forward_backward(c):
-            (attention(c) * weights[c]).sum().backward()
-
-        # the check and the counted bytes, outside the timed loop
-        reference = F.scaled_dot_product_attention(*args["sdpa"], is_causal=True)
-        (reference * w).sum().backward()
-        want = [reference.detach()] + [t.grad.clone() for t in args["sdpa"]]
-        counted, diff = {}, {}
-        for c in names:
-            for t in args[c]:
-                t.grad = None
-            with comm.counters() as fwd:
-                out = attention(c)
-            if c == "torch-ring":
-                got, wanted = [out.detach()], want[:1]
-            else:
-                with comm.counters() as bwd:
-                    (out * weights[c]).sum().backward()
-                got, wanted = [out.detach()] + [t.grad for t in args[c]], want
-                counted[c] = (fwd.total_bytes_sent, bwd.total_bytes_sent)
-            if c != "sdpa":
-                wanted = [cp.shard_sequence(t, layout=layout[c]) for t in wanted]
-            diff[c] = measuring.max_over_ranks(max((a - b).abs().max().item() for a, b in zip(got, wanted)))
-        timed = [f"{c}|fwd" for c in names] + [f"{c}|fwd+bwd" for c in names if c != "torch-ring"]
-        run = {name: (forward if name.endswith("|fwd") else forward_backward) for name in timed}
-        for name in timed:
-            for _ in range(warmup):
-                run[name](name.split("|")[0])
-
-        def time_one(name):
-            c = name.split("|")[0]
-            return measuring.max_over_ranks(measuring.timed(lambda: run[name](c), steps))
-
-        samples = measuring.interleaved_trials(timed, trials, time_one)
-        for c in names:
-            row = {"seq_len": s, "candidate": c, "fwd_ms": 1e3 * measuring.median(samples[f"{c}|fwd"]),
-                   "fwd_samples_ms": [1e3 * x for x in samples[f"{c}|fwd"]],
-                   "scores_MiB": scores_bytes(c, batch, heads, s, p) / 2**20, "max_diff": diff[c]}
-            if c != "torch-ring":
-                row["total_ms"] = 1e3 * measuring.median(samples[f"{c}|fwd+bwd"])
-                row["total_samples_ms"] = [1e3 * x for x in samples[f"{c}|fwd+bwd"]]
-            formula = formula_bytes(c, batch, heads, s, head_dim, p)
-            if c in counted and formula is not None:
-                row["sent_fwd"], row["sent_bwd"] = counted[c]
-                row["formula_fwd"], row["formula_bwd"] = formula
-                row["bytes_match"] = tuple(counted[c]) == formula
-            rows.append(row)
-        sdpa = next((r for r in rows if r["seq_len"] == s and r["candidate"] == "sdpa"), None)
-        for r in (r for r in rows if r["seq_len"] == s):
-            key = "fwd_ms" if r["candidate"] == "torch-ring" else "total_ms"
-            r["vs_sdpa"] = r[key] / sdpa[key] if sdpa else float("nan")
-            r["vs_ideal"] = r[key] / (sdpa[key] / p) if sdpa and r["candidate"] != "sdpa" else float("nan")
+        counted, diff = _count_and_check(names, args, weights, w, attention)
+        samples = _time_candidates(names, weights, attention, trials, steps, warmup)
+        rows.extend(_row(c, s, samples, counted, diff, batch, heads, head_dim, p) for c in names)
+        _add_ratios(rows, s, p)
     return {"rows": rows, "skipped": skipped, "world_size": p}
 
 

@@ -48,6 +48,7 @@ import copy
 import time
 
 import torch
+import torch.distributed as dist
 
 import workbench
 from workbench import comm
@@ -84,8 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _build(candidate: str, base):
     """``(model, optimizer)`` for one candidate, from an identically initialised MoE GPT."""
-    import torch.distributed as dist
-
     model = copy.deepcopy(base)
     if candidate == "replicated":
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
@@ -97,11 +96,100 @@ def _build(candidate: str, base):
 
 
 def _gather(obj) -> list:
-    import torch.distributed as dist
-
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _count_one_forward(built: dict, x, y) -> tuple[dict, list]:
+    """One forward of each expert-parallel candidate under ``comm.counters()``: ``(bytes its all-to-alls
+    sent per algorithm, the routing of the native forward)``, the routing one ``(tokens per expert,
+    dropped, send rows, recv rows)`` per MoE layer. Every algorithm routes alike (same model, same data)."""
+    counted, layers = {}, None
+    for a in ALGORITHMS:
+        model = built[f"ep-{a}"][0]
+        with torch.no_grad(), comm.counters() as c:
+            model(x, y)
+        stat = c.stats.get(("all_to_all_single", a))
+        counted[a] = stat.bytes_sent if stat is not None else 0
+        if a == "native":
+            layers = [(moe.tokens_per_expert.tolist(), moe.dropped, list(moe.send_rows), list(moe.recv_rows))
+                      for moe in model.modules() if isinstance(moe, MoE)]
+    return counted, layers
+
+
+def _formula_bytes(every: list, r: int, p: int, D: int, E: int, L: int, elt: int) -> int:
+    """Bytes rank ``r`` sends in one forward by :func:`workbench.parallel.expert.all_to_all_bytes`, summed
+    over the ``L`` MoE layers, for the rows every rank routed (``every[i][layer][2]``)."""
+    formula = 0
+    for layer in range(L):
+        rows = [every[i][layer][2] for i in range(p)]
+        formula += sum(s for s, _ in all_to_all_bytes(rows, r, D, E, elt).values())
+    return formula
+
+
+def _time_dispatch_combine(send: list, recv: list, D: int, trials: int, iters: int) -> dict:
+    """Layer 0's dispatch + combine alone on the splits routing gave it: ``{algorithm: seconds per pair,
+    one per trial}`` (interleaved trials, the slowest rank), after one untimed pair each."""
+    rows_in = torch.randn(sum(send), D)
+    rows_out = torch.empty(sum(recv), D)
+
+    def pair(a):
+        comm.all_to_all_single(rows_out, rows_in, recv, send, algorithm=a)
+        comm.all_to_all_single(rows_in, rows_out, send, recv, algorithm=a)
+
+    for a in ALGORITHMS:
+        pair(a)
+    return measuring.interleaved_trials(ALGORITHMS, trials, lambda a: measuring.max_over_ranks(
+        measuring.timed(lambda: pair(a), iters)))
+
+
+def _fit_around(nbytes: int, p: int):
+    """A cost model (alpha, beta and their exchange variants) fitted on sizes around one block of an
+    all-to-all of ``nbytes`` per rank, so its lines are straight where the prediction is read."""
+    sizes = sorted({max(8, nbytes // (p * 4)), max(16, nbytes // p), max(32, 4 * nbytes // p)})
+    return probes.fit(sizes, sizes, sizes, copies=False, curves=False)["model"]
+
+
+def _step_rows(built: dict, samples: dict, tokens_per_step: int) -> list[dict]:
+    """One row per candidate: its median step, its parameters on this rank, and the ratios to
+    ``replicated`` and (expert-parallel ones) to ``ep-native``."""
+    rows = []
+    for c in CANDIDATES:
+        held = sum(q.numel() for q in built[c][0].parameters())
+        rows.append({"candidate": c, "step_ms": 1e3 * measuring.median(samples[c]),
+                     "samples_ms": [1e3 * s for s in samples[c]], "parameters": held,
+                     "tokens_per_s": tokens_per_step / measuring.median(samples[c])})
+    by = {row["candidate"]: row for row in rows}
+    for row in rows:
+        row["x_replicated"] = row["step_ms"] / by["replicated"]["step_ms"]
+        row["x_native"] = row["step_ms"] / by["ep-native"]["step_ms"] if row["candidate"] != "replicated" else None
+    return rows
+
+
+def _all_to_all_rows(a2a: dict, counted: dict, formula: int, uniform: float, nbytes: int, p: int,
+                     cost_model) -> list[dict]:
+    """One row per algorithm: dispatch + combine measured and predicted (two all-to-alls of ``nbytes``),
+    and the bytes one forward sent against the routing's formula and uniform routing's expectation."""
+    a2a_rows = []
+    for a in ALGORITHMS:
+        ms = 1e3 * measuring.median(a2a[a])
+        predicted = (2e3 * cost.predict("all_to_all_single", a, nbytes, p, cost_model) if cost_model is not None
+                     else None)
+        a2a_rows.append({"algorithm": a, "ms": ms, "samples_ms": [1e3 * s for s in a2a[a]], "predicted_ms": predicted,
+                         "measured_over_predicted": ms / predicted if predicted else None,
+                         "x_native": None, "bytes_sent": counted[a], "bytes_formula": formula,
+                         "bytes_uniform": uniform, "counted_over_formula": counted[a] / formula if formula else None})
+    for row in a2a_rows:
+        row["x_native"] = row["ms"] / a2a_rows[0]["ms"]
+    return a2a_rows
+
+
+def _balance(every: list, p: int, E: int, L: int) -> list[dict]:
+    """Per layer: the tokens each expert received over all ranks, max / mean, and the dropped assignments."""
+    tokens = [[sum(every[i][layer][0][e] for i in range(p)) for e in range(E)] for layer in range(L)]
+    return [{"layer": layer, "tokens_per_expert": t, "max_over_mean": max(t) / (sum(t) / E),
+             "dropped": sum(every[i][layer][1] for i in range(p))} for layer, t in enumerate(tokens)]
 
 
 def run(preset: str = "tiny", experts: int = 4, top_k: int = 2, capacity_factor: float | None = None,
@@ -109,8 +197,6 @@ def run(preset: str = "tiny", experts: int = 4, top_k: int = 2, capacity_factor:
         predict: bool = True) -> dict:
     """Inside every rank: build the candidates, count one forward's bytes and the routing, time the
     steps and the dispatch + combine (interleaved trials), fit the cost model (``predict``)."""
-    import torch.distributed as dist
-
     p, r = dist.get_world_size(), dist.get_rank()
     config = GPTConfig.preset(preset, n_experts=experts, top_k=top_k, capacity_factor=capacity_factor)
     torch.manual_seed(0)
@@ -132,21 +218,9 @@ def run(preset: str = "tiny", experts: int = 4, top_k: int = 2, capacity_factor:
 
     # one forward of each expert-parallel candidate, counted; the routing it made, from every rank
     D, E, L, elt = config.n_embd, experts, config.n_layer, 4
-    counted, layers = {}, None
-    for a in ALGORITHMS:
-        model = built[f"ep-{a}"][0]
-        with torch.no_grad(), comm.counters() as c:
-            model(x, y)
-        stat = c.stats.get(("all_to_all_single", a))
-        counted[a] = stat.bytes_sent if stat is not None else 0
-        if a == "native":
-            layers = [(moe.tokens_per_expert.tolist(), moe.dropped, list(moe.send_rows), list(moe.recv_rows))
-                      for moe in model.modules() if isinstance(moe, MoE)]
+    counted, layers = _count_one_forward(built, x, y)
     every = _gather(layers)  # every[i][layer] = rank i's (tokens per expert, dropped, send rows, recv rows)
-    formula = 0
-    for layer in range(L):
-        rows = [every[i][layer][2] for i in range(p)]
-        formula += sum(s for s, _ in all_to_all_bytes(rows, r, D, E, elt).values())
+    formula = _formula_bytes(every, r, p, D, E, L, elt)
     uniform = 2 * L * batch_size * config.block_size * top_k * D * elt * (p - 1) / p + L * (E - E // p) * 8
 
     # step times
@@ -156,49 +230,14 @@ def run(preset: str = "tiny", experts: int = 4, top_k: int = 2, capacity_factor:
     samples = measuring.interleaved_trials(CANDIDATES, trials, time_step)
 
     # dispatch + combine of layer 0 alone, on the splits it had
-    send, recv = every[r][0][2], every[r][0][3]
-    rows_in = torch.randn(sum(send), D)
-    rows_out = torch.empty(sum(recv), D)
-
-    def pair(a):
-        comm.all_to_all_single(rows_out, rows_in, recv, send, algorithm=a)
-        comm.all_to_all_single(rows_in, rows_out, send, recv, algorithm=a)
-
-    for a in ALGORITHMS:
-        pair(a)
-    a2a = measuring.interleaved_trials(ALGORITHMS, trials, lambda a: measuring.max_over_ranks(
-        measuring.timed(lambda: pair(a), iters)))
+    send = every[r][0][2]
+    a2a = _time_dispatch_combine(send, every[r][0][3], D, trials, iters)
     nbytes = sum(send) * D * elt  # this rank's whole input (nccl-tests' n)
-    cost_model = None
-    if predict:  # alpha, beta (and their exchange variants) fitted on sizes around one block of the message
-        sizes = sorted({max(8, nbytes // (p * 4)), max(16, nbytes // p), max(32, 4 * nbytes // p)})
-        cost_model = probes.fit(sizes, sizes, sizes, copies=False, curves=False)["model"]
+    cost_model = _fit_around(nbytes, p) if predict else None
 
-    rows = []
-    for c in CANDIDATES:
-        held = sum(q.numel() for q in built[c][0].parameters())
-        rows.append({"candidate": c, "step_ms": 1e3 * measuring.median(samples[c]),
-                     "samples_ms": [1e3 * s for s in samples[c]], "parameters": held,
-                     "tokens_per_s": p * batch_size * config.block_size / measuring.median(samples[c])})
-    by = {row["candidate"]: row for row in rows}
-    for row in rows:
-        row["x_replicated"] = row["step_ms"] / by["replicated"]["step_ms"]
-        row["x_native"] = row["step_ms"] / by["ep-native"]["step_ms"] if row["candidate"] != "replicated" else None
-    a2a_rows = []
-    for a in ALGORITHMS:
-        ms = 1e3 * measuring.median(a2a[a])
-        predicted = (2e3 * cost.predict("all_to_all_single", a, nbytes, p, cost_model) if cost_model is not None
-                     else None)
-        a2a_rows.append({"algorithm": a, "ms": ms, "samples_ms": [1e3 * s for s in a2a[a]], "predicted_ms": predicted,
-                         "measured_over_predicted": ms / predicted if predicted else None,
-                         "x_native": None, "bytes_sent": counted[a], "bytes_formula": formula,
-                         "bytes_uniform": uniform, "counted_over_formula": counted[a] / formula if formula else None})
-    for row in a2a_rows:
-        row["x_native"] = row["ms"] / a2a_rows[0]["ms"]
-    tokens = [[sum(every[i][layer][0][e] for i in range(p)) for e in range(E)] for layer in range(L)]
-    balance = [{"layer": layer, "tokens_per_expert": t, "max_over_mean": max(t) / (sum(t) / E),
-                "dropped": sum(every[i][layer][1] for i in range(p))} for layer, t in enumerate(tokens)]
-    return {"rows": rows, "all_to_all": a2a_rows, "balance": balance, "rank": r,
+    rows = _step_rows(built, samples, p * batch_size * config.block_size)
+    a2a_rows = _all_to_all_rows(a2a, counted, formula, uniform, nbytes, p, cost_model)
+    return {"rows": rows, "all_to_all": a2a_rows, "balance": _balance(every, p, E, L), "rank": r,
             "bytes_by_rank": _gather({a: counted[a] for a in ALGORITHMS}),
             "formula_by_rank": _gather(formula), "rows_by_rank": [e[0][2] for e in every],
             "parameters_per_rank": parameters_per_rank(config, p), "parameters": base.num_parameters(),

@@ -32,6 +32,7 @@ import copy
 import time
 
 import torch
+import torch.distributed as dist
 
 import workbench
 from workbench import comm
@@ -72,28 +73,21 @@ def _policy(precision: str):
     return MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
 
 
-def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int = 2) -> dict:
-    """Inside every rank: the three tables of the module docstring (rank 0's view of memory,
-    the slowest rank's time)."""
-    import torch.distributed as dist
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _build(base, stage: int, precision: str, policy: str):
+    """``(model, optimizer)``: a copy of ``base`` under recomputation ``policy``, wrapped by ZeRO ``stage``
+    at ``precision``, with AdamW."""
+    module = recompute(copy.deepcopy(base), policy) if policy != "none" else copy.deepcopy(base)
+    return zero(module, torch.optim.AdamW, stage, mp_policy=_policy(precision), **ADAMW)
 
-    rank, n = dist.get_rank(), dist.get_world_size()
-    config = GPTConfig.preset(preset)
-    torch.manual_seed(0)
-    base = GPT(config)
-    psi = base.num_parameters()
-    x, y = synthetic_batch(batch_size, block_size=config.block_size, seed=rank)
 
-    def build(stage, precision, policy):
-        module = recompute(copy.deepcopy(base), policy) if policy != "none" else copy.deepcopy(base)
-        return zero(module, torch.optim.AdamW, stage, mp_policy=_policy(precision), **ADAMW)
-
+def _state_rows(base, x, y, psi: int, n: int) -> list[dict]:
+    """Model state per stage and precision after the third step's backward and optimizer step, against
+    the ZeRO formulas, with the bytes that step sent at bfloat16 over float32."""
     state_rows = []
     for stage in STAGES:
         sent = {}
         for precision in PRECISIONS:
-            model, opt = build(stage, precision, "none")
+            model, opt = _build(base, stage, precision, "none")
             for _ in range(2):   # Adam state created, DDP's buckets rebuilt (a broadcast)
                 model(x, y)[1].backward()
                 opt.step()
@@ -109,7 +103,12 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
             del model, opt
         for row in state_rows[-2:]:
             row["wire_vs_fp32"] = sent[row["precision"]] / sent["fp32"]
-    # ZeRO-2 reducing bfloat16 gradients in float32: a 4 psi / N gradient shard, float32 on the wire
+    return state_rows
+
+
+def _fp32_reduce_row(base, x, y, psi: int, n: int) -> dict:
+    """ZeRO-2 reducing bfloat16 gradients in float32: a 4 psi / N gradient shard, float32 on the wire
+    (formula ``2 psi + 16 psi / N``)."""
     model, opt = zero(copy.deepcopy(base), torch.optim.AdamW, 2, **ADAMW,
                       mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     for _ in range(3):
@@ -117,9 +116,15 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
         opt.step()
     held = model_state_bytes(model, opt)
     formula = 2 * psi + 16 * psi / n
-    state_rows.append({"stage": "ZeRO-2", "precision": "bf16/fp32-reduce", **held, "formula": formula,
-                       "ratio": held["total"] / formula, "wire_vs_fp32": float("nan")})
-    del model, opt
+    return {"stage": "ZeRO-2", "precision": "bf16/fp32-reduce", **held, "formula": formula,
+            "ratio": held["total"] / formula, "wire_vs_fp32": float("nan")}
+
+
+def _activation_rows(base, config, x, y, batch_size: int) -> list[dict]:
+    """Activations kept at the end of forward and their peak over forward and backward, per precision,
+    attention kernel and recomputation policy, on the rank's model outside the wrappers, against
+    :func:`workbench.parallel.recompute.activation_bytes`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     activation_rows = []
     for precision in PRECISIONS:
@@ -145,8 +150,13 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
                                         "kept": kept, "kept_formula": f["kept"], "kept_ratio": kept / f["kept"],
                                         "peak": peak, "peak_formula": f["peak"], "peak_ratio": peak / f["peak"]})
                 del model
+    return activation_rows
 
-    pairs = {p: build(0, "fp32", p) for p in POLICIES}
+
+def _time_rows(base, x, y, trials: int, steps: int) -> list[dict]:
+    """Step time of each recomputation policy (DDP, float32), one untimed step each first, then interleaved
+    trials (median, slowest rank), relative to no recomputation."""
+    pairs = {p: _build(base, 0, "fp32", p) for p in POLICIES}
 
     def step(p):
         model, opt = pairs[p]
@@ -162,6 +172,21 @@ def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int 
                   "samples_ms": [1e3 * s for s in samples[p]]} for p in POLICIES]
     for row in time_rows:
         row["vs_none"] = row["step_ms"] / time_rows[0]["step_ms"]
+    return time_rows
+
+
+def run(preset: str = "small", batch_size: int = 4, trials: int = 5, steps: int = 2) -> dict:
+    """Inside every rank: the three tables of the module docstring (rank 0's view of memory,
+    the slowest rank's time)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig.preset(preset)
+    torch.manual_seed(0)
+    base = GPT(config)
+    psi = base.num_parameters()
+    x, y = synthetic_batch(batch_size, block_size=config.block_size, seed=rank)
+    state_rows = _state_rows(base, x, y, psi, n) + [_fp32_reduce_row(base, x, y, psi, n)]
+    activation_rows = _activation_rows(base, config, x, y, batch_size)
+    time_rows = _time_rows(base, x, y, trials, steps)
     return {"state": state_rows, "activations": activation_rows, "time": time_rows, "parameters": psi,
             "preset": preset, "batch_size": batch_size, "world_size": n, "sequence": config.block_size}
 
