@@ -95,7 +95,7 @@ parallelism puts them on ``s / t`` rows. The collectives themselves are priced b
 :mod:`workbench.advise.timing`, not here.
 
 The profiles (:data:`PROFILES`) cite their figures beside them. Memory: the module prices time
-only; what a layer holds is :mod:`workbench.advise.memory`'s.
+only; what a layer holds is :mod:`workbench.advise.memory_model`'s.
 """
 from __future__ import annotations
 
@@ -311,62 +311,108 @@ EAGER_ROTARY = (16, 2, 3)
 
 def _operators(device: Device, shape, rows: int, tp: int, sequence_parallel: bool, precision: str,
                framework) -> list[tuple[str, str, float, int, str]]:
-    """:func:`layer_operators` with each operator's kind: "gemm", "attention" or "memory"."""
-    e = BYTES[precision]
-    s, h, t = shape.seq, shape.hidden, tp
-    kv = getattr(shape, "kv_dim", h)
-    f = shape.ffn
-    n = rows * s                                  # tokens of the micro-batch
-    rows_h = n // t if sequence_parallel else n   # rows the norms and residual adds run on
-    qkv_out = (h + 2 * kv) // t
-    up_out = (2 if shape.gated else 1) * f // t
-    eager = framework is not None and not framework.fused
-    ops: list[tuple[str, str, float, int, str]] = []
+    """:func:`layer_operators` with each operator's kind: "gemm", "attention" or "memory". A layer is
+    its attention block (a norm, the projections, the rotary embedding, the attention core, the
+    output projection and the residual) then its MLP block (a norm, the up and down projections and
+    their activation, the residual), as :class:`_LayerOps` lists them."""
+    ops = _LayerOps(device, shape, rows, tp, sequence_parallel, precision, framework)
+    ops.attention_block()
+    ops.mlp_block()
+    return ops.ops
 
-    def gemm(name: str, m: int, k: int, out: int) -> None:
+
+class _LayerOps:
+    """One layer's operators on one tensor-parallel rank, appended to ``ops`` as ``(name, phase, gpu
+    seconds, kernels, kind)``: each multiply priced by its shape (:func:`gemm_seconds`), each
+    elementwise operator by its bytes (:func:`memory_seconds`), the attention core by its kernel.
+    ``eager`` (a framework that is not ``fused``): eager PyTorch's operators as torchtitan's Llama
+    writes them (:data:`EAGER_NORM`, :data:`EAGER_ROTARY`); else Megatron's fused kernels."""
+
+    def __init__(self, device: Device, shape, rows: int, tp: int, sequence_parallel: bool, precision: str,
+                 framework):
+        self.device, self.shape, self.rows, self.t, self.precision = device, shape, rows, tp, precision
+        self.e = BYTES[precision]
+        self.h, self.f = shape.hidden, shape.ffn
+        self.kv = getattr(shape, "kv_dim", self.h)
+        self.n = rows * shape.seq                                   # tokens of the micro-batch
+        self.rows_h = self.n // tp if sequence_parallel else self.n   # rows the norms and residual adds run on
+        self.eager = framework is not None and not framework.fused
+        self.ops: list[tuple[str, str, float, int, str]] = []
+
+    def gemm(self, name: str, m: int, k: int, out: int) -> None:
         """A linear layer ``(m x k) @ (k x out)``: forward; backward the input's gradient
         ``(m x out) @ (out x k)`` and the weight's ``(k x m) @ (m x out)``."""
-        ops.append((name, "forward", gemm_seconds(device, m, out, k, precision), 1, "gemm"))
-        ops.append((name, "backward", gemm_seconds(device, m, k, out, precision)
-                    + gemm_seconds(device, k, out, m, precision), 2, "gemm"))
+        device, precision = self.device, self.precision
+        self.ops.append((name, "forward", gemm_seconds(device, m, out, k, precision), 1, "gemm"))
+        self.ops.append((name, "backward", gemm_seconds(device, m, k, out, precision)
+                         + gemm_seconds(device, k, out, m, precision), 2, "gemm"))
 
-    def elementwise(name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None) -> None:
-        ops.append((name, "forward", memory_seconds(device, nbytes), kernels, "memory"))
-        ops.append((name, "backward", memory_seconds(device, 2 * nbytes),
-                    kernels if back_kernels is None else back_kernels, "memory"))
+    def elementwise(self, name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None) -> None:
+        """A memory-bound operator moving ``nbytes`` forward and twice that backward."""
+        self.ops.append((name, "forward", memory_seconds(self.device, nbytes), kernels, "memory"))
+        self.ops.append((name, "backward", memory_seconds(self.device, 2 * nbytes),
+                         kernels if back_kernels is None else back_kernels, "memory"))
 
-    def norm(name: str) -> None:
-        if eager and getattr(shape, "norm", "layernorm") == "rmsnorm":
+    def norm(self, name: str) -> None:
+        """A LayerNorm or RMSNorm: fused, its input in and output out (backward ``dx`` and ``dgamma``);
+        eager RMSNorm, float32 inside (:data:`EAGER_NORM`)."""
+        e, rows_h, h = self.e, self.rows_h, self.h
+        if self.eager and getattr(self.shape, "norm", "layernorm") == "rmsnorm":
             fixed, per_e, k = EAGER_NORM
-            elementwise(name, (fixed + per_e * e) * rows_h * h, k, 2 * k)
+            self.elementwise(name, (fixed + per_e * e) * rows_h * h, k, 2 * k)
         else:
-            elementwise(name, 2 * rows_h * h * e, 1, 2)              # x in, y out; backward dx and dgamma
+            self.elementwise(name, 2 * rows_h * h * e, 1, 2)              # x in, y out; backward dx and dgamma
 
-    # attention block
-    norm("input norm")
-    if eager and shape.gated:   # torchtitan's Llama: wq, wk, wv as three multiplies
-        gemm("q", n, h, h // t)
-        gemm("k", n, h, kv // t)
-        gemm("v", n, h, kv // t)
-    else:
-        gemm("qkv", n, h, qkv_out)
-    if getattr(shape, "positions", "learned") == "rope":
-        if eager:
-            fixed, per_e, k = EAGER_ROTARY
-            elementwise("rotary", (fixed + per_e * e) * n * (h + kv) // t, 2 * k, 4 * k)
+    def residual(self) -> None:
+        """The block's residual add (eager), or Megatron's fused bias-dropout-add with its dropout mask
+        (1 byte per element)."""
+        e, rows_h, h = self.e, self.rows_h, self.h
+        if self.eager:
+            self.elementwise("residual add", 3 * rows_h * h * e)
         else:
-            elementwise("rotary", 2 * n * (h + kv) // t * e, 2)           # q and k rotated
-    if eager and kv < h:   # repeat_kv: k and v copied out to every query head
-        elementwise("repeat_kv", 2 * n * (kv + h) // t * e, 2)
-    heads_width = h // t
-    if device.attention == "flash":
-        ops.append(("flash attention", "attention", flash_seconds(device, rows, s, heads_width, precision), 1,
-                    "attention"))
-        ops.append(("flash attention", "backward",
-                    flash_seconds(device, rows, s, heads_width, precision, backward=True), 3, "attention"))
-    else:
-        heads = max(1, shape.heads // t)
-        d = h // shape.heads
+            self.elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)
+
+    def attention_block(self) -> None:
+        """The norm, the query/key/value projections (eager Llama: three multiplies), the rotary
+        embedding, GQA's repeat of keys and values (eager), the attention core
+        (:meth:`attention_core`), the output made contiguous (eager), its projection, the residual."""
+        shape, n, h, kv, t, e, eager = self.shape, self.n, self.h, self.kv, self.t, self.e, self.eager
+        self.norm("input norm")
+        if eager and shape.gated:   # torchtitan's Llama: wq, wk, wv as three multiplies
+            self.gemm("q", n, h, h // t)
+            self.gemm("k", n, h, kv // t)
+            self.gemm("v", n, h, kv // t)
+        else:
+            self.gemm("qkv", n, h, (h + 2 * kv) // t)
+        if getattr(shape, "positions", "learned") == "rope":
+            if eager:
+                fixed, per_e, k = EAGER_ROTARY
+                self.elementwise("rotary", (fixed + per_e * e) * n * (h + kv) // t, 2 * k, 4 * k)
+            else:
+                self.elementwise("rotary", 2 * n * (h + kv) // t * e, 2)           # q and k rotated
+        if eager and kv < h:   # repeat_kv: k and v copied out to every query head
+            self.elementwise("repeat_kv", 2 * n * (kv + h) // t * e, 2)
+        self.attention_core()
+        if eager:              # the attention output made contiguous for the projection
+            self.elementwise("attention output copy", 2 * n * h // t * e)
+        self.gemm("attention out", n, h // t, h)
+        self.residual()
+
+    def attention_core(self) -> None:
+        """Softmax(Q K^T) V over this rank's heads: the device's flash kernel (forward one kernel,
+        backward three), or the math path -- the scores' batched multiply, scale-mask-softmax fused
+        (float32 inside), dropout on the probabilities, the multiply by V, and backward's four
+        multiplies and elementwise passes."""
+        device, rows, s, precision, e = self.device, self.rows, self.shape.seq, self.precision, self.e
+        ops, heads_width = self.ops, self.h // self.t
+        if device.attention == "flash":
+            ops.append(("flash attention", "attention", flash_seconds(device, rows, s, heads_width, precision), 1,
+                        "attention"))
+            ops.append(("flash attention", "backward",
+                        flash_seconds(device, rows, s, heads_width, precision, backward=True), 3, "attention"))
+            return
+        heads = max(1, self.shape.heads // self.t)
+        d = self.h // self.shape.heads
         scores = rows * heads * s * s
         ops.append(("scores Q K^T", "attention", gemm_seconds(device, s, s, d, precision, rows * heads), 1,
                     "attention"))
@@ -379,29 +425,22 @@ def _operators(device: Device, shape, rows: int, tp: int, sequence_parallel: boo
                     2 * gemm_seconds(device, s, s, d, precision, rows * heads)
                     + 2 * gemm_seconds(device, s, d, s, precision, rows * heads)
                     + memory_seconds(device, 2 * (4 * scores * e + scores)), 6, "attention"))
-    if eager:              # the attention output made contiguous for the projection
-        elementwise("attention output copy", 2 * n * h // t * e)
-    gemm("attention out", n, h // t, h)
-    if eager:
-        elementwise("residual add", 3 * rows_h * h * e)
-    else:
-        elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)   # + the dropout mask (1 byte)
-    # MLP block
-    norm("post-attention norm")
-    if eager and shape.gated:
-        gemm("mlp gate (w1)", n, h, f // t)
-        gemm("mlp up (w3)", n, h, f // t)
-        elementwise("silu, mul", 5 * n * (f // t) * e, 2)
-    else:
-        gemm("mlp up" + (" (gate, up)" if shape.gated else ""), n, h, up_out)
-        act = (3 if shape.gated else 2) * n * (f // t) * e                   # SwiGLU reads two halves
-        elementwise("swiglu" if shape.gated else "gelu", act)
-    gemm("mlp down", n, f // t, h)
-    if eager:
-        elementwise("residual add", 3 * rows_h * h * e)
-    else:
-        elementwise("bias-dropout-add", 3 * rows_h * h * e + rows_h * h, 1, 2)
-    return ops
+
+    def mlp_block(self) -> None:
+        """The norm, the up projection (gated: gate and up; eager Llama as two multiplies), the
+        activation (GELU, or SwiGLU reading both halves), the down projection, the residual."""
+        shape, n, h, f, t, e = self.shape, self.n, self.h, self.f, self.t, self.e
+        self.norm("post-attention norm")
+        if self.eager and shape.gated:
+            self.gemm("mlp gate (w1)", n, h, f // t)
+            self.gemm("mlp up (w3)", n, h, f // t)
+            self.elementwise("silu, mul", 5 * n * (f // t) * e, 2)
+        else:
+            self.gemm("mlp up" + (" (gate, up)" if shape.gated else ""), n, h, (2 if shape.gated else 1) * f // t)
+            act = (3 if shape.gated else 2) * n * (f // t) * e                   # SwiGLU reads two halves
+            self.elementwise("swiglu" if shape.gated else "gelu", act)
+        self.gemm("mlp down", n, f // t, h)
+        self.residual()
 
 
 def kernels_per_layer(device: Device, shape, rows: int = 1, tp: int = 1, sequence_parallel: bool = False,

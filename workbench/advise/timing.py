@@ -167,7 +167,7 @@ above) and the bubble.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from workbench.advise import shared_cores
@@ -403,97 +403,145 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     measured ``schedule.timeline`` (``{"rank", "stage", "kind", "microbatch", "start", "end"}``,
     seconds from the step's start), so the replay can be drawn beside a run
     (:func:`workbench.measure.plots.pipeline_schedule` draws both).
+
+    An event loop (:class:`_Replay`): each round starts every action whose inputs (the schedule's
+    dependency rules, :func:`workbench.parallel.pipeline_schedules.inputs`) have arrived,
+    decides the waits of the messages just sent, moves the clock to the next event (a compute or a
+    communication ending, an input arriving) with the cores shared among the ranks computing, and
+    finishes the actions whose communication has ended.
     """
-    ranks = len(actions)
-    owner = stage_to_rank(num_stages, ranks, style)
-    keys = _work_keys(actions)
-    hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
-    wait = list(late) if isinstance(late, (list, tuple)) else [late] * max(1, num_stages - 1)
-    done: dict[tuple, float] = {}
-    extra: dict[tuple, float] = {}    # a sent message's wait for a core (decided once the senders went on)
-    undecided: dict[tuple, int] = {}  # a message just sent -> the boundary it crosses
-    pos = [0] * ranks
-    state = ["idle"] * ranks          # idle, compute, comm
-    remaining = [0.0] * ranks         # compute seconds left (at full speed) / comm end time
-    comm_end = [0.0] * ranks
-    busy_c, busy_m = [0.0] * ranks, [0.0] * ranks
-    started = [0.0] * ranks           # when each rank's current action began
-    now = 0.0
+    return _Replay(actions, num_stages, work, comm, message, style, cores, replicas, trace, late).run()
 
-    def deps(a):
-        s, i = a.stage, a.microbatch
-        if a.kind == "F":
-            return [("F", s - 1, i)] if s > 0 else []
-        if a.kind == "B":
-            return [("B", s + 1, i)] if s < num_stages - 1 else [("F", s, i)]
-        return [("B", s, i)]
 
-    def ready_at(r, a):
-        t = 0.0
-        for d in deps(a):
-            if d not in done or d in undecided:
-                return None
-            t = max(t, done[d] + (hop[min(d[1], a.stage)] + extra.get(d, 0.0) if owner[d[1]] != r else 0.0))
-        return t
+class _Replay:
+    """:func:`simulate`'s state: where each rank is in its action list, what it is doing (``idle``,
+    ``compute``, ``comm``) and for how long, when each action ended, and the messages whose wait for
+    a core is still to be decided. ``remaining`` holds compute seconds left at full speed while a
+    rank computes, its communication's end time while it communicates. What each action reads of the
+    schedule (its cost's key, its inputs and the boundaries they cross, the boundary its output
+    crosses) is worked out once, before the loop (:meth:`_steps`)."""
 
-    def sends_to(a):
+    def __init__(self, actions, num_stages, work, comm, message, style, cores, replicas, trace, late):
+        ranks = len(actions)
+        self.actions, self.num_stages, self.work, self.comm = actions, num_stages, work, comm
+        self.cores, self.replicas, self.trace, self.ranks = cores, replicas, trace, ranks
+        self.owner = stage_to_rank(num_stages, ranks, style)
+        self.steps = self._steps(actions)
+        self.hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
+        self.wait = list(late) if isinstance(late, (list, tuple)) else [late] * max(1, num_stages - 1)
+        self.done: dict[tuple, float] = {}
+        self.extra: dict[tuple, float] = {}    # a sent message's wait for a core (decided once the senders went on)
+        self.undecided: dict[tuple, int] = {}  # a message just sent -> the boundary it crosses
+        self.pos = [0] * ranks
+        self.state = ["idle"] * ranks
+        self.remaining = [0.0] * ranks
+        self.comm_end = [0.0] * ranks
+        self.busy_c, self.busy_m = [0.0] * ranks, [0.0] * ranks
+        self.started = [0.0] * ranks           # when each rank's current action began
+        self.now = 0.0
+        self.left = sum(len(a) for a in actions)
+
+    def _steps(self, actions) -> list[list[tuple]]:
+        """Per rank, per action: ``(action, its key in work/comm, its id (kind, stage, microbatch),
+        [(an input's id, the boundary it crossed or None on this rank)], the boundary its output
+        crosses to another rank or None)``."""
+        owner, n = self.owner, self.num_stages
+        out = []
+        for r, (acts, keys) in enumerate(zip(actions, _work_keys(actions))):
+            out.append([(a, key, (a.kind, a.stage, a.microbatch),
+                         [(d, min(d[1], a.stage) if owner[d[1]] != r else None) for d in plans.inputs(a, n)],
+                         self._crossing(a)) for a, key in zip(acts, keys)])
+        return out
+
+    def _crossing(self, a) -> int | None:
         """The stage boundary an action's output crosses to another rank, or None."""
         peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else None
-        if peer is None or not 0 <= peer < num_stages or owner[peer] == owner[a.stage]:
+        if peer is None or not 0 <= peer < self.num_stages or self.owner[peer] == self.owner[a.stage]:
             return None
         return min(peer, a.stage)
 
-    left = sum(len(a) for a in actions)
-    while left:
-        waits = []
-        for r in range(ranks):
-            while state[r] == "idle" and pos[r] < len(actions[r]):
-                a = actions[r][pos[r]]
-                t = ready_at(r, a)
-                if t is None:
-                    break
-                if t > now + 1e-15:
-                    waits.append(t)
-                    break
-                key = keys[r][pos[r]]
-                started[r] = now
-                state[r], remaining[r] = "compute", work[key]
-                comm_end[r] = comm[key]
-        computing = [r for r in range(ranks) if state[r] == "compute"]
-        if undecided:   # the messages sent now: every core computing, or one free to take them
-            full = len(computing) * replicas >= cores - 1e-9
-            for key, boundary in undecided.items():
-                extra[key] = wait[boundary] if full else 0.0
-            undecided.clear()
-            continue    # their receivers' readiness is known now
-        rate = 1.0 if not cores else min(1.0, cores / (len(computing) * replicas)) if computing else 1.0
+    def run(self) -> dict:
+        """Rounds until every action has ended: start each idle rank's next action whose inputs are in
+        (:meth:`_ready_at`), decide the waits of the messages just sent, then move to the next event
+        (:meth:`_next_event`). The span and each rank's busy seconds."""
+        steps, state, pos, ranks = self.steps, self.state, self.pos, range(self.ranks)
+        started, remaining, comm_end, work, comm = self.started, self.remaining, self.comm_end, self.work, self.comm
+        while self.left:
+            waits, now = [], self.now
+            for r in ranks:
+                while state[r] == "idle" and pos[r] < len(steps[r]):
+                    step = steps[r][pos[r]]
+                    t = self._ready_at(step[3])
+                    if t is None:
+                        break
+                    if t > now + 1e-15:   # its input arrives later: an event
+                        waits.append(t)
+                        break
+                    started[r] = now
+                    state[r], remaining[r] = "compute", work[step[1]]
+                    comm_end[r] = comm[step[1]]
+            computing = [r for r in ranks if state[r] == "compute"]
+            if self.undecided:   # the messages sent now: every core computing, or one free to take them
+                full = len(computing) * self.replicas >= self.cores - 1e-9
+                for key, boundary in self.undecided.items():
+                    self.extra[key] = self.wait[boundary] if full else 0.0
+                self.undecided.clear()
+                continue    # their receivers' readiness is known now
+            self._next_event(computing, waits)
+        return {"span": self.now, "busy": [c + m for c, m in zip(self.busy_c, self.busy_m)],
+                "compute": self.busy_c, "comm": self.busy_m}
+
+    def _ready_at(self, inputs) -> float | None:
+        """When an action with these ``inputs`` can start: their ends, plus a message's hop (and its
+        wait for a core) where an input comes from another rank; None while an input is missing."""
+        t = 0.0
+        done, undecided = self.done, self.undecided
+        for d, boundary in inputs:
+            if d not in done or d in undecided:
+                return None
+            t = max(t, done[d] + (self.hop[boundary] + self.extra.get(d, 0.0) if boundary is not None else 0.0))
+        return t
+
+    def _next_event(self, computing: list[int], waits: list[float]) -> None:
+        """Move the clock to the next event, the computing ranks sharing the cores (each at ``rate``
+        of full speed: ``cores`` over the ranks computing, each standing for ``replicas``); then the
+        computes that ended go on to their communication, and the communications that ended end
+        their action (:meth:`_end_action`)."""
+        cores, now, remaining, state = self.cores, self.now, self.remaining, self.state
+        rate = 1.0 if not cores else min(1.0, cores / (len(computing) * self.replicas)) if computing else 1.0
         events = waits + [now + remaining[r] / rate for r in computing] + \
-            [remaining[r] for r in range(ranks) if state[r] == "comm"]
+            [remaining[r] for r in range(self.ranks) if state[r] == "comm"]
         if not events:
-            stuck = {r: str(actions[r][pos[r]]) for r in range(ranks) if pos[r] < len(actions[r])}
+            stuck = {r: str(self.actions[r][self.pos[r]]) for r in range(self.ranks)
+                     if self.pos[r] < len(self.actions[r])}
             raise RuntimeError(f"simulate: the schedule deadlocks at {stuck}")
         nxt = max(min(events), now)
+        busy_c = self.busy_c
         for r in computing:
             busy_c[r] += nxt - now
             remaining[r] -= (nxt - now) * rate
-        now = nxt
-        for r in range(ranks):
+        self.now = now = nxt
+        comm_end = self.comm_end
+        for r in range(self.ranks):
             if state[r] == "compute" and remaining[r] <= 1e-12:
                 state[r], remaining[r] = "comm", now + comm_end[r]
-                busy_m[r] += comm_end[r]
+                self.busy_m[r] += comm_end[r]
             if state[r] == "comm" and remaining[r] <= now + 1e-15:
-                a = actions[r][pos[r]]
-                done[(a.kind, a.stage, a.microbatch)] = now
-                boundary = sends_to(a)
-                if cores and boundary is not None and wait[boundary] > 0:
-                    undecided[(a.kind, a.stage, a.microbatch)] = boundary
-                if trace is not None:
-                    trace.append({"rank": r, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch,
-                                  "start": started[r], "end": now})
-                state[r] = "idle"
-                pos[r] += 1
-                left -= 1
-    return {"span": now, "busy": [c + m for c, m in zip(busy_c, busy_m)], "compute": busy_c, "comm": busy_m}
+                self._end_action(r)
+
+    def _end_action(self, r: int) -> None:
+        """Rank ``r``'s action ends now: record it, hold its message for a wait decision where it
+        crosses to another rank and could find every core busy, and move to the next action."""
+        a, _, done_key, _, boundary = self.steps[r][self.pos[r]]
+        self.done[done_key] = self.now
+        if self.cores and boundary is not None and self.wait[boundary] > 0:
+            self.undecided[done_key] = boundary
+        if self.trace is not None:
+            self.trace.append({"rank": r, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch,
+                               "start": self.started[r], "end": self.now})
+        self.state[r] = "idle"
+        self.pos[r] += 1
+        self.left -= 1
 
 
 def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, oversubscription: float, contention):
@@ -573,6 +621,59 @@ def tp_overlap(comm: float, gemm: float, sm_share: float, tp: int = 1) -> float:
     return comm - hidden + sm_share * hidden
 
 
+@dataclass(slots=True)
+class _Step:
+    """What every part of one step's price reads (:func:`_step`): the configuration's sizes, the
+    machine and the links each dimension's group crosses, and how crowded the cores are where ranks
+    share them (a calibrated CPU cluster; the neutral values elsewhere)."""
+
+    shape: object
+    cluster: object
+    config: Config
+    d: int                  # data-parallel size
+    t: int                  # tensor-parallel size
+    p: int                  # pipeline stages (ranks)
+    m: int                  # micro-batches per data-parallel rank
+    e: int                  # bytes per element of the compute precision
+    rows: int               # sequences per micro-batch
+    machine: object         # the collectives' cost model: NCCL's on a GPU, this machine's, or a zero one
+    intra: object           # the links between ranks of a node and between nodes
+    inter: object
+    groups: dict            # the first group of each dimension, global ranks (:func:`_groups`)
+    topo: dict              # each dimension's group as cost.predict sees it (:func:`group_topology`)
+    contention: object      # shared_cores.of(cluster): the cluster where ranks share cores, else None
+    device: object          # a GPU's device model, None on a CPU or datasheet cluster
+    framework: object       # the GPU's training framework (None off a GPU)
+    cores: float | None     # ranks' worth of compute the machine runs at once (shared cores only)
+    world: int
+    oversubscription: float       # how many times slower a rank computes with every rank computing
+    end_oversubscription: float   # a drift price's share when one pipeline stage computes alone
+
+
+def _step(shape, cluster, config: Config, global_batch: int) -> _Step:
+    """The :class:`_Step` of ``config`` on ``cluster``: the Megatron mesh's groups and their links,
+    the micro-batch's rows, and the contention figures where the ranks share CPU cores."""
+    d, t, p, m = config.dp, config.tp, config.pp, max(1, config.microbatches)
+    machine, intra, inter = _machine(cluster)
+    groups = _groups(config)
+    topo = {dim: group_topology(r, cluster.devices_per_node, intra, inter) for dim, r in groups.items()}
+    # ranks sharing CPU cores (a calibrated CPU cluster; None for a GPU or a datasheet cluster): the
+    # contention terms of workbench.advise.shared_cores apply only then
+    contention = shared_cores.of(cluster)
+    device = getattr(cluster, "device", None)
+    world = d * t * p
+    return _Step(
+        shape=shape, cluster=cluster, config=config, d=d, t=t, p=p, m=m, e=ELEMENT_BYTES[config.precision],
+        rows=global_batch // d // m, machine=machine, intra=intra, inter=inter, groups=groups, topo=topo,
+        contention=contention, device=device,
+        framework=getattr(cluster, "framework", None) if device is not None else None,
+        cores=getattr(contention, "cores", None), world=world,
+        # every rank computing at once
+        oversubscription=shared_cores.oversubscription(contention, world) if contention else 1.0,
+        # a pipeline's step ends with one stage computing (its d x t ranks) while the others wait: what a
+        # collective then pays for ranks drifting apart, as a share of its price with every rank busy
+        end_oversubscription=shared_cores.crowding(contention, d * t, world) if contention and p > 1 else 1.0)
+
 
 def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list | None = None) -> dict[str, float]:
     """Seconds per training step of ``config`` for ``shape`` on ``cluster`` with ``global_batch``
@@ -581,43 +682,75 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     ``trace``: for a pipeline, a list to receive the schedule's replay, one record per action of
     the first pipeline (:func:`simulate`'s ``trace``): the replay the time comes from where the
     ranks share cores, else the same actions each on its own device (drawn, not summed: the
-    closed forms give the time)."""
+    closed forms give the time).
+
+    In order: a micro-batch's compute (:func:`device_compute` on a GPU, :func:`_cpu_compute`
+    elsewhere), each pipeline stage's compute and tensor-parallel communication
+    (:func:`_stage_costs`), the optimizer's update (:func:`_optimizer_time`), the pipeline's
+    messages (:func:`_message_hops`, :func:`_pipeline_step_extras`), the step's compute, tp, pp
+    and bubble from the schedule replayed (:func:`_replay`, :func:`_replayed_parts`) where ranks
+    share cores, else from the closed forms (:func:`_closed_form_parts`), and the data-parallel
+    traffic left exposed (:func:`_data_parallel`)."""
     _check(shape, cluster, config, global_batch)
-    d, t, p, m = config.dp, config.tp, config.pp, max(1, config.microbatches)
-    e = ELEMENT_BYTES[config.precision]
-    s, h = shape.seq, shape.hidden
-    rate = _flops(cluster, config.precision)
-    machine, intra, inter = _machine(cluster)
-    dpn = cluster.devices_per_node
-    groups = _groups(config)
-    topo = {dim: group_topology(r, dpn, intra, inter) for dim, r in groups.items()}
-    rows = global_batch // d // m                     # sequences per micro-batch
-    tokens = rows * s
-    # ranks sharing CPU cores (a calibrated CPU cluster; None for a GPU or a datasheet cluster): the
-    # contention terms of workbench.advise.shared_cores apply only then
-    contention = shared_cores.of(cluster)
-    device = getattr(cluster, "device", None)
-    cores = getattr(contention, "cores", None)
-    world = d * t * p
-    oversubscription = shared_cores.oversubscription(contention, world) if contention else 1.0   # every rank computing at once
-    # a pipeline's step ends with one stage computing (its d x t ranks) while the others wait: what a
-    # collective then pays for ranks drifting apart, as a share of its price with every rank busy
-    end_oversubscription = shared_cores.crowding(contention, d * t, world) if contention and p > 1 else 1.0
-
+    ctx = _step(shape, cluster, config, global_batch)
+    p, m = ctx.p, ctx.m
     tp_layer = tp_edges = None
-    framework = getattr(cluster, "framework", None) if device is not None else None
-    if device is not None:   # a GPU: the layer priced operator by operator (workbench.advise.device)
-        layer_s, head_s, edges_s = device_compute(device, shape, rows, config, framework)
-        step_over, sync, timed = 0.0, 0.0, None
+    if ctx.device is not None:   # a GPU: the layer priced operator by operator (workbench.advise.device)
+        layer_s, head_s, edges_s = device_compute(ctx.device, shape, ctx.rows, config, ctx.framework)
+        step_over, tp_sync, timed = 0.0, 0.0, None
     else:
-        layer_s, head_s, edges_s, step_over, sync, timed, tp_layer, tp_edges = _cpu_compute(
-            shape, cluster, config, rows, rate, oversubscription, contention)
+        layer_s, head_s, edges_s, step_over, tp_sync, timed, tp_layer, tp_edges = _cpu_compute(
+            shape, cluster, config, ctx.rows, _flops(cluster, config.precision), ctx.oversubscription, ctx.contention)
 
-    # -- each pipeline rank: one micro-batch's compute (full speed) and tensor-parallel communication
     num_stages, style = _placement(config, p)
+    per_stage = _stage_costs(ctx, num_stages, layer_s, head_s, edges_s, tp_sync, tp_layer, tp_edges)
+    slowest = _slowest_rank(per_stage, num_stages, style, p, ctx.oversubscription)
+    psi_rank = _parameters_on_rank(shape, ctx.t, p)
+    optimizer_s = _optimizer_time(ctx, psi_rank, step_over)
+
+    # an activation or its gradient, between stages
+    msg_bytes = ctx.rows * shape.seq * shape.hidden * ctx.e / (ctx.t if config.sequence_parallel else 1)
+    hops, pp_extra = [0.0], 0.0
+    if p > 1:
+        hops = _message_hops(ctx, num_stages, style, msg_bytes)
+        pp_extra = _pipeline_step_extras(ctx, optimizer_s)
+    critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
+
+    if p > 1 and (ctx.cores or trace is not None):
+        replay = _replay(ctx, per_stage, num_stages, style, hops, msg_bytes, timed, tp_layer, trace)
+    if p > 1 and ctx.cores:
+        compute, tp_total, pp_total, bubble = _replayed_parts(replay, p, m, critical_messages)
+    else:
+        compute, tp_total, pp_total, bubble = _closed_form_parts(ctx, slowest, critical_messages)
+    pp_total += pp_extra
+
+    compute += optimizer_s   # the optimizer's update
+
+    dp_total = 0.0
+    if ctx.d > 1:
+        dp_total, fsdp_copies = _data_parallel(ctx, psi_rank, slowest, layer_s, edges_s)
+        if fsdp_copies is not None:
+            compute += fsdp_copies
+
+    out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
+    out["total"] = sum(out[k] for k in TIME_PARTS)
+    return out
+
+
+# -- each pipeline stage: one micro-batch's compute (full speed) and tensor-parallel communication
+
+def _stage_costs(ctx: _Step, num_stages: int, layer_s: float, head_s: float, edges_s: float, tp_sync: float,
+                 tp_layer: float | None, tp_edges: float | None) -> list[dict]:
+    """Each (virtual) stage's one micro-batch: ``{"compute", "tp_f", "tp_b", "split"}``, its compute
+    at full speed (its layers, the head on the last stage, each stage's share of the per-micro-batch
+    overheads, a zero-bubble B/W split's graph walk) and its tensor-parallel collectives forward and
+    backward (:func:`_stage_tp`). The stages in between hold as many layers and share their price."""
+    shape, config, p = ctx.shape, ctx.config, ctx.p
     per_stage = []
-    edge_tp = sum(_tp_time(rows, shape, config, 0, True, True, e, topo["tp"], machine, sync))
-    stage_tp: dict[tuple[int, bool, bool], tuple[float, float]] = {}   # the stages in between share theirs
+    # the edges' collectives alone (embedding, head, loss), for timed layers' split of their collectives
+    edge_tp = sum(_tp_time(ctx.rows, shape, config, 0, True, True, ctx.e, ctx.topo["tp"], ctx.machine, tp_sync)) \
+        if tp_layer is not None else 0.0
+    stage_tp: dict[tuple[int, bool, bool], tuple[float, float]] = {}
     for k, n_layers in enumerate(stage_layers(shape.layers, num_stages)):
         first, last = k == 0, k == num_stages - 1
         # the head's FLOPs on the last stage; the per-micro-batch overheads on every stage
@@ -626,224 +759,367 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
         if k > 0 and SCHEDULE_NAMES[config.schedule] in ("zb_h1", "zbv"):
             # a stage fed activations splits its backward into B and W: the split walks the graph
             # (the first stage has no input gradient: its W is a plain backward)
-            split = n_layers * float(getattr(cluster, "split_overhead_s", 0.0))
+            split = n_layers * float(getattr(ctx.cluster, "split_overhead_s", 0.0))
             compute += split
         if (n_layers, first, last) not in stage_tp:
-            stage_tp[n_layers, first, last] = _tp_time(rows, shape, config, n_layers, first, last, e, topo["tp"],
-                                                       machine, sync)
+            stage_tp[n_layers, first, last] = _stage_tp(ctx, n_layers, first, last, tp_sync, tp_layer, tp_edges,
+                                                        edge_tp)
         tp_f, tp_b = stage_tp[n_layers, first, last]
-        if tp_layer is not None:   # the measured collectives, split forward/backward as the formulas split them
-            layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo["tp"], machine, sync)
-            ef, eb = tp_f - layers_f, tp_b - layers_b
-            # scaled by the formulas without recomputation (what was timed); recomputation's are on top
-            total = sum(_tp_time(rows, shape, replace(config, recompute="none"), n_layers, False, False, e,
-                                 topo["tp"], machine, sync))
-            scale_l = n_layers * tp_layer / total if total > 0 else 0.0
-            scale_e = tp_edges / edge_tp if edge_tp > 0 else 0.0
-            tp_f, tp_b = layers_f * scale_l + ef * scale_e, layers_b * scale_l + eb * scale_e
-        if framework is not None and framework.tp_comm_overlap and t > 1:
-            # the layers' collectives behind their multiplies (the edges' stay exposed); forward's third
-            gemm = n_layers * layer_seconds(device, shape, rows, t, bool(config.sequence_parallel), config.recompute,
-                                            config.precision, framework)["gemm"]
-            edge_f, edge_b = _tp_time(rows, shape, config, 0, first, last, e, topo["tp"], machine, sync)
-            tp_f = edge_f + tp_overlap(tp_f - edge_f, gemm / 3, framework.sm_share, t)
-            tp_b = edge_b + tp_overlap(tp_b - edge_b, gemm * 2 / 3, framework.sm_share, t)
         per_stage.append({"compute": compute, "tp_f": tp_f, "tp_b": tp_b, "split": split})
-    per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
+    return per_stage
 
+
+def _stage_tp(ctx: _Step, n_layers: int, first: bool, last: bool, tp_sync: float, tp_layer: float | None,
+              tp_edges: float | None, edge_tp: float) -> tuple[float, float]:
+    """A stage's tensor-parallel seconds per micro-batch, ``(forward, backward)``: the formulas'
+    collectives (:func:`_tp_time`); where the layers were timed with their collectives, the timed
+    part beyond compute split as the formulas split it (:func:`_timed_tp`); under a framework that
+    overlaps them with the multiplies, what the multiplies leave exposed (:func:`_overlapped_tp`)."""
+    tp_f, tp_b = _tp_time(ctx.rows, ctx.shape, ctx.config, n_layers, first, last, ctx.e, ctx.topo["tp"],
+                          ctx.machine, tp_sync)
+    if tp_layer is not None:
+        tp_f, tp_b = _timed_tp(ctx, n_layers, tp_f, tp_b, tp_sync, tp_layer, tp_edges, edge_tp)
+    framework = ctx.framework
+    if framework is not None and framework.tp_comm_overlap and ctx.t > 1:
+        tp_f, tp_b = _overlapped_tp(ctx, n_layers, first, last, tp_f, tp_b, tp_sync)
+    return tp_f, tp_b
+
+
+def _timed_tp(ctx: _Step, n_layers: int, tp_f: float, tp_b: float, tp_sync: float, tp_layer: float,
+              tp_edges: float, edge_tp: float) -> tuple[float, float]:
+    """The measured collectives (a timed layer's part beyond compute, ``tp_layer``, and the edges',
+    ``tp_edges``), split forward/backward and layers/edges as the formulas split them. The timing ran
+    without recomputation, so the layers' scale is the formulas' without it; what full recomputation
+    repeats rides on top, scaled alike."""
+    rows, shape, config, e, topo, machine = ctx.rows, ctx.shape, ctx.config, ctx.e, ctx.topo["tp"], ctx.machine
+    layers_f, layers_b = _tp_time(rows, shape, config, n_layers, False, False, e, topo, machine, tp_sync)
+    ef, eb = tp_f - layers_f, tp_b - layers_b
+    total = sum(_tp_time(rows, shape, replace(config, recompute="none"), n_layers, False, False, e, topo, machine,
+                         tp_sync))
+    scale_l = n_layers * tp_layer / total if total > 0 else 0.0
+    scale_e = tp_edges / edge_tp if edge_tp > 0 else 0.0
+    return layers_f * scale_l + ef * scale_e, layers_b * scale_l + eb * scale_e
+
+
+def _overlapped_tp(ctx: _Step, n_layers: int, first: bool, last: bool, tp_f: float, tp_b: float,
+                   tp_sync: float) -> tuple[float, float]:
+    """The layers' collectives behind their multiplies (:func:`tp_overlap`; forward beside a third
+    of the multiplies' time, backward beside two thirds), the edges' exposed."""
+    device, config, framework = ctx.device, ctx.config, ctx.framework
+    gemm = n_layers * layer_seconds(device, ctx.shape, ctx.rows, ctx.t, bool(config.sequence_parallel),
+                                    config.recompute, config.precision, framework)["gemm"]
+    edge_f, edge_b = _tp_time(ctx.rows, ctx.shape, config, 0, first, last, ctx.e, ctx.topo["tp"], ctx.machine,
+                              tp_sync)
+    return (edge_f + tp_overlap(tp_f - edge_f, gemm / 3, framework.sm_share, ctx.t),
+            edge_b + tp_overlap(tp_b - edge_b, gemm * 2 / 3, framework.sm_share, ctx.t))
+
+
+def _slowest_rank(per_stage: list[dict], num_stages: int, style: str, p: int, oversubscription: float) -> dict:
+    """The pipeline rank whose micro-batch takes longest, ``{"compute", "tp"}`` summed over the
+    stages it holds (two under the interleaved and ZBV schedules)."""
+    per_rank = [{"compute": 0.0, "tp": 0.0} for _ in range(p)]
     for k, owner in enumerate(stage_to_rank(num_stages, p, style)):
         per_rank[owner]["compute"] += per_stage[k]["compute"]
         per_rank[owner]["tp"] += per_stage[k]["tp_f"] + per_stage[k]["tp_b"]
-    slowest = max(per_rank, key=lambda r: r["compute"] * oversubscription + r["tp"])
+    return max(per_rank, key=lambda r: r["compute"] * oversubscription + r["tp"])
 
-    # -- the optimizer: its update of this rank's parameters (its shard under ZeRO), every rank at once
-    psi_rank = _parameters_on_rank(shape, t, p)
-    updated = psi_rank / d if (config.zero >= 1 and d > 1) else psi_rank
+
+def _optimizer_time(ctx: _Step, psi_rank: float, step_over: float) -> float:
+    """The optimizer's update of this rank's parameters (its shard under ZeRO), every rank at once:
+    on a GPU the bytes Adam moves at the achieved bandwidth (:func:`optimizer_seconds`); elsewhere
+    ``update_s_per_param`` per parameter (by default :data:`ADAM_BYTES` at ``flops /``
+    :data:`FLOPS_PER_BYTE` bytes/s) plus the step's fixed cost for this stage's share of the layers."""
+    config, cluster, device, framework = ctx.config, ctx.cluster, ctx.device, ctx.framework
+    updated = psi_rank / ctx.d if (config.zero >= 1 and ctx.d > 1) else psi_rank
     if device is not None:   # memory-bound: the bytes Adam moves per parameter at the achieved bandwidth
-        optimizer_s = optimizer_seconds(device, updated, config.precision, framework) if framework is not None \
+        return optimizer_seconds(device, updated, config.precision, framework) if framework is not None \
             else optimizer_seconds(device, updated, config.precision)
-    else:
-        update_s = getattr(cluster, "update_s_per_param", None)
-        if update_s is None:
-            update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
-        optimizer_s = (updated * float(update_s) + step_over * max(stage_layers(shape.layers, p)) / shape.layers) \
-            * oversubscription
+    update_s = getattr(cluster, "update_s_per_param", None)
+    if update_s is None:
+        update_s = ADAM_BYTES / (cluster.flops / FLOPS_PER_BYTE)   # flops: the 16-bit rate of a GPU
+    shape = ctx.shape
+    return (updated * float(update_s) + step_over * max(stage_layers(shape.layers, ctx.p)) / shape.layers) \
+        * ctx.oversubscription
 
-    # -- pipeline messages on the critical path (closed form), tied gradients, the loss broadcast
-    hops, pp_extra = [0.0], 0.0
-    msg_bytes = rows * s * h * e / (t if config.sequence_parallel else 1)   # an activation or its gradient
+
+# -- the pipeline's messages
+
+def _message_hops(ctx: _Step, num_stages: int, style: str, msg_bytes: float) -> list[float]:
+    """Seconds one activation (or its gradient) takes across each stage boundary: 0 between two
+    stages of one rank, else the link's time only -- its receiver is idle, its core given to the
+    ranks computing (the replay shares the cores among those), not drifting apart from a peer as
+    after a collective."""
+    owner, pp = stage_to_rank(num_stages, ctx.p, style), ctx.groups["pp"]
+    dpn = ctx.cluster.devices_per_node
+    return [0.0 if owner[k] == owner[k + 1] else _link_time(
+        pp[owner[k]], pp[owner[k + 1]], dpn, ctx.intra, ctx.inter, ctx.machine, msg_bytes)
+        for k in range(num_stages - 1)]
+
+
+def _pipeline_step_extras(ctx: _Step, optimizer_s: float) -> float:
+    """A pipeline's communication once per step: the tied embedding's gradient between the first and
+    the last stage, the loss broadcast, and the three small collectives workbench's pipeline runs
+    (it lines its ranks up before a step and gathers the measured timeline after it: an all-reduce
+    of one float, two small all-gathers). Where ranks share cores, the price of ranks drifted apart
+    is paid by a collective that follows compute: the line-up (after the previous step's optimizer)
+    and the timeline's gather (after the schedule); the loss broadcast and the other gather follow
+    those back to back and find the ranks lined up. Both at the price after the optimizer's step, a
+    short compute: before the gather the ranks finish the schedule one after another, idle as they
+    wait, which frees the cores for the last (the replay's span holds that wait)."""
+    shape, machine, topo, pp = ctx.shape, ctx.machine, ctx.topo["pp"], ctx.groups["pp"]
+    extra = 0.0
+    if shape.tied:
+        tied_bytes = (-(-shape.vocab // ctx.t) * ctx.t) * shape.hidden // ctx.t * ctx.e
+        extra += _link_time(pp[0], pp[-1], ctx.cluster.devices_per_node, ctx.intra, ctx.inter, machine, tied_bytes)
+    extra += _price("broadcast", 4, ctx.p, machine, topo)
+    extra += PIPELINE_STEP_COLLECTIVES * _price("all_reduce", 8, ctx.p, machine, topo)
+    if ctx.contention:
+        extra += 2 * shared_cores.sync_price(ctx.contention, ctx.p, optimizer_s)
+    return extra
+
+
+# -- the schedule replayed where ranks share cores
+
+def _replay(ctx: _Step, per_stage: list[dict], num_stages: int, style: str, hops: list[float], msg_bytes: float,
+            timed: dict | None, tp_layer: float | None, trace: list | None) -> dict:
+    """The schedule's action lists replayed (:func:`simulate`) with the machine's cores shared among
+    the ranks computing: ``{"sim", "actions", "work", "msg_work", "tp_work", "owner", "shared",
+    "late"}``, what :func:`_replayed_parts` reads back.
+
+    Timed tensor-parallel layers: their collectives' cost beyond the formulas is mostly waiting for
+    a peer to get a core, which shrinks as the cores do when fewer ranks compute (ramp-up, drain),
+    so it is shared like compute (``shared``): replayed as work at the crowded rate, and reported as
+    tp in proportion."""
+    p = ctx.p
+    actions = _schedule(ctx.config, p, ctx.m)[0]
+    shared = tp_layer is not None and bool(ctx.cores)
+    sim_cores, speed = _replay_speed(ctx, timed, shared)
+    owner = stage_to_rank(num_stages, p, style)
+    work, comm, msg_work, tp_work = _action_costs(ctx, per_stage, num_stages, owner, msg_bytes, shared, speed)
+    # on this machine's own links (no emulated ones), a message that lands while every core computes
+    # waits for a time slice to end, half a slice on average (with an emulated link the ranks sleep
+    # through its held-back messages and their network threads are promoted meanwhile: not seen there)
+    half = shared_cores.late_message(ctx.contention) if ctx.contention else 0.0
+    late = [0.0 if owner[k] == owner[k + 1] else half for k in range(num_stages - 1)] or [0.0]
+    sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=sim_cores,
+                   replicas=ctx.d * ctx.t, trace=trace, late=late)
+    return {"sim": sim, "actions": actions, "work": work, "msg_work": msg_work, "tp_work": tp_work, "owner": owner,
+            "shared": shared, "late": late}
+
+
+def _replay_speed(ctx: _Step, timed: dict | None, shared: bool) -> tuple[float | None, float]:
+    """The cores the replay shares and the factor on each action's work: ``(cores, 1)``, or where a
+    timed tensor-parallel stage's time alone is known, ``(alone x world, alone x oversubscription)``.
+
+    Alone, such a stage is faster only as far as its group's own time alone says: processor sharing
+    makes it ``p`` times faster than with every stage busy (its d x t ranks outnumber the cores), but
+    its ranks also wait for each other within every layer, which no core speeds up. ``alone``: that
+    ratio, timed (the model's first tensor-parallel group alone, the others asleep). The replay runs a
+    stage at full speed alone and at ``alone`` of it with every stage busy: each action's work is its
+    time alone, and the cores ``alone x world``; ``alone`` is never taken under ``1 / p``, what sharing
+    the cores alone gives (a stage's ranks outnumbering the cores). With those cores a stage alone does
+    not fill them, so a message landing then is not held for a time slice (``late``): its ranks spend
+    most of the stage waiting for each other, their cores free."""
+    alone = timed.get("alone") if shared and timed is not None else None
+    if alone is None:
+        return ctx.cores, 1.0
+    alone = max(float(alone), ctx.d * ctx.t / ctx.world)
+    return alone * ctx.world, alone * ctx.oversubscription
+
+
+def _action_costs(ctx: _Step, per_stage: list[dict], num_stages: int, owner: list[int], msg_bytes: float,
+                  shared: bool, speed: float) -> tuple[dict, dict, dict, list[float]]:
+    """Each schedule action's cost for :func:`simulate`, keyed ``(kind, stage)``: ``work`` (compute
+    at ``speed``, plus the CPU of its message ends and the schedule's loop), ``comm`` (tensor-parallel
+    seconds after it, where not ``shared`` as work), ``msg_work`` (the part of ``work`` that is the
+    messages' and the loop's CPU) and, per rank, ``tp_work``: the tensor-parallel share of its stages'
+    work, summed over its stages.
+
+    Each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
+    F receives its input and sends its output, B (or the full backward) the gradients the other way;
+    and every action costs the schedule's own loop some CPU beyond its work and its message
+    (calibrated: a 2-stage pipeline against the same work run directly), also shared like compute."""
+    contention, oversubscription = ctx.contention, ctx.oversubscription
+    end_cpu = shared_cores.message_cpu(contention, msg_bytes) if contention else 0.0
+    loop = float(getattr(contention, "pipeline_action_s", 0.0) or 0.0)
+    w_share = _split_w_share(ctx)
+    work, comm, msg_work, tp_work = {}, {}, {}, [0.0] * ctx.p
+    for k, st in enumerate(per_stage):
+        f = (st["compute"] - st["split"]) / 3
+        back = 2 * f + st["split"]
+        # the first stage (fed tokens) has no input gradient: B is nothing, W the whole backward
+        w = w_share * back if k > 0 else back
+        tf, tb = (st["tp_f"] / oversubscription, st["tp_b"] / oversubscription) if shared else (0.0, 0.0)
+        ends = sum(1 for j in (k - 1, k + 1) if 0 <= j < num_stages and owner[j] != owner[k]) * end_cpu
+        msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends + loop
+        msg_work[("W", k)] = loop
+        work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = \
+            (f + tf) * speed + ends + loop, (back + tb) * speed + ends + loop, \
+            (back - w + tb) * speed + ends + loop, w * speed + loop
+        cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
+        comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
+        tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
+    return work, comm, msg_work, tp_work
+
+
+def _split_w_share(ctx: _Step) -> float:
+    """A split backward's W share (zero-bubble schedules): calibrated where each phase was timed,
+    else the FLOPs' -- W computes the weight-gradient products, B the input gradients and the
+    attention core's backward."""
+    w_share = getattr(ctx.cluster, "split_w_share", None)
+    if w_share is None:
+        plain = flops_per_token(ctx.shape, tp=ctx.t)
+        w_share = plain["weight_grad"] / (plain["layer"] * 2 / 3)
+    return w_share
+
+
+def _replayed_parts(replay: dict, p: int, m: int, critical_messages: float) -> tuple[float, float, float, float]:
+    """``(compute, tp, pp, bubble)`` of the busiest rank of the replay: its compute less the share that
+    was its messages' and loop's CPU (reported as pp) and, where the collectives were replayed as
+    work, their share (reported as tp); its idle time split into the messages on the critical path
+    (up to the closed form, with their waits for a core) and the bubble."""
+    sim, work, msg_work, late = replay["sim"], replay["work"], replay["msg_work"], replay["late"]
+    r = max(range(p), key=lambda i: sim["busy"][i])
+    compute, tp_total = sim["compute"][r], sim["comm"][r]
+    # the share of the replayed work that was the messages' CPU: reported as pipeline communication
+    keys = _work_keys(replay["actions"])[r]
+    mine = sum(work[key] for key in keys)
+    msg_cpu = compute * sum(msg_work[key] for key in keys) / mine if mine > 0 else 0.0
+    compute -= msg_cpu
+    if replay["shared"]:   # the share of the replayed work that was tensor-parallel communication
+        stages_r = sum(1 for o in replay["owner"] if o == r)
+        tp_total = compute * replay["tp_work"][r] / max(1, stages_r)
+        compute -= tp_total
+    idle = max(0.0, sim["span"] - sim["busy"][r])
+    # the messages on the critical path, and their waits for a core where they had to
+    pp_total = min(idle, critical_messages + 2 * sum(late) + 2 * (m - 1) * max(late))
+    bubble = idle - pp_total
+    pp_total += msg_cpu
+    return compute, tp_total, pp_total, bubble
+
+
+def _closed_form_parts(ctx: _Step, slowest: dict, critical_messages: float) -> tuple[float, float, float, float]:
+    """``(compute, tp, pp, bubble)`` with every rank its own device: the slowest rank's ``m``
+    micro-batches, the messages on the critical path, and the schedule's idle fraction ``f`` of the
+    step as ``busy x f / (1 - f)`` idle seconds (:func:`_bubble_share`)."""
+    m, p = ctx.m, ctx.p
+    compute, tp_total = m * slowest["compute"] * ctx.oversubscription, m * slowest["tp"]
+    bubble = 0.0
     if p > 1:
-        owner = stage_to_rank(num_stages, p, style)
-        # a message's link time only: its receiver is idle, its core given to the ranks computing (the
-        # replay shares the cores among those), not drifting apart from a peer as after a collective
-        hops = [0.0 if owner[k] == owner[k + 1] else _link_time(
-            groups["pp"][owner[k]], groups["pp"][owner[k + 1]], dpn, intra, inter, machine, msg_bytes)
-            for k in range(num_stages - 1)]
-        if shape.tied:
-            tied_bytes = (-(-shape.vocab // t) * t) * h // t * e
-            pp_extra += _link_time(groups["pp"][0], groups["pp"][-1], dpn, intra, inter, machine, tied_bytes)
-        pp_extra += _price("broadcast", 4, p, machine, topo["pp"])
-        # workbench's pipeline lines its ranks up before a step and gathers the measured timeline after
-        # it (an all-reduce of one float, two small all-gathers): part of what its step costs
-        pp_extra += PIPELINE_STEP_COLLECTIVES * _price("all_reduce", 8, p, machine, topo["pp"])
-        # the price of ranks drifted apart is paid by a collective that follows compute: the line-up
-        # (after the previous step's optimizer) and the timeline's gather (after the schedule); the
-        # loss broadcast and the other gather follow those back to back and find the ranks lined up.
-        # Both at the price after the optimizer's step, a short compute: before the gather the ranks
-        # finish the schedule one after another, idle as they wait, which frees the cores for the
-        # last (the replay's span holds that wait), not all at once as after a stage's whole pass
-        if contention:
-            pp_extra += 2 * shared_cores.sync_price(contention, p, optimizer_s)
-    critical_messages = 2 * sum(hops) + 2 * (m - 1) * max(hops) if p > 1 else 0.0
+        f = _bubble_share(SCHEDULE_NAMES[ctx.config.schedule], p, m)
+        bubble = (compute + tp_total) * f / (1 - f)
+    return compute, tp_total, critical_messages, bubble
 
-    if p > 1 and (cores or trace is not None):
-        actions = _schedule(config, p, m)[0]
-        # the schedule replayed with the machine's cores shared among the ranks computing
-        # Timed tensor-parallel layers: their collectives' cost beyond the formulas is mostly waiting
-        # for a peer to get a core, which shrinks as the cores do when fewer ranks compute (ramp-up,
-        # drain), so it is shared like compute: replayed as work at the crowded rate, and reported
-        # as tp in proportion.
-        shared = tp_layer is not None and bool(cores)
-        # Alone, such a stage is faster only as far as its group's own time alone says: processor sharing
-        # makes it ``p`` times faster than with every stage busy (its d x t ranks outnumber the cores), but
-        # its ranks also wait for each other within every layer, which no core speeds up. ``alone``: that
-        # ratio, timed (the model's first tensor-parallel group alone, the others asleep). The replay runs
-        # a stage at full speed alone and at ``alone`` of it with every stage busy: each action's work is
-        # its time alone, and the cores ``alone x world``; ``alone`` is never taken under ``1 / p``, what
-        # sharing the cores alone gives (a stage's ranks outnumbering the cores). With those cores a stage
-        # alone does not fill them, so a message landing then is not held for a time slice (``late``):
-        # its ranks spend most of the stage waiting for each other, their cores free.
-        alone = timed.get("alone") if shared and timed is not None else None
-        sim_cores, speed = cores, 1.0
-        if alone is not None:
-            alone = max(float(alone), d * t / world)
-            sim_cores, speed = alone * world, alone * oversubscription
-        work, comm, tp_work = {}, {}, [0.0] * p
-        owner = stage_to_rank(num_stages, p, style)
-        # each message's two ends cost their ranks' CPU (posting, waking up, copying), shared like compute:
-        # F receives its input and sends its output, B (or the full backward) the gradients the other way
-        end_cpu = shared_cores.message_cpu(contention, msg_bytes) if contention else 0.0
-        # and every action costs the schedule's own loop some CPU beyond its work and its message
-        # (calibrated: a 2-stage pipeline against the same work run directly), also shared like compute
-        loop = float(getattr(contention, "pipeline_action_s", 0.0) or 0.0)
-        # a split backward: W's share of it (calibrated: each phase timed; else the FLOPs': W computes
-        # the weight-gradient products, B the input gradients and the attention core's backward)
-        w_share = getattr(cluster, "split_w_share", None)
-        if w_share is None:
-            plain = flops_per_token(shape, tp=t)
-            w_share = plain["weight_grad"] / (plain["layer"] * 2 / 3)
-        msg_work = {}
-        for k, st in enumerate(per_stage):
-            f = (st["compute"] - st["split"]) / 3
-            back = 2 * f + st["split"]
-            # the first stage (fed tokens) has no input gradient: B is nothing, W the whole backward
-            w = w_share * back if k > 0 else back
-            tf, tb = (st["tp_f"] / oversubscription, st["tp_b"] / oversubscription) if shared else (0.0, 0.0)
-            ends = sum(1 for j in (k - 1, k + 1) if 0 <= j < num_stages and owner[j] != owner[k]) * end_cpu
-            msg_work[("F", k)] = msg_work[("Bfull", k)] = msg_work[("B", k)] = ends + loop
-            msg_work[("W", k)] = loop
-            work[("F", k)], work[("Bfull", k)], work[("B", k)], work[("W", k)] = \
-                (f + tf) * speed + ends + loop, (back + tb) * speed + ends + loop, \
-                (back - w + tb) * speed + ends + loop, w * speed + loop
-            cf, cb = (0.0, 0.0) if shared else (st["tp_f"], st["tp_b"])
-            comm[("F", k)], comm[("Bfull", k)], comm[("B", k)], comm[("W", k)] = cf, cb, cb, 0.0
-            tp_work[owner[k]] += (tf + tb) / (st["compute"] + tf + tb) if st["compute"] + tf + tb > 0 else 0.0
-        # on this machine's own links (no emulated ones), a message that lands while every core computes
-        # waits for a time slice to end, half a slice on average (with an emulated link the ranks sleep
-        # through its held-back messages and their network threads are promoted meanwhile: not seen there)
-        half = shared_cores.late_message(contention) if contention else 0.0
-        late = [0.0 if owner[k] == owner[k + 1] else half for k in range(num_stages - 1)] or [0.0]
-        sim = simulate(actions, num_stages, work, comm, message=hops, style=style, cores=sim_cores,
-                       replicas=d * t, trace=trace, late=late)
-    if p > 1 and cores:
-        r = max(range(p), key=lambda i: sim["busy"][i])
-        compute, tp_total = sim["compute"][r], sim["comm"][r]
-        # the share of the replayed work that was the messages' CPU: reported as pipeline communication
-        keys = _work_keys(actions)[r]
-        mine = sum(work[key] for key in keys)
-        msg_cpu = compute * sum(msg_work[key] for key in keys) / mine if mine > 0 else 0.0
-        compute -= msg_cpu
-        if shared:   # the share of the replayed work that was tensor-parallel communication
-            stages_r = sum(1 for o in owner if o == r)
-            tp_total = compute * tp_work[r] / max(1, stages_r)
-            compute -= tp_total
-        idle = max(0.0, sim["span"] - sim["busy"][r])
-        # the messages on the critical path, and their waits for a core where they had to
-        pp_total = min(idle, critical_messages + 2 * sum(late) + 2 * (m - 1) * max(late))
-        bubble = idle - pp_total
-        pp_total += msg_cpu
+
+# -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
+
+def _data_parallel(ctx: _Step, psi_rank: float, slowest: dict, layer_s: float,
+                   edges_s: float) -> tuple[float, float | None]:
+    """``(dp seconds exposed, FSDP2's copies' compute or None)``: ZeRO-3's gathers and
+    reduce-scatters per micro-batch (:func:`_zero3_time`), or the gradients' buckets and, for
+    ZeRO-1/2, the parameters' all-gather (:func:`_bucketed_time`); then the loss's all-reduce.
+
+    After a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
+    gradient reduction and the loss's all-reduce find the cores free, at a fraction
+    (``end_oversubscription``) of the drift price with every rank busy."""
+    d, machine, topo = ctx.d, ctx.machine, ctx.topo["dp"]
+    overlap, hides = _dp_overlap(ctx)
+    sync = shared_cores.sync_price(ctx.contention, d) * ctx.end_oversubscription if ctx.contention else 0.0
+
+    def price(collective: str, nbytes: float) -> float:
+        return _price(collective, nbytes, d, machine, topo)
+
+    copies = None
+    if ctx.config.zero == 3:
+        dp_total, copies = _zero3_time(ctx, psi_rank, layer_s, edges_s, hides, sync, price)
+    else:                  # in buckets: DDP's and ZeRO-1/2's own bucket_cap_mb
+        mb_compute = slowest["compute"] * ctx.oversubscription
+        dp_total = _bucketed_time(ctx, psi_rank * ctx.e, overlap, mb_compute, sync, price)
+    dp_total += _price("all_reduce", 4, d, machine, topo) + sync  # the loss
+    return dp_total, copies
+
+
+def _dp_overlap(ctx: _Step) -> tuple[float, float]:
+    """``(overlap, hides)``: the share of compute that hides the gradients' reduction, and ZeRO-3's
+    gathers. 1 on devices with their own copy engines; on a calibrated CPU cluster what it measured
+    (the collectives' threads need the cores, and the GIL, compute has); under a GPU framework
+    ``1 - sm_share`` (NCCL's kernels take that share of the SMs from the compute they hide behind),
+    and no overlap for gradients reduced after backward (ZeRO-3's are not)."""
+    overlap, hides = shared_cores.overlap(ctx.contention) if ctx.contention else (1.0, 1.0)
+    framework = ctx.framework
+    if framework is not None:
+        overlap = hides = 1.0 - framework.sm_share
+        if not framework.overlap_grad_reduce:
+            overlap = 0.0
+    return overlap, hides
+
+
+def _zero3_time(ctx: _Step, psi_rank: float, layer_s: float, edges_s: float, hides: float, sync: float,
+                price) -> tuple[float, float | None]:
+    """ZeRO-3's exposed traffic over the ``m`` micro-batches (:func:`_zero3_exposed`; FSDP2 reduces in
+    float32: its ``grad_reduce_bytes`` over ``e`` scales the reduce-scatters), at least its
+    collectives' CPU where ranks share cores (:func:`shared_cores.zero3_cpu`); and FSDP2's copy-in and
+    copy-out around each unit's collectives, GPU compute (None off a framework)."""
+    shape, config, e, m, o = ctx.shape, ctx.config, ctx.e, ctx.m, ctx.oversubscription
+    framework = ctx.framework
+    if framework is not None and framework.grad_reduce_bytes:   # FSDP2's reduce_dtype float32
+        dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * o, edges_s * o, hides, sync, price,
+                                      framework.grad_reduce_bytes / e)
     else:
-        compute, tp_total = m * slowest["compute"] * oversubscription, m * slowest["tp"]
-        pp_total, bubble = critical_messages, 0.0
-        if p > 1:
-            f = _bubble_share(SCHEDULE_NAMES[config.schedule], p, m)
-            bubble = (compute + tp_total) * f / (1 - f)
-    pp_total += pp_extra
+        dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * o, edges_s * o, hides, sync, price)
+    copies = m * fsdp_copy_seconds(ctx.device, psi_rank, ctx.d) if framework is not None else None
+    if ctx.contention:
+        dp_total = max(dp_total, m * shared_cores.zero3_cpu(ctx.contention, shape, config) * o)
+    return dp_total, copies
 
-    compute += optimizer_s   # the optimizer's update
 
-    # -- data parallelism: gradient reduction and ZeRO traffic, the hidden part subtracted
-    dp_total = 0.0
-    if d > 1:
-        # the share of compute that hides the traffic: 1 on devices with their own copy engines; 0 on a
-        # calibrated CPU cluster, where the collectives' threads need the cores (and the GIL) compute has
-        overlap, hides = shared_cores.overlap(contention) if contention else (1.0, 1.0)
-        if framework is not None:   # NCCL's kernels take sm_share of the SMs from the compute they hide behind
-            overlap = hides = 1.0 - framework.sm_share
-            if not framework.overlap_grad_reduce:   # the gradients reduced after backward (ZeRO-3's are not)
-                overlap = 0.0
-        # after a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
-        # gradient reduction and the loss's all-reduce find the cores free, at a fraction
-        # (``end_oversubscription``) of the price with every rank busy
-        sync = shared_cores.sync_price(contention, d) * end_oversubscription if contention else 0.0
-        grad_bytes = psi_rank * e
-        mb_compute = slowest["compute"] * oversubscription
-        price = lambda c, n: _price(c, n, d, machine, topo["dp"])  # noqa: E731
-        if config.zero == 3:
-            if framework is not None and framework.grad_reduce_bytes:   # FSDP2's reduce_dtype float32
-                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * oversubscription, edges_s * oversubscription, hides,
-                                              sync, price, framework.grad_reduce_bytes / e)
-            else:
-                dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * oversubscription, edges_s * oversubscription, hides,
-                                              sync, price)
-            if framework is not None:   # FSDP2's copy-in and copy-out around each unit's collectives
-                compute += m * fsdp_copy_seconds(device, psi_rank, d)
-            if contention:
-                dp_total = max(dp_total, m * shared_cores.zero3_cpu(contention, shape, config) * oversubscription)
-        else:                  # in buckets: DDP's and ZeRO-1/2's own bucket_cap_mb
-            cap = (DDP_BUCKET_CAP_MB if config.zero == 0 else ZERO_BUCKET_CAP_MB) * MB
-            if framework is not None:   # the framework's buckets: Megatron's max(40 M, 1 M x d) parameters
-                if framework.dp_bucket_params:
-                    cap = max(framework.dp_bucket_params, 1e6 * d) * e
-            elif device is not None and config.zero:   # Megatron's buckets: max(40 M, 1 M x d) parameters
-                cap = max(40e6, 1e6 * d) * e
-            first = FIRST_BUCKET_BYTES if config.zero == 0 else cap     # DDP's small first bucket
-            # the first bucket, the full ones, and the rest in the last (each kind of bucket priced once)
-            head = min(first, grad_bytes)
-            full, rest = divmod(max(0.0, grad_bytes - head), cap)
-            sizes = [(head, 1)] + ([(cap, int(full))] if full else []) + ([(rest, 1)] if rest > 0.5 else [])
-            kind = "all_reduce" if config.zero == 0 else "reduce_scatter"
-            # the buckets are reduced as backward fills them: all but the last (the first layers') behind
-            # the last micro-batch's backward; they go back to back, so only the first wait, after
-            # compute, pays the drift price (ZeRO-1 reduces them all in its step, after backward)
-            # the framework reduces gradients in float32 (grad_reduce_bytes): 4/e times the bucket's bytes
-            g = framework.grad_reduce_bytes / e if framework is not None and framework.grad_reduce_bytes else 1.0
-            every = sum(k * price(kind, n * g) for n, k in sizes)
-            last = price(kind, sizes[-1][0] * g)
-            # on a GPU, ZeRO-1 is Megatron's distributed optimizer (--overlap-grad-reduce): its reduce-scatters
-            # leave in buckets as backward fills them, as ZeRO-2's do
-            hidden = overlap * mb_compute * 2 / 3 if config.zero != 1 or device is not None else 0.0
-            dp_total = last + max(0.0, every - last - hidden) + sync
-            if config.zero in (1, 2):   # the updated parameters, all-gathered after the step
-                gather = sum(k * price("all_gather", n) for n, k in sizes)
-                if device is not None and overlap > 0:   # --overlap-param-gather: beside the next step's first forward
-                    gather = max(price("all_gather", sizes[0][0]), gather - overlap * mb_compute / 3)
-                dp_total += gather + sync
-        dp_total += _price("all_reduce", 4, d, machine, topo["dp"]) + sync  # the loss
+def _gradient_buckets(ctx: _Step, grad_bytes: float) -> list[tuple[float, int]]:
+    """The gradient buckets, ``[(bytes, how many), ...]``: the first (DDP's small first bucket), the
+    full ones, and the rest in the last. Capacity: DDP's 25 MB or ZeRO's 5 MB, or Megatron's
+    ``max(40 M, 1 M x d)`` parameters (a framework's ``dp_bucket_params``; a GPU without one, ZeRO)."""
+    config, d, e, framework = ctx.config, ctx.d, ctx.e, ctx.framework
+    cap = (DDP_BUCKET_CAP_MB if config.zero == 0 else ZERO_BUCKET_CAP_MB) * MB
+    if framework is not None:   # the framework's buckets: Megatron's max(40 M, 1 M x d) parameters
+        if framework.dp_bucket_params:
+            cap = max(framework.dp_bucket_params, 1e6 * d) * e
+    elif ctx.device is not None and config.zero:   # Megatron's buckets: max(40 M, 1 M x d) parameters
+        cap = max(40e6, 1e6 * d) * e
+    first = FIRST_BUCKET_BYTES if config.zero == 0 else cap     # DDP's small first bucket
+    head = min(first, grad_bytes)
+    full, rest = divmod(max(0.0, grad_bytes - head), cap)
+    return [(head, 1)] + ([(cap, int(full))] if full else []) + ([(rest, 1)] if rest > 0.5 else [])
 
-    out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
-    out["total"] = sum(out[k] for k in TIME_PARTS)
-    return out
+
+def _bucketed_time(ctx: _Step, grad_bytes: float, overlap: float, mb_compute: float, sync: float, price) -> float:
+    """Exposed seconds of the gradients' buckets (each kind of bucket priced once), reduced as backward
+    fills them: all but the last (the first layers') behind the last micro-batch's backward
+    (``overlap`` of its two thirds of ``mb_compute``); they go back to back, so only the first wait,
+    after compute, pays the drift price (ZeRO-1 reduces them all in its step, after backward; on a
+    GPU, ZeRO-1 is Megatron's distributed optimizer with ``--overlap-grad-reduce``, as ZeRO-2). A
+    framework reduces gradients in float32 (``grad_reduce_bytes``: ``4/e`` times the bucket's bytes).
+    ZeRO-1/2 then all-gather the updated parameters (:func:`_parameter_gather`)."""
+    config, e, framework = ctx.config, ctx.e, ctx.framework
+    sizes = _gradient_buckets(ctx, grad_bytes)
+    kind = "all_reduce" if config.zero == 0 else "reduce_scatter"
+    g = framework.grad_reduce_bytes / e if framework is not None and framework.grad_reduce_bytes else 1.0
+    every = sum(k * price(kind, n * g) for n, k in sizes)
+    last = price(kind, sizes[-1][0] * g)
+    hidden = overlap * mb_compute * 2 / 3 if config.zero != 1 or ctx.device is not None else 0.0
+    dp_total = last + max(0.0, every - last - hidden) + sync
+    if config.zero in (1, 2):   # the updated parameters, all-gathered after the step
+        dp_total += _parameter_gather(ctx, sizes, overlap, mb_compute, price) + sync
+    return dp_total
+
+
+def _parameter_gather(ctx: _Step, sizes: list[tuple[float, int]], overlap: float, mb_compute: float,
+                      price) -> float:
+    """ZeRO-1/2's all-gather of the updated parameters after the step, bucket by bucket; on a GPU
+    (Megatron's ``--overlap-param-gather``) all but the first bucket beside the next step's first
+    forward (a third of ``mb_compute``, ``overlap`` of it)."""
+    gather = sum(k * price("all_gather", n) for n, k in sizes)
+    if ctx.device is not None and overlap > 0:
+        gather = max(price("all_gather", sizes[0][0]), gather - overlap * mb_compute / 3)
+    return gather
 
 
 def prefetch_wait(g: float, compute: float, hides: float, drift: float) -> float:

@@ -55,7 +55,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zbv", "dualpipev", "with_comms",
-           "stage_to_rank", "simulate", "bubble", "bubble_formula", "live_microbatches", "peak_live_bytes",
+           "stage_to_rank", "inputs", "simulate", "bubble", "bubble_formula", "live_microbatches", "peak_live_bytes",
            "min_microbatches"]
 
 
@@ -329,6 +329,21 @@ def with_comms(compute: list[list[Action]], num_stages: int, style: str = "loop"
 
 # ----------------------------------------------------------------------------- what a plan predicts
 
+def inputs(action: Action, num_stages: int) -> list[tuple[str, int, int]]:
+    """The actions whose outputs ``action`` needs, as ``(kind, stage, microbatch)``: a forward the
+    previous stage's forward; a backward the next stage's backward (the last stage: its own
+    forward); a weight-gradient W its own stage's B. Every replay of a schedule -- :func:`simulate`
+    here, the advisor's timed one (:func:`workbench.advise.timing.simulate`) -- orders actions by
+    these rules, and the interpreter (:mod:`workbench.parallel.pipeline`) meets them by its
+    messages."""
+    s, i = action.stage, action.microbatch
+    if action.kind == "F":
+        return [("F", s - 1, i)] if s > 0 else []
+    if action.kind == "B":
+        return [("B", s + 1, i)] if s < num_stages - 1 else [("F", s, i)]
+    return [("B", s, i)]
+
+
 def simulate(actions: list[list[Action]], num_stages: int, *, f: float = 1.0, b: float | None = None,
              w: float = 1.0, style: str = "loop") -> list[dict]:
     """Replay the per-rank lists with fixed costs (messages instant): one record per compute
@@ -350,15 +365,13 @@ def simulate(actions: list[list[Action]], num_stages: int, *, f: float = 1.0, b:
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 s, i = a.stage, a.microbatch
+                deps = inputs(a, num_stages)
                 if a.kind == "F":
-                    deps = [("F", s - 1, i)] if s > 0 else []
                     cost = f
                 elif a.kind == "B":
-                    deps = [("B", s + 1, i)] if s < num_stages - 1 else [("F", s, i)]
                     cost = (b if b is not None else f) if (s, i) in split else \
                         (b if b is not None else f + w)
                 else:
-                    deps = [("B", s, i)]
                     cost = w
                 if any(d not in done for d in deps):
                     break
