@@ -90,3 +90,49 @@ def test_a_bad_import_breaks_the_layers(tmp_path):
     result = _lint(tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "workbench.comm.counters -> workbench.apps.train" in result.stdout, result.stdout
+
+
+# A function-local import is kept only for a module that is optional (not a dependency of the package,
+# or needing a notebook) or heavy to import (pulled in only by the code path that needs it); every
+# other import sits at the top of its module, where a reader and import-linter see it first.
+LOCAL_IMPORTS_ALLOWED = {
+    "matplotlib": "heavy (about half a second): only figures import it",
+    "IPython": "optional: only inside a notebook",
+    "transformers": "optional: only for a Hugging Face model the user brings",
+    "tqdm": "heavy for a progress bar a script may never show",
+    "psutil": "optional: not a dependency, read where present",
+    "workbench.ranks.magic": "needs IPython (optional): loaded by %load_ext workbench only",
+    "torch.distributed.fsdp": "heavy: PyTorch's FSDP, only for comparisons with it",
+    "torch.distributed.pipelining": "heavy: PyTorch's pipelining, only for comparisons with it",
+    "torch.distributed.tensor": "heavy: DTensor, only for comparisons with PyTorch's tensor and context parallelism",
+    "torch.distributed.device_mesh": "heavy: DTensor's mesh, only for comparisons with PyTorch",
+    "torch.distributed.optim": "heavy: PyTorch's ZeroRedundancyOptimizer, only for comparisons with it",
+    "torch.distributed.algorithms": "PyTorch's DDP communication hooks, only when tracing PyTorch's DDP",
+    "torch.nn.attention": "only where an attention kernel is pinned",
+    "torch.nn.parallel.distributed": "a private PyTorch name, read only when wrapping PyTorch's DDP",
+    "torch.nn.parallel": "PyTorch's DDP, only for the strategies that wrap it (preloaded before forking)",
+}
+
+
+def _local_imports():
+    import ast
+
+    for path in sorted((ROOT / "workbench").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Import):
+                        yield path, fn.name, node.names[0].name
+                    elif isinstance(node, ast.ImportFrom) and not node.level:
+                        yield path, fn.name, (node.module if node.module != "torch.distributed"
+                                              else f"torch.distributed.{node.names[0].name}")
+
+
+def test_function_local_imports_are_only_optional_or_heavy_modules():
+    def allowed(module: str) -> bool:
+        return any(module == name or module.startswith(name + ".") for name in LOCAL_IMPORTS_ALLOWED)
+
+    bad = [f"{path.relative_to(ROOT)}: {fn}() imports {module}" for path, fn, module in _local_imports()
+           if not allowed(module)]
+    assert not bad, "move these imports to the top of their module:\n" + "\n".join(bad)

@@ -143,8 +143,11 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
+import resource
+import warnings
 
 import torch
+import torch.distributed as dist
 
 import workbench
 from workbench import comm
@@ -238,8 +241,6 @@ class Calibration:
 
     def __init__(self, model="small", rows: tuple[int, int] = (1, 4), *, tp_shapes=(), sizes=PROBE_SIZES,
                  iterations: int = 2, budget_s: float = 0.1, seed: int = 0):
-        import torch.distributed as dist
-
         rows = tuple(sorted(set(rows))) if isinstance(rows, (tuple, list)) else rows
         if not isinstance(rows, tuple) or len(rows) < 2 or not all(
                 isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rows):
@@ -362,8 +363,6 @@ class Calibration:
         for) when the message follows compute: a block on ``rows``, then one message each way with
         the pair's other rank, as a pipeline stage sends its output and receives the next input.
         The mean over every rank."""
-        import torch.distributed as dist
-
         out, into = self.wire[nbytes]
         peer = 1 - dist.get_rank(self.pair)
         spent = 0.0
@@ -403,8 +402,6 @@ class Calibration:
         spends beyond its stage's forwards and backwards run directly (timed in turns), its
         message end included; the pair's two ranks each hold a stage. The mean over the ranks
         that have a pair (a rank without one runs the direct loop, to keep the cores as busy)."""
-        import torch.distributed as dist
-
         spent = torch.zeros(2, dtype=torch.float64)
         dist.barrier()
         for _ in range(PIPELINE_CPU_CALLS):
@@ -425,10 +422,6 @@ class Calibration:
         thread's) per all-gather and per reduce-scatter of one block's parameters, sharded over
         every rank as ZeRO-3 shards a unit, each issued after a block on ``rows`` and waited for.
         The mean over every rank."""
-        import resource
-
-        import torch.distributed as dist
-
         def cpu() -> float:
             r = resource.getrusage(resource.RUSAGE_SELF)
             return r.ru_utime + r.ru_stime
@@ -452,8 +445,6 @@ class Calibration:
         ``SLICE_SPIN_S``, reading the clock; a gap longer than ``SLICE_GAP_S`` between two readings
         is a time the rank was off its core while another ran. The median gap over every rank (0
         where no rank was ever taken off its core: a core each)."""
-        import torch.distributed as dist
-
         gaps = []
         dist.barrier()
         start = last = time.monotonic()
@@ -494,8 +485,6 @@ class Calibration:
         on every rank. ``key``: the probe's
         name; its first timing sets how many calls fill ``budget_s`` (short timings favour ranks
         that just woke up over the machine's other work, long runs do not)."""
-        import torch.distributed as dist
-
         n = iterations or self.iterations
         if key is not None and iterations is None:
             if key not in self.counts:
@@ -529,8 +518,6 @@ class Calibration:
         drift between probes. ``budget``: times ``budget_s`` (a difference needs more calls:
         what a collective waits for a peer's core varies from call to call by whole time slices,
         and a step pays the mean of many); ``least``: the fewest calls, however long they take."""
-        import torch.distributed as dist
-
         if key not in self.counts:
             one = self._time(fns[-1], alone=False, iterations=1)
             self.counts[key] = max(self.iterations, least,
@@ -551,8 +538,6 @@ class Calibration:
 
     def once(self) -> None:
         """Every probe once (call on every rank)."""
-        import torch.distributed as dist
-
         r1, r2 = self.rows[0], self.rows[-1]
         layer1, layer2 = (lambda: self._layer(r1)), (lambda: self._layer(r2))
         probes = {"layer_r2_alone": (layer2, True), "layer_r2": (layer2, False), "layer_r1": (layer1, False),
@@ -635,8 +620,6 @@ def _tp_key(rows: int, t: int, sp: bool, which: str) -> str:
 def _gpt(config, layers: int, group, sequence_parallel: bool, seed: int, t: int = 1):
     """``GPT(config)`` with ``layers`` blocks (0: embedding, final norm, head and loss only), split
     by tensor parallelism over ``group`` where ``t > 1``."""
-    from dataclasses import replace
-
     torch.manual_seed(seed)
     model = GPT(replace(config, n_layer=max(1, layers)))
     if t > 1:
@@ -647,8 +630,6 @@ def _gpt(config, layers: int, group, sequence_parallel: bool, seed: int, t: int 
 
 
 def max_over(value: float) -> float:
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
@@ -807,8 +788,6 @@ def _memory_bytes() -> float:
 
 
 def _run(model, rows, trials: int, topology, tp_shapes=()) -> dict:
-    import warnings
-
     warnings.filterwarnings("ignore", message=".*cannot be held back.*")
     cal = Calibration(model, rows, tp_shapes=tp_shapes)
     for _ in range(trials):

@@ -42,6 +42,8 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 import workbench
 from workbench.comm.topology import Link
@@ -188,8 +190,6 @@ def _host_per_operator(dtype, hidden: int = 64, heads: int = 4, seq: int = 64) -
 def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int = 128) -> dict:
     """Causal ``scaled_dot_product_attention`` forward + backward: FLOPs (causal half, backward 2.5x)
     over the time."""
-    import torch.nn.functional as F
-
     q, k, v = (torch.randn(rows, heads, seq, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
 
     def step():
@@ -227,8 +227,6 @@ def _nccl(world: int) -> dict:
 
 
 def _nccl_rank() -> dict:
-    import torch.distributed as dist
-
     w = dist.get_world_size()
     out = {}
     for nbytes in (1 << 20, 16 << 20, 256 << 20):

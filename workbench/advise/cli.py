@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from workbench.comm.topology import Topology
 
@@ -176,8 +177,6 @@ def _infeasible_summary(plans: list[Plan], show: int = 5) -> str:
 
 
 def as_json(shape: ModelShape, cluster: Cluster, global_batch: int, plans: list[Plan]) -> dict:
-    from dataclasses import asdict
-
     c = asdict(cluster)
     c["intra"], c["inter"] = str(cluster.intra), str(cluster.inter)
     chosen = plans[0] if plans and plans[0].feasible else None

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -156,8 +157,6 @@ def mixed_precision_refusal(strategy: Strategy, device_type: str = "cpu", tied: 
     """Why ``strategy`` cannot train in mixed precision on ``device_type`` (a model with a
     parameter used twice if ``tied``), or None if it can: its ``wrap`` must take ``mp_policy=``,
     and may narrow that with ``mixed_precision_devices`` and ``mixed_precision_untied_only``."""
-    import inspect
-
     try:
         accepts = "mp_policy" in inspect.signature(strategy.wrap).parameters
     except (TypeError, ValueError):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -141,8 +142,6 @@ def max_over_ranks(value: float, group=None) -> float:
 
     Used outside the timed region, so it may use ``torch.distributed`` directly.
     """
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64)
@@ -152,8 +151,6 @@ def max_over_ranks(value: float, group=None) -> float:
 
 def sum_over_ranks(value: int | float, group=None) -> float:
     """The sum of ``value`` over the ranks of ``group`` (e.g. wrong elements in a check)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return value
     t = torch.tensor([float(value)], dtype=torch.float64)
@@ -167,8 +164,6 @@ def timed(fn: Callable[[], Any], iterations: int, *, barrier: bool = True, group
     The barrier lines the ranks up so that no rank's time includes waiting for a late peer to
     arrive at the first call; the slowest rank's time is taken afterwards with :func:`max_over_ranks`.
     """
-    import torch.distributed as dist
-
     if barrier and dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)
     start = time.perf_counter()

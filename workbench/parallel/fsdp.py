@@ -82,6 +82,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -241,7 +242,6 @@ class FullyShardedDataParallel(nn.Module):
             if mp_policy is not None:
                 raise ValueError("FullyShardedDataParallel: pass mp_policy=MixedPrecision(...) or the deprecated "
                                  "compute_dtype, not both")
-            import warnings
             warnings.warn("FullyShardedDataParallel(compute_dtype=...) is deprecated: pass "
                           "mp_policy=MixedPrecision(param_dtype=...)", DeprecationWarning, stacklevel=2)
             mp_policy = MixedPrecision(param_dtype=compute_dtype)

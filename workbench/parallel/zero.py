@@ -73,6 +73,7 @@ import math
 import time
 from numbers import Real
 from typing import Iterable
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -556,7 +557,6 @@ def zero(module: nn.Module, optimizer_cls: type, stage: int, *, mp_policy: Mixed
                              "torch.bfloat16, or None")
         if mp_policy is not None:
             raise ValueError("zero(): pass mp_policy=MixedPrecision(...) or the deprecated compute_dtype, not both")
-        import warnings
         warnings.warn("zero(compute_dtype=...) is deprecated: pass mp_policy=MixedPrecision(param_dtype=...)",
                       DeprecationWarning, stacklevel=2)
         mp_policy = MixedPrecision(param_dtype=compute_dtype)

@@ -41,6 +41,8 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+import torch.distributed as dist
 
 import workbench
 from workbench.measure import measuring
@@ -108,8 +110,6 @@ def _model_and_batch(name: str, rank: int):
 
 
 def _wrap(candidate: str, model: nn.Module):
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
     if candidate == "torch":
         return TorchDDP(model)
     options = {"ours": {}, "ours-1MB": {"bucket_cap_mb": 1}, "ours-5MB": {"bucket_cap_mb": 5},
@@ -123,8 +123,6 @@ def _wrap(candidate: str, model: nn.Module):
 
 
 def _run(models: list[str], candidates: list[str], trials: int, steps: int, warmup: int) -> dict:
-    import torch.distributed as dist
-
     rank = dist.get_rank()
     out = {}
     for model_name in models:

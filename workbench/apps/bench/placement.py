@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 
@@ -108,8 +109,6 @@ def measure(preset: str, batch: int, trials: int, steps: int, warmup: int, topol
 
 
 def _measure(preset: str, batch: int, trials: int, steps: int, warmup: int) -> dict:
-    import warnings
-
     # on slowed links 'native' collectives run as gloo's algorithm, hand-written: expected here
     warnings.filterwarnings("ignore", message=".*cannot be held back.*")
     config = GPTConfig.preset(preset)

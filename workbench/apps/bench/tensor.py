@@ -34,6 +34,8 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import torch.distributed as dist
 
 import workbench
 from workbench import runtime
@@ -73,7 +75,6 @@ def torch_tensor_parallel(model: nn.Module, *, sequence_parallel: bool = False, 
     65-character vocabulary sharded unevenly (33 + 32 rows: DTensor splits like ``torch.chunk``,
     no padding needed).
     """
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -158,9 +159,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _build(candidate: str, base: nn.Module):
     """``(model, step_fn)``: ``step_fn(optimizer, x, y) -> loss`` on the whole global batch."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     model = copy.deepcopy(base)
     if candidate.startswith("dtensor"):
         model = torch_tensor_parallel(model, sequence_parallel=candidate.endswith("-sp"))

@@ -34,6 +34,8 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import torch.distributed as dist
 
 import workbench
 from workbench import comm
@@ -69,8 +71,6 @@ def _wrap(candidate: str, model: nn.Module):
         return zero(model, torch.optim.AdamW, int(candidate[-1]), **ADAMW)
     if candidate == "torch-zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel
-
         ddp = DistributedDataParallel(model)
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
     from torch.distributed.fsdp import fully_shard
@@ -93,8 +93,6 @@ def run(candidates: list[str], preset: str, batch_size: int, trials: int, steps:
         seq_len: int | None = None) -> dict:
     """Inside every rank: build, warm up, measure memory, time interleaved trials, check weights.
     ``seq_len``: tokens per sequence (default: the preset's ``block_size``)."""
-    import torch.distributed as dist
-
     rank = dist.get_rank()
     config = GPTConfig.preset(preset)
     torch.manual_seed(0)
@@ -150,8 +148,6 @@ def state_and_traffic(preset: str = "small", stages=(0, 1, 2, 3), batch_size: in
     for ``native`` calls (torch.distributed, which reports nothing) they are counted from the
     call's sizes, as the ring algorithm would send them.
     """
-    import torch.distributed as dist
-
     n, rows = dist.get_world_size(), []
     for stage in stages:
         torch.manual_seed(0)
