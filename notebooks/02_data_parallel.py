@@ -43,7 +43,7 @@ import torch.distributed as dist
 import workbench
 from workbench import everyone
 from workbench.measure import show
-from workbench.measure.memory import Metered, storage_bytes
+from workbench.measure.memory_meter import Metered, storage_bytes
 from workbench.models import GPT, MLP, GPTConfig
 from workbench.parallel import DataParallel, DistributedDataParallel
 from workbench.parallel.dp import replicate
@@ -303,7 +303,7 @@ else:  # under torchrun every launch has torchrun's world size: no one-rank run 
 #
 # A GPT with a 2048-token vocabulary, batch 16 of 64 tokens, two replicas. We measure, per
 # device (DataParallel) or rank (DDP): the parameters it holds, the gradients, the activations
-# of its forward (`workbench.measure.memory.Metered`: a `MemoryMeter` inside each replica's own thread), and the
+# of its forward (`workbench.measure.memory_meter.Metered`: a `MemoryMeter` inside each replica's own thread), and the
 # outputs gathered onto it. DataParallel's output device holds the original model, all the
 # gradients (replicate's backward sums them there) and the logits of the *whole* batch; the other
 # device holds a fresh copy of the parameters every step. A DDP rank holds its model, its

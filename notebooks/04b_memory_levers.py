@@ -53,7 +53,7 @@ from workbench.advise.shape import ModelShape
 from workbench.advise.timing import flops_per_token
 from workbench.apps.bench import memory as bench_memory
 from workbench.models.data import get_batch
-from workbench.measure.memory import storage_bytes
+from workbench.measure.memory_meter import storage_bytes
 from workbench.measure.metrics import format_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import MixedPrecision, zero
@@ -91,7 +91,7 @@ print("n/a: the bench counts the bytes sent only for the float32/bfloat16 pairs,
 # that forward and backward read, and the float32 *masters* that the optimizer updates. Which
 # of them a rank keeps between steps depends on the stage, so the next cell wraps the model
 # once more at each stage in bfloat16 and counts the weight storages by dtype with
-# `workbench.measure.memory.storage_bytes` (each storage once, as `model_state_bytes` does). Training
+# `workbench.measure.memory_meter.storage_bytes` (each storage once, as `model_state_bytes` does). Training
 # does not change which weights a rank holds between steps: the check cell asserts that the
 # two add up to the `params` the bench measured after its third step.
 

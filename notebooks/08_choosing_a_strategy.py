@@ -53,7 +53,7 @@ from workbench.advise import figure, validate
 from workbench.advise.cli import table
 from workbench.advise.cluster import PRESETS as CLUSTERS
 from workbench.advise.cluster import GiB
-from workbench.advise.memory import memory_by_rank
+from workbench.advise.memory_model import memory_by_rank
 from workbench.advise.shape import PRESETS as LLAMAS
 from workbench.runtime.busy import busy_fraction, were_free
 from workbench.comm import Link

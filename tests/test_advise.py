@@ -22,9 +22,9 @@ import torch
 from workbench.advise import Cluster, Config, ModelShape, advise, configurations, infeasible_reason, \
     memory_per_device, predict
 from workbench.advise.cluster import GiB
-from workbench.advise import memory as advise_memory
+from workbench.advise import memory_model as advise_memory
 from workbench.advise import timing as advise_timing
-from workbench.advise.memory import activation_bytes_per_microbatch, memory_by_rank
+from workbench.advise.memory_model import activation_bytes_per_microbatch, memory_by_rank
 from workbench.comm import Link, cost
 from workbench.comm.topology import Topology
 from workbench.measure.metrics import MemoryMeter, model_state_bytes

@@ -104,7 +104,7 @@ def test_gloo_carries_cuda_tensors_between_ranks_sharing_a_gpu(world_size):
 
 
 def _meter_one_step(batch: int = 4) -> dict:
-    from workbench.measure.memory import MemoryMeter
+    from workbench.measure.memory_meter import MemoryMeter
     from workbench.models.gpt import GPT, GPTConfig
 
     dev = runtime.device()

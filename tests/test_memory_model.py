@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from workbench.advise import Cluster, Config, ModelShape
-from workbench.advise import memory as advise_memory
-from workbench.advise.memory import activation_bytes_per_microbatch, memory_by_rank, memory_per_device
+from workbench.advise import memory_model as advise_memory
+from workbench.advise.memory_model import activation_bytes_per_microbatch, memory_by_rank, memory_per_device
 from workbench.advise.runtime_memory import MEGATRON, RuntimeMemory, korthikanti_layer_bytes, model_state
 from workbench.advise.validate import SETTINGS
 from workbench.parallel import pipeline_schedules as schedules

@@ -232,7 +232,7 @@ def test_plots_have_titles_units_and_legends():
 def test_storage_bytes_counts_each_storage_once_and_metered_files_activations_by_thread():
     import threading
 
-    from workbench.measure.memory import Metered, storage_bytes
+    from workbench.measure.memory_meter import Metered, storage_bytes
     from workbench.models import GPT, GPTConfig
 
     model = GPT(GPTConfig.preset("tiny"))  # tied head: wte.weight and lm_head.weight share a storage

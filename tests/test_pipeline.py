@@ -295,7 +295,7 @@ def test_zero_bubble_count_is_one_f_one_b_weighted_by_what_a_pending_w_holds():
 
 
 def test_split_backward_keeps_only_what_w_reads():
-    from workbench.measure.memory import MemoryMeter
+    from workbench.measure.memory_meter import MemoryMeter
     from workbench.parallel import pipeline_backward as split_backward
 
     torch.manual_seed(0)

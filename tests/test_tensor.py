@@ -31,7 +31,7 @@ from torch import nn
 
 import workbench
 from workbench import comm
-from workbench.measure.memory import MemoryMeter
+from workbench.measure.memory_meter import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.parallel import tp_ops
 from workbench.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,

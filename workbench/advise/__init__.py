@@ -40,7 +40,7 @@ from workbench.advise.cluster import Cluster
 from workbench.advise.framework import FRAMEWORKS, Framework
 from workbench.advise.plan import MEMORY_CATEGORIES, TIME_PARTS, Config, Plan
 from workbench.advise.shape import ModelShape
-from workbench.advise.memory import memory_per_device
+from workbench.advise.memory_model import memory_per_device
 from workbench.advise.space import configurations, infeasible_reason
 from workbench.advise.choose import advise, predict
 

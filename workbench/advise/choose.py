@@ -1,7 +1,7 @@
 """Choose: predict every configuration, rank the feasible ones by step time, say why the first won.
 
 ``predict(model, cluster, global_batch, config) -> Plan`` puts the two predictions side by side:
-memory per device by category (:func:`workbench.advise.memory.memory_per_device`) and step time by
+memory per device by category (:func:`workbench.advise.memory_model.memory_per_device`) and step time by
 part (:func:`workbench.advise.timing.step_time`), and marks the configuration infeasible, with the
 rule it breaks, when it cannot run (:func:`workbench.advise.space.infeasible_reason`).
 
@@ -16,7 +16,7 @@ Why the winner won: :meth:`Plan.explain` (:mod:`workbench.advise.plan`).
 from __future__ import annotations
 
 from .cluster import Cluster
-from .memory import memory_per_device
+from .memory_model import memory_per_device
 from .plan import DECISIONS, Config, Plan, explain, layout_facts
 from .shape import ModelShape
 from .space import check_config, configurations, memory_reason, structural_reason

@@ -1,6 +1,6 @@
 """What a GPU training process holds beyond the formulas: the runtime's share of device memory.
 
-:mod:`workbench.advise.memory` counts, exactly, what the workbench's own strategies hold on this
+:mod:`workbench.advise.memory_model` counts, exactly, what the workbench's own strategies hold on this
 machine (float32, gloo, no device). A GPU framework holds more, and some things differently. A
 :class:`RuntimeMemory` on a :class:`~workbench.advise.cluster.Cluster` (the GPU presets carry
 one; a CPU cluster has ``None``, and its predictions stay the formulas', bit for bit) switches
@@ -63,7 +63,7 @@ log-sum-exp per row and head (``4 a s b``). Selective recomputation recomputes e
 attention core (``sbh 34/t`` with sequence parallelism); full recomputation keeps each layer's
 input (``2 sbh``, ``/t`` with sequence parallelism).
 
-**Backward's temporaries**, in :mod:`workbench.advise.memory` for both paths: the first
+**Backward's temporaries**, in :mod:`workbench.advise.memory_model` for both paths: the first
 recomputed layer's whole working set under full recomputation, ZeRO-3's gathered units (the one
 running and the one prefetched), a unit's flat gradient being assembled and reduce-scattered,
 ZeRO-2's open gradient buckets, the loss's and the head's backward.

@@ -27,7 +27,7 @@ heads, the MLP's units or (sequence parallelism) the sequence; more pipeline sta
 chunks) than layers; the global batch not divisible into ``dp x m`` equal micro-batches; 1F1B and
 ZB-H1 with fewer micro-batches than stages (:func:`~workbench.parallel.pipeline_schedules.min_microbatches`),
 interleaved off torch's round rule (``m`` a multiple of ``max(1, m // pp)``); the predicted memory
-(:func:`~workbench.advise.memory.memory_per_device`) larger than the device's. A vocabulary that
+(:func:`~workbench.advise.memory_model.memory_per_device`) larger than the device's. A vocabulary that
 ``tp`` does not divide is padded (:class:`~workbench.parallel.tensor.VocabParallelEmbedding`),
 not refused. A ``tp`` larger than a node is allowed: its all-reduces then cross the network,
 which the timing model prices (``tp_across_nodes=False`` leaves such configurations out).
@@ -36,12 +36,12 @@ from __future__ import annotations
 
 from itertools import product
 
-from workbench.measure.memory import format_bytes
+from workbench.measure.memory_meter import format_bytes
 from workbench.parallel.pipeline_schedules import min_microbatches
 from workbench.parallel.recompute import POLICIES
 
 from .cluster import Cluster
-from .memory import memory_per_device
+from .memory_model import memory_per_device
 from .plan import PRECISIONS, SCHEDULES, Config, _whole, check_config
 from .shape import ModelShape
 

@@ -9,9 +9,9 @@ configuration's prediction beside its measurement:
 
 * **memory per rank** by category: model state (parameters, gradients, optimizer state:
   :func:`workbench.measure.metrics.model_state_bytes` after a step) and the peak of the step
-  (:class:`workbench.measure.memory.MemoryMeter`: activations, communication buffers, and as buffers the
+  (:class:`workbench.measure.memory_meter.MemoryMeter`: activations, communication buffers, and as buffers the
   gradients alive at the peak beyond those kept after the step: ZeRO-1's reduced chunk), each rank against
-  :func:`workbench.advise.memory.memory_by_rank` for its pipeline stage. Model state is compared
+  :func:`workbench.advise.memory_model.memory_by_rank` for its pipeline stage. Model state is compared
   exactly (Adam's 4-byte step counter per tensor it updates is measured beside it,
   ``step_counters``, and is part of the prediction); activations together with buffers, since
   the meter files what no code tags (ZeRO-3's gathered units, received messages) under
@@ -43,17 +43,19 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+import warnings
 
 import torch
+import torch.distributed as dist
 
 import workbench
 from workbench.measure import measuring, plots
 from workbench.advise.calibrate import Calibration, _shape, cluster_from, load_average
-from workbench.advise.memory import memory_by_rank
+from workbench.advise.memory_model import memory_by_rank
 from workbench.advise.plan import MEMORY_CATEGORIES, Config
 from workbench.advise.timing import step_time
 from workbench.comm.topology import Topology
-from workbench.measure.memory import MemoryMeter
+from workbench.measure.memory_meter import MemoryMeter
 from workbench.measure.metrics import model_state_bytes
 from workbench.models import GPT, GPTConfig
 from workbench.parallel.mesh import Mesh, parallelize
@@ -152,10 +154,6 @@ def _optimizer_states(optimizer):
 
 def _run_setting(model: str, batch: int, configs: tuple[Config, ...], trials: int, steps: int, warmup: int,
                  calibrate: bool, rows: tuple[int, int], tp_shapes=()) -> dict:
-    import warnings
-
-    import torch.distributed as dist
-
     warnings.filterwarnings("ignore", message=".*cannot be held back.*")
     config = GPTConfig.preset(model)
     gen = torch.Generator().manual_seed(1)

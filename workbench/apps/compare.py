@@ -33,7 +33,7 @@ import workbench
 from workbench import runtime
 from workbench.measure import plots
 from workbench.apps import strategies
-from workbench.measure.memory import format_bytes
+from workbench.measure.memory_meter import format_bytes
 from workbench.models import GPTConfig
 from workbench.apps.train import TrainConfig, preload, summarize, train
 

@@ -6,7 +6,7 @@
   float32 Adam and psi parameters, DDP holds 4 psi + 4 psi + 8 psi = 16 psi bytes per rank,
   ZeRO-1 8 psi + 8 psi / N, ZeRO-2 4 psi + 12 psi / N, ZeRO-3 16 psi / N.
 * :class:`MemoryMeter`, :func:`tag`, :func:`category` -- peak bytes of live tensors during a
-  block, by category (see :mod:`workbench.measure.memory` for how the CPU is measured).
+  block, by category (see :mod:`workbench.measure.memory_meter` for how the CPU is measured).
 * :func:`records_table` -- the records ranks send with ``workbench.report`` as rows for plots.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from workbench.measure.memory import CATEGORIES, MemoryMeter, Metered, category, format_bytes, storage_bytes, storages_of, tag
+from workbench.measure.memory_meter import CATEGORIES, MemoryMeter, Metered, category, format_bytes, storage_bytes, storages_of, tag
 
 __all__ = ["Throughput", "model_state_bytes", "MemoryMeter", "Metered", "tag", "category", "CATEGORIES",
            "storages_of", "storage_bytes", "format_bytes", "records_table"]

@@ -20,7 +20,7 @@
    ``pipeline_schedules.bubble_formula``. Target: within 0.03.
 3. **Activation memory and bytes** (``--parts memory``): real GPT stages (``tiny``, 8 blocks),
    p = 2 and 4 (``--memory-stages``), m = 8. Per rank, the peak *live activation bytes*: what
-   :class:`~workbench.measure.memory.MemoryMeter` counts as activations at the end of each action of
+   :class:`~workbench.measure.memory_meter.MemoryMeter` counts as activations at the end of each action of
    the step (between actions no forward or backward is running, so what is alive is what the
    micro-batches in flight hold), against the schedule's count: the plan's micro-batches in
    flight, each weighted by what it holds -- M_B from its forward to its backward, and for the
@@ -43,15 +43,17 @@ import argparse
 import copy
 import os
 import time
+import bisect
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 
 import workbench
 from workbench import comm
 from workbench.measure import measuring
 from workbench.models.data import synthetic_batch
-from workbench.measure.memory import MemoryMeter
+from workbench.measure.memory_meter import MemoryMeter
 from workbench.models import GPT, GPTConfig
 from workbench.models.sleep import SleepStage
 from workbench.parallel import pipeline as pp
@@ -143,8 +145,6 @@ def _step(schedule, S, local, x, y, losses=None, return_outputs=True):
 # ------------------------------------------------------------------------------------- 1. time
 
 def _time_rank(schedules, ms, batch, trials, steps) -> dict:
-    import torch.distributed as dist
-
     rank, p = dist.get_rank(), dist.get_world_size()
     # untied head: torch's pipelining does not sum a tied embedding's two gradients (ours does)
     config = GPTConfig.preset("small", tie_weights=False)
@@ -217,8 +217,6 @@ def sleeping_pipeline(name: str, m: int, sleep_s: float, steps: int) -> dict:
     ``steps + 1`` steps and returns ``timelines`` (those of the last ``steps``: the first also
     sends the shapes), the schedule's ``actions`` and its ``planned`` timeline. Sleeping releases
     the core, so 4-8 stages on 2 cores show the schedule's own bubble; noise (a rank waiting for a core, a late wake-up) only ever adds idle time."""
-    import torch.distributed as dist
-
     cls = _ours(name)
     v = 2 if cls.multi else 1
     S, local = _local(name, dist.get_world_size(), dist.get_rank())
@@ -234,8 +232,6 @@ def sleeping_pipeline(name: str, m: int, sleep_s: float, steps: int) -> dict:
 
 
 def _bubble_rank(schedules, ms, sleep_s, steps) -> list[dict]:
-    import torch.distributed as dist
-
     p = dist.get_world_size()
     rows = []
     for name in schedules:
@@ -295,8 +291,6 @@ def _between_actions(history, timeline, origin: float, rank: int) -> int:
     """The most activation bytes alive at the end of any of ``rank``'s actions: between two
     actions no forward or backward is running, so no temporaries exist -- what is alive is what
     the micro-batches in flight hold (plus messages waiting to leave or posted to arrive)."""
-    import bisect
-
     times = [h[0] for h in history]
     peak = 0
     for rec in timeline:
@@ -313,7 +307,7 @@ def activation_memory(schedules=SCHEDULES, m: int = 8, n_layer: int = 8, microba
     activation bytes during one step of real GPT ``tiny`` stages (``n_layer`` blocks) against
     the schedule's count. Returns one row per schedule for this rank.
 
-    * measured: :class:`~workbench.measure.memory.MemoryMeter`'s activation bytes at the end of every
+    * measured: :class:`~workbench.measure.memory_meter.MemoryMeter`'s activation bytes at the end of every
       action of the step (``history`` read at the ``schedule.timeline`` ends), the largest;
     * count: ``pipeline_schedules.peak_live_bytes`` of this rank's action list, with M_B and M_W
       of each stage measured on one micro-batch alone (:func:`_lone_microbatch`);
@@ -323,8 +317,6 @@ def activation_memory(schedules=SCHEDULES, m: int = 8, n_layer: int = 8, microba
     Steps run with ``return_outputs=False``: with ``True`` the last stage also keeps the m
     micro-batches' logits to return them (reported as ``returned_outputs_bytes``).
     """
-    import torch.distributed as dist
-
     rank, p = dist.get_rank(), dist.get_world_size()
     config = GPTConfig.preset("tiny", n_layer=n_layer, tie_weights=False)
     batch = microbatch * m

@@ -41,7 +41,7 @@ Adam's 4-byte step counter per tensor it updates.
   local ids and mask (``9 sb`` bytes) on the first stage.
 
 **Backward's peak** (one micro-batch, beside everything kept), the larger of its busiest moments,
-each a sum of tensors alive at once (measured op by op with :class:`~workbench.measure.memory.MemoryMeter`):
+each a sum of tensors alive at once (measured op by op with :class:`~workbench.measure.memory_meter.MemoryMeter`):
 
 * the last layer's first product (the MLP's output projection): the head's tensors are freed (all
   but the caller's logits); alive are the gradient flowing in (``e sbh/r``, ``r = t`` with
@@ -290,14 +290,20 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
                       unit: tuple[float, int] | None, rt: RuntimeMemory | None = None) -> dict[str, float]:
     """:func:`_microbatch` on a stage of ``n_layers`` layers, the first and / or the last of a
     pipeline (``piped``) or not: all it reads of the stage, so the stages of a pipeline that hold
-    as many layers (every one but the first and the last, most often) share one computation."""
+    as many layers (every one but the first and the last, most often) share one computation.
+
+    Kept: the layers' saved tensors under the recomputation policy (:func:`_layer_bytes`), the
+    stage's edges (:func:`_edge_bytes`) and the caller's logits. Peak: the largest of kept and
+    backward's busiest moments (the module docstring's list), each a sum of tensors alive at once:
+    recomputation's (:func:`_recompute_peak`), the last layer's backward beginning
+    (:func:`_backward_start_peak`, with ZeRO-3's unit assembly), the loss's and the head's backward
+    (:func:`_loss_backward_peak`)."""
     e, t, sp = ELEMENT_SIZE[config.precision], config.tp, config.sequence_parallel
     g = 4 if config.precision == "fp32" else 2      # a gradient made by backward: the compute dtype
     rep = t if sp else 1
     b = microbatch_size(config, global_batch)
-    h, ffn = shape.hidden, shape.ffn
     sb = shape.seq * b
-    sbh = sb * h
+    sbh = sb * shape.hidden
     layer = _layer_bytes(shape, b, t, sp, e, rt.attention if rt is not None else "flash",
                          rt.selective if rt is not None else "attention")
     policy = config.recompute
@@ -306,87 +312,133 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
     vocab_parallel = t > 1 or rt is not None
     vt = shape.padded_vocab(t) / t                   # this rank's vocabulary columns
     logits = e * sb * vt
-    stats = (2 if shape.norm == "layernorm" else 1) * e * sb / rep
     # the loss's saved tensors: log_softmax's output; vocabulary-parallel: the float32 softmax,
     # the local target ids (int64) and the mask of the targets this rank holds (bool)
     loss_saved = 4 * sb * vt + 9 * sb if vocab_parallel else logits
+    head, edge = _edge_bytes(shape, e, t, sb, sbh, rep, loss_saved, first, last, piped)
+    held = logits if (last and hold_logits) else 0.0   # the caller's logits, alive through backward
+    kept = n_layers * layer[policy] + edge + held
+    grad_in = e * sbh / rep            # the gradient flowing into the stage's last layer
+    # at a layer's MLP output projection: the gradient flowing in, (sequence parallel) its all-gathered
+    # copy and the gradient of the ffn-wide input
+    work = grad_in + (e * sbh if sp else 0.0) + e * sb * shape.ffn / t
+    # a tied head's gradient, waiting in autograd's input buffer for the embedding's
+    tied_grad = g * vt * shape.hidden if (shape.tied and first and last) else 0.0
+    peak = _recompute_peak(shape, layer, policy, transient_grads, n_layers, kept, edge, head, held, grad_in,
+                           work, g, t, tied_grad)
+    if policy != "full" or transient_grads:
+        # what the last layer's backward finds kept: everything, or with full recomputation the other
+        # layers' inputs and the last layer recomputed whole
+        alive = kept if policy != "full" else kept - layer["full"] + layer["none"]
+        peak = _backward_start_peak(shape, config, layer[policy], n_layers, kept, alive, head, grad_in, work, g,
+                                    tied_grad if transient_grads else 0.0, first, piped, transient_grads, unit, peak)
+    if last:
+        peak = _loss_backward_peak(config, shape.hidden, sb, vt, logits, loss_saved, vocab_parallel, g,
+                                   transient_grads, rt, kept, peak)
+    return {"kept": kept, "peak": peak}
+
+
+def _edge_bytes(shape: ModelShape, e: int, t: int, sb: float, sbh: float, rep: int, loss_saved: float,
+                first: bool, last: bool, piped: bool) -> tuple[float, float]:
+    """``(head, edge)``: what the head keeps on the last stage (the final norm's input, output and
+    statistics, and the loss's saved tensors), and all the stage keeps beyond its layers -- the
+    head's, a pipeline stage's output kept for its backward, the vocabulary-parallel embedding's
+    local ids (int64) and mask (bool) on the first stage."""
+    stats = (2 if shape.norm == "layernorm" else 1) * e * sb / rep
     head = (e * 2 * sbh / rep + stats + loss_saved) if last else 0.0   # final norm's input, output, statistics
     edge = head
     if piped and not last:
         edge += e * sbh / rep          # the pipeline keeps the stage's output for its backward
     if first and t > 1:
         edge += 9 * sb                 # the vocabulary-parallel embedding's local ids (int64) and mask (bool)
-    held = logits if (last and hold_logits) else 0.0   # the caller's logits, alive through backward
-    kept = n_layers * layer[policy] + edge + held
-    grad_in = e * sbh / rep            # the gradient flowing into the stage's last layer
+    return head, edge
+
+
+def _recompute_peak(shape: ModelShape, layer: dict[str, float], policy: str, transient_grads: bool, n_layers: int,
+                    kept: float, edge: float, head: float, held: float, grad_in: float, work: float, g: int, t: int,
+                    tied_grad: float) -> float:
+    """Backward's busiest moment where it recomputes (``kept`` where it does not). Full, gradients
+    becoming ``.grad``: a recomputed layer's backward (its MLP's first product, ``work``) beside the
+    other layers' inputs and a tied head's gradient waiting for the embedding's. New gradients become
+    model state as backward goes, so the meter's peak is where activations and the gradients made so
+    far are largest together: at the last layer if a layer's input outweighs its gradients (then every
+    other input is still kept), else at the first (no other input left; the other layers' gradients
+    made). Full, transient gradients: every layer's input, the first recomputed layer and the gradient
+    into it. Selective: the last layer's attention core recomputed beside the kept tensors."""
     if policy == "full" and not transient_grads:
-        # a recomputed layer's backward (its MLP's first product) beside the other layers' inputs, the
-        # gradient flowing in and the ffn-wide one, and a tied head's gradient waiting for the
-        # embedding's. New gradients become .grad (model state) as backward goes, so the meter's peak
-        # is where activations and the gradients made so far are largest together: at the last layer
-        # if a layer's input outweighs its gradients (then every other input is still kept), else at
-        # the first (no other input left; the other layers' gradients made)
         g_layer = g * sum(shape.layer_tensors(t))
         others = (n_layers - 1) * layer["full"] if layer["full"] >= g_layer else 0.0
-        tied_waiting = g * vt * h if (shape.tied and first and last) else 0.0
-        work = grad_in + (e * sbh if sp else 0.0) + e * sb * ffn / t
-        peak = max(kept, others + layer["none"] + edge - head + held + work + tied_waiting)
-    elif policy == "full":   # every layer's input + the first recomputed layer + the gradient into it
-        peak = max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held)
-    elif policy == "selective":  # the last layer's attention core recomputed beside the kept tensors
+        return max(kept, others + layer["none"] + edge - head + held + work + tied_grad)
+    if policy == "full":
+        return max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held)
+    if policy == "selective":
         core = layer["none"] - layer["selective"] + grad_in
-        peak = max(kept, kept - head + core + 2 * grad_in)
-    else:
-        peak = kept
-    # what the last layer's backward finds kept: everything, or with full recomputation the other
-    # layers' inputs and the last layer recomputed whole
-    alive = kept if policy != "full" else kept - layer["full"] + layer["none"]
-    if policy != "full" or transient_grads:
-        # the last layer's backward begins (the MLP's output projection): beside everything kept
-        # but the head's tensors, the gradient flowing in, (sequence parallel) its all-gathered copy,
-        # the gradient of the ffn-wide input and -- when they are temporaries -- the weight's and
-        # bias's new gradients, and the tied head's gradient waiting for the embedding's
-        work = grad_in + (e * sbh if sp else 0.0) + e * sb * ffn / t
-        # (a Llama-shaped model has no biases)
-        waiting = g * vt * h if (transient_grads and shape.tied and first and last) else 0.0
-        if transient_grads:
-            work += g * (h * ffn / t + (h if shape.bias else 0)) + waiting
-        peak = max(peak, alive - head + work)
-        if unit is not None and config.dp > 1:
-            # ZeRO-3 assembles a unit's flat gradient once backward has left the unit (autograd runs
-            # the slices' backward after the unit's own nodes, whose sequence numbers are higher):
-            # its layers' activations are freed (a pipeline stage's received input is not: the
-            # schedule holds it until the backward ends); alive are the gradient flowing on, the
-            # unit's weight gradients not yet placed (all but its last two tensors', placed first),
-            # and three unit-sized flat tensors (the running sum, the next zero-padded slice, their
-            # sum). The unit before it in backward's order may still be in its asynchronous
-            # reduce-scatter, its flat gradient with it: so also the next unit's moments, one
-            # layer fewer kept, plus that gradient.
-            u, per_unit, placed = g * unit[0], unit[1], g * unit[2]
-            rest = kept - head - per_unit * layer[policy] + (grad_in if (piped and not first) else 0.0)
-            assembly = rest + grad_in + 3 * u + (u - placed) + waiting
-            peak = max(peak, assembly)
-            if n_layers > per_unit:
-                fewer = per_unit * layer[policy]
-                peak = max(peak, assembly - fewer + u, alive - head + work - fewer + u)
-    if last:
-        # the loss's backward: vocabulary-parallel, the float32 gradient of the logits and the row
-        # indices (int64); else nll_loss's gradient and log_softmax's, both logits-sized
-        loss_work = (4 * sb * vt + 8 * sb + (e * sb * vt if e != 4 else 0.0)) if vocab_parallel else 2 * logits
-        if rt is not None:
-            # the loss's busiest moment in place of what it saved: the logits in the compute dtype
-            # beside the float32 logits-sized tensors alive at once (rt.loss_float32_copies: Megatron
-            # 1, the cast that becomes the saved softmax in place and, in backward, the logits'
-            # gradient in place, cast back to 16 bits: the same bytes) and the row indices
-            copies = rt.loss_float32_copies - (1 if e == 4 else 0)    # float32 logits need no cast
-            loss_work = e * sb * vt + 4 * copies * sb * vt + 8 * sb - loss_saved
-        # then the head's: the logits' gradient, the input's gradient (all of it) and, with sequence
-        # parallelism, its sequence blocks made contiguous for the reduce-scatter and that one's
-        # output (the input re-gathered for the weight's gradient comes after them and is no larger);
-        # the head's weight gradient if transient
-        head_work = logits + e * sbh + (e * sbh + e * sbh / t if sp else 0.0) + (g * vt * h if transient_grads else 0.0)
-        peak = max(peak, kept + loss_work, kept - loss_saved + head_work)
-    return {"kept": kept, "peak": peak}
+        return max(kept, kept - head + core + 2 * grad_in)
+    return kept
+
+
+def _backward_start_peak(shape: ModelShape, config: Config, per_layer: float, n_layers: int, kept: float,
+                         alive: float, head: float, grad_in: float, work: float, g: int, waiting: float, first: bool,
+                         piped: bool, transient_grads: bool, unit: tuple | None, peak: float) -> float:
+    """``peak`` raised to the last layer's backward beginning (the MLP's output projection): beside
+    everything ``alive`` but the head's tensors, the gradient flowing in, (sequence parallel) its
+    all-gathered copy, the gradient of the ffn-wide input (``work``) and -- when they are temporaries
+    -- the weight's and bias's new gradients and the tied head's gradient ``waiting`` for the
+    embedding's (a Llama-shaped model has no biases); then ZeRO-3's unit assembly
+    (:func:`_zero3_assembly_peak`). ``per_layer``: a layer's kept bytes under the policy."""
+    h, ffn, t = shape.hidden, shape.ffn, config.tp
+    if transient_grads:
+        work += g * (h * ffn / t + (h if shape.bias else 0)) + waiting
+    peak = max(peak, alive - head + work)
+    if unit is not None and config.dp > 1:
+        peak = _zero3_assembly_peak(per_layer, n_layers, kept, alive, head, grad_in, work, g, waiting, unit, first,
+                                    piped, peak)
+    return peak
+
+
+def _zero3_assembly_peak(per_layer: float, n_layers: int, kept: float, alive: float, head: float, grad_in: float,
+                         work: float, g: int, waiting: float, unit: tuple, first: bool, piped: bool,
+                         peak: float) -> float:
+    """``peak`` raised to ZeRO-3's assembly of a unit's flat gradient, once backward has left the unit
+    (autograd runs the slices' backward after the unit's own nodes, whose sequence numbers are
+    higher): its layers' activations are freed (a pipeline stage's received input is not: the
+    schedule holds it until the backward ends); alive are the gradient flowing on, the unit's weight
+    gradients not yet placed (all but its last two tensors', placed first), and three unit-sized flat
+    tensors (the running sum, the next zero-padded slice, their sum). The unit before it in
+    backward's order may still be in its asynchronous reduce-scatter, its flat gradient with it: so
+    also the next unit's moments, one layer fewer kept, plus that gradient. ``unit``: ``(elements,
+    layers in it, elements placed first)``."""
+    u, per_unit, placed = g * unit[0], unit[1], g * unit[2]
+    rest = kept - head - per_unit * per_layer + (grad_in if (piped and not first) else 0.0)
+    assembly = rest + grad_in + 3 * u + (u - placed) + waiting
+    peak = max(peak, assembly)
+    if n_layers > per_unit:
+        fewer = per_unit * per_layer
+        peak = max(peak, assembly - fewer + u, alive - head + work - fewer + u)
+    return peak
+
+
+def _loss_backward_peak(config: Config, h: int, sb: float, vt: float, logits: float, loss_saved: float,
+                        vocab_parallel: bool, g: int, transient_grads: bool, rt: RuntimeMemory | None, kept: float,
+                        peak: float) -> float:
+    """``peak`` raised to the last stage's loss and head backward. The loss's: vocabulary-parallel,
+    the float32 gradient of the logits and the row indices (int64); else nll_loss's gradient and
+    log_softmax's, both logits-sized; on a GPU runtime its busiest moment in place of what it saved:
+    the logits in the compute dtype beside the float32 logits-sized tensors alive at once
+    (``rt.loss_float32_copies``: Megatron 1, the cast that becomes the saved softmax in place and, in
+    backward, the logits' gradient in place, cast back to 16 bits: the same bytes) and the row
+    indices. Then the head's: the logits' gradient, the input's gradient (all of it) and, with
+    sequence parallelism, its sequence blocks made contiguous for the reduce-scatter and that one's
+    output (the input re-gathered for the weight's gradient comes after them and is no larger); the
+    head's weight gradient if transient."""
+    e, t, sp = ELEMENT_SIZE[config.precision], config.tp, config.sequence_parallel
+    sbh = sb * h
+    loss_work = (4 * sb * vt + 8 * sb + (e * sb * vt if e != 4 else 0.0)) if vocab_parallel else 2 * logits
+    if rt is not None:
+        copies = rt.loss_float32_copies - (1 if e == 4 else 0)    # float32 logits need no cast
+        loss_work = e * sb * vt + 4 * copies * sb * vt + 8 * sb - loss_saved
+    head_work = logits + e * sbh + (e * sbh + e * sbh / t if sp else 0.0) + (g * vt * h if transient_grads else 0.0)
+    return max(peak, kept + loss_work, kept - loss_saved + head_work)
 
 
 def activation_bytes_per_microbatch(shape: ModelShape, config: Config, global_batch: int,
