@@ -5,6 +5,7 @@ included, so an import moved into a function to dodge a cycle still counts.
 """
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -96,7 +97,7 @@ def test_a_bad_import_breaks_the_layers(tmp_path):
 # or needing a notebook) or heavy to import (pulled in only by the code path that needs it); every
 # other import sits at the top of its module, where a reader and import-linter see it first.
 LOCAL_IMPORTS_ALLOWED = {
-    "matplotlib": "heavy (about half a second): only figures import it",
+    "matplotlib": "heavy: only figures import it",
     "IPython": "optional: only inside a notebook",
     "transformers": "optional: only for a Hugging Face model the user brings",
     "tqdm": "heavy for a progress bar a script may never show",
@@ -115,8 +116,6 @@ LOCAL_IMPORTS_ALLOWED = {
 
 
 def _local_imports():
-    import ast
-
     for path in sorted((ROOT / "workbench").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for fn in ast.walk(tree):
