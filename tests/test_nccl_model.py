@@ -126,3 +126,17 @@ def test_validate_published_prints_every_row_with_its_source(capsys):
     # every training row names its layout, every source a place to read it
     assert all(r.config is not None or r.collective for r in published.ROWS)
     assert all("http" in r.source for r in published.ROWS)
+
+
+def test_a_published_run_counts_only_where_it_is_also_predicted_to_fit():
+    """A training row that ran is within only where the plan is predicted to fit as well; a ``fits``
+    row (torchtitan's out-of-memory footnote) is within where the prediction agrees."""
+    results = published.validate()
+    for r in results:
+        row = r["row"]
+        if row.metric == "fits":
+            assert r["within"] == (r["predicted"] == row.value) and r["ratio"] in (0.0, 1.0)
+        elif row.config is not None and row.metric != "memory_gib" and not r["feasible"]:
+            assert not r["within"], row.name
+    oom = next(r for r in results if r["row"].metric == "fits" and r["row"].value == 0)
+    assert not oom["feasible"] and oom["within"]

@@ -18,7 +18,12 @@ batch, the layout as a :class:`Config`, and one figure:
 ``memory_gib``      peak memory per GPU in GiB (the advisor's ``memory["total"]``)
 ``busbw_GBps``      an nccl-tests bus bandwidth in GB/s (:meth:`NcclModel.busbw`)
 ``step_s``          seconds per training step (iteration time)
+``fits``            1 where the run fit in the GPU's memory, 0 where it was reported out of
+                    memory; predicted: the plan's ``feasible``
 ==================  ==========================================================================
+
+A training row that ran is within only where it is also predicted to fit; a ``fits`` row is
+within where the prediction agrees (its ratio is then 1, else 0).
 
 ``role``: ``calibrated`` where a figure of the model was taken from that very row (its ratio
 shows the model reproduces its own input, nothing more), ``checked`` where nothing was fitted on
@@ -165,6 +170,10 @@ ROWS: tuple[Published, ...] = (
     _titan_a100("llama-13b", 2, "selective", 1904, "local batch 2, selective op AC"),
     _titan_a100("llama-70b", 1, "selective", 355, "local batch 1, selective op AC"),
     _titan_a100("llama-70b", 2, "full", 353, "local batch 2, full AC"),
+    Published("torchtitan llama-70b local batch 2, selective op AC, 64 A100 (out of memory)", TITAN_A100, "fits", 0,
+              "dgx-a100", 8, SHAPES["llama-70b"], 128, Config(dp=64, zero=3, precision="bf16", recompute="selective"),
+              note=_TITAN_NOTE + "; the table's footnote: local batch 2 with selective checkpointing ran out of memory",
+              framework="eager"),
     # -- torchtitan on H100 (Grand Teton): TPS per GPU and peak memory, FSDP without compile or Float8
     Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2", TITAN_H100.format(1), "tokens_per_gpu", 5762,
               "dgx-h100", 1, SHAPES["llama3-8b"], 16, Config(dp=8, zero=3, precision="bf16", recompute="selective"),
@@ -255,6 +264,8 @@ def predicted(row: Published) -> dict:
                                                                   row.per_node).items())[1]}
     cluster = row_cluster(row)
     plan = predict(row.model, cluster, row.global_batch, row.config)
+    if row.metric == "fits":
+        return {"value": 1.0 if plan.feasible else 0.0, "feasible": plan.feasible, "detail": plan.reason or "fits"}
     if row.metric == "memory_gib":
         return {"value": plan.memory["total"] / GiB, "feasible": plan.feasible, "detail": plan.reason or ""}
     seconds = plan.time["total"]
@@ -275,21 +286,27 @@ def validate(rows=ROWS) -> list[dict]:
     out = []
     for row in rows:
         p = predicted(row)
-        ratio = p["value"] / row.value
+        if row.metric == "fits":
+            ratio = 1.0 if p["value"] == row.value else 0.0
+            within = ratio == 1.0
+        else:
+            ratio = p["value"] / row.value
+            # a training run that ran must also be predicted to fit
+            within = abs(ratio - 1) <= TOLERANCE and (row.config is None or row.metric == "memory_gib" or p["feasible"])
         out.append({"row": row, "published": row.value, "predicted": p["value"], "ratio": ratio,
-                    "within": abs(ratio - 1) <= TOLERANCE, "feasible": p["feasible"], "detail": p["detail"]})
+                    "within": within, "feasible": p["feasible"], "detail": p["detail"]})
     return out
 
 
 def summary(results: list[dict]) -> str:
     ok = sum(r["within"] for r in results)
     checked = [r for r in results if r["row"].role == "checked"]
-    return (f"{ok} of {len(results)} rows within {TOLERANCE:.0%} ({sum(r['within'] for r in checked)} of "
-            f"{len(checked)} that nothing was fitted on)")
+    return (f"{ok} of {len(results)} rows within {TOLERANCE:.0%} and predicted to fit where they ran "
+            f"({sum(r['within'] for r in checked)} of {len(checked)} that nothing was fitted on)")
 
 
 _UNITS = {"step_s": "s/step", "tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU %", "tokens_per_gpu": "tokens/s/GPU",
-          "memory_gib": "GiB/GPU", "busbw_GBps": "busbw GB/s"}
+          "memory_gib": "GiB/GPU", "busbw_GBps": "busbw GB/s", "fits": "fits (1) or not (0)"}
 
 
 def report(results: list[dict]) -> str:
@@ -300,7 +317,9 @@ def report(results: list[dict]) -> str:
              "(`workbench/advise/published.py` holds the rows and their sources). Each row is a run or an "
              "nccl-tests result published by others; *predicted* is `workbench.advise.predict` on the row's "
              "cluster preset (or the preset's NCCL model for a bus bandwidth), with the presets' own figures. "
-             f"*ratio* is predicted / published; a row is within when the ratio is within {TOLERANCE:.0%} of 1. "
+             f"*ratio* is predicted / published; a row is within when the ratio is within {TOLERANCE:.0%} of 1 "
+             "and, for a training run that ran, the plan is predicted to fit; a *fits* row (1: it fit, 0: it ran "
+             "out of memory) is within where the prediction agrees. "
              "*role*: `calibrated` rows gave the model a figure (their ratio only shows it reproduces its "
              "input), `checked` rows gave nothing. A row runs on its preset with the framework it was measured "
              "with (`workbench.advise.framework`: `megatron` for the Megatron-LM README's H100 table, `eager` for "
@@ -313,7 +332,7 @@ def report(results: list[dict]) -> str:
         row = r["row"]
         ref = sources.setdefault(row.source, len(sources) + 1)
         layout = row.config.label() if row.config else f"{row.ranks} ranks, {row.per_node} per node"
-        if row.config and not r["feasible"]:
+        if row.config and not r["feasible"] and row.metric != "fits":
             layout += " (predicted not to fit)"
         lines.append(f"| {i} | {row.name} | {layout} | {_UNITS[row.metric]} | {row.value:.4g} | "
                      f"{r['predicted']:.4g} | {r['ratio']:.2f} | {'yes' if r['within'] else '**no**'} | {row.role} | "
