@@ -375,14 +375,6 @@ def _placement(config: Config, p: int) -> tuple[int, str]:
     return (2 * p if name in ("interleaved", "zbv") else p), ("v" if name == "zbv" else "loop")
 
 
-def _work_keys(actions) -> list[list[tuple[str, int]]]:
-    """Each action's key in :func:`simulate`'s ``work``/``comm``, per rank: ``(kind, stage)``, a
-    backward that is not split into B and W (no W follows it) being ``"Bfull"``."""
-    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
-    return [[("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage) for a in acts]
-            for acts in actions]
-
-
 def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, style: str = "loop",
              cores: float | None = None, replicas: int = 1, trace: list | None = None, late=0.0) -> dict:
     """Replay a schedule's per-rank action lists with each action's ``work[(kind, stage)]`` seconds of
@@ -404,144 +396,80 @@ def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, s
     seconds from the step's start), so the replay can be drawn beside a run
     (:func:`workbench.measure.plots.pipeline_schedule` draws both).
 
-    An event loop (:class:`_Replay`): each round starts every action whose inputs (the schedule's
-    dependency rules, :func:`workbench.parallel.pipeline_schedules.inputs`) have arrived,
-    decides the waits of the messages just sent, moves the clock to the next event (a compute or a
-    communication ending, an input arriving) with the cores shared among the ranks computing, and
-    finishes the actions whose communication has ended.
+    The one schedule replay (:class:`workbench.parallel.pipeline_schedules.Replay`: each round starts
+    every action whose inputs have arrived, moves the clock to the next event -- a compute or a
+    communication ending, an input arriving -- and ends what ended), with what ranks sharing cores
+    change in it (:class:`_SharedCores`): compute advancing at the rate the cores give, and the waits
+    of the messages just sent decided before the clock moves.
     """
-    return _Replay(actions, num_stages, work, comm, message, style, cores, replicas, trace, late).run()
+    return _SharedCores(actions, num_stages, work, comm, message, style, cores, replicas, trace, late).run()
 
 
-class _Replay:
-    """:func:`simulate`'s state: where each rank is in its action list, what it is doing (``idle``,
-    ``compute``, ``comm``) and for how long, when each action ended, and the messages whose wait for
-    a core is still to be decided. ``remaining`` holds compute seconds left at full speed while a
-    rank computes, its communication's end time while it communicates. What each action reads of the
-    schedule (its cost's key, its inputs and the boundaries they cross, the boundary its output
-    crosses) is worked out once, before the loop (:meth:`_steps`)."""
+class _SharedCores(plans.Replay):
+    """:func:`simulate`'s replay: the schedule replay with the ranks' compute sharing ``cores``
+    (processor sharing) and a message's wait for a core (``late``).
+
+    Processor sharing: while ``n`` ranks compute, each standing for ``replicas`` ranks, each runs at
+    ``rate = min(1, cores / (n x replicas))`` of full speed, so ``remaining`` holds each computing
+    rank's compute seconds left at full speed, and the next compute end is ``remaining / rate``
+    away -- until the number computing changes, which is an event. A message's late wait is
+    decided when it is sent, once the ranks that can start then have started (the sender's next
+    action among them): ``held`` until then, so no action reads it, then ``extra`` (``late[k]`` if
+    every core computes, else nothing)."""
+
+    deadlock = "simulate: the schedule deadlocks at {stuck}"
 
     def __init__(self, actions, num_stages, work, comm, message, style, cores, replicas, trace, late):
-        ranks = len(actions)
-        self.actions, self.num_stages, self.work, self.comm = actions, num_stages, work, comm
-        self.cores, self.replicas, self.trace, self.ranks = cores, replicas, trace, ranks
-        self.owner = stage_to_rank(num_stages, ranks, style)
-        self.steps = self._steps(actions)
-        self.hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
+        super().__init__(actions, num_stages, work, comm, message=message, style=style, trace=trace)
+        self.cores, self.replicas = cores, replicas
         self.wait = list(late) if isinstance(late, (list, tuple)) else [late] * max(1, num_stages - 1)
-        self.done: dict[tuple, float] = {}
         self.extra: dict[tuple, float] = {}    # a sent message's wait for a core (decided once the senders went on)
-        self.undecided: dict[tuple, int] = {}  # a message just sent -> the boundary it crosses
-        self.pos = [0] * ranks
-        self.state = ["idle"] * ranks
-        self.remaining = [0.0] * ranks
-        self.comm_end = [0.0] * ranks
-        self.busy_c, self.busy_m = [0.0] * ranks, [0.0] * ranks
-        self.started = [0.0] * ranks           # when each rank's current action began
-        self.now = 0.0
-        self.left = sum(len(a) for a in actions)
+        self.rate = 1.0                        # each computing rank's share of full speed, until the next event
 
-    def _steps(self, actions) -> list[list[tuple]]:
-        """Per rank, per action: ``(action, its key in work/comm, its id (kind, stage, microbatch),
-        [(an input's id, the boundary it crossed or None on this rank)], the boundary its output
-        crosses to another rank or None)``."""
-        owner, n = self.owner, self.num_stages
-        out = []
-        for r, (acts, keys) in enumerate(zip(actions, _work_keys(actions))):
-            out.append([(a, key, (a.kind, a.stage, a.microbatch),
-                         [(d, min(d[1], a.stage) if owner[d[1]] != r else None) for d in plans.inputs(a, n)],
-                         self._crossing(a)) for a, key in zip(acts, keys)])
-        return out
-
-    def _crossing(self, a) -> int | None:
-        """The stage boundary an action's output crosses to another rank, or None."""
-        peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else None
-        if peer is None or not 0 <= peer < self.num_stages or self.owner[peer] == self.owner[a.stage]:
-            return None
-        return min(peer, a.stage)
-
-    def run(self) -> dict:
-        """Rounds until every action has ended: start each idle rank's next action whose inputs are in
-        (:meth:`_ready_at`), decide the waits of the messages just sent, then move to the next event
-        (:meth:`_next_event`). The span and each rank's busy seconds."""
-        steps, state, pos, ranks = self.steps, self.state, self.pos, range(self.ranks)
-        started, remaining, comm_end, work, comm = self.started, self.remaining, self.comm_end, self.work, self.comm
-        while self.left:
-            waits, now = [], self.now
-            for r in ranks:
-                while state[r] == "idle" and pos[r] < len(steps[r]):
-                    step = steps[r][pos[r]]
-                    t = self._ready_at(step[3])
-                    if t is None:
-                        break
-                    if t > now + 1e-15:   # its input arrives later: an event
-                        waits.append(t)
-                        break
-                    started[r] = now
-                    state[r], remaining[r] = "compute", work[step[1]]
-                    comm_end[r] = comm[step[1]]
-            computing = [r for r in ranks if state[r] == "compute"]
-            if self.undecided:   # the messages sent now: every core computing, or one free to take them
-                full = len(computing) * self.replicas >= self.cores - 1e-9
-                for key, boundary in self.undecided.items():
-                    self.extra[key] = self.wait[boundary] if full else 0.0
-                self.undecided.clear()
-                continue    # their receivers' readiness is known now
-            self._next_event(computing, waits)
-        return {"span": self.now, "busy": [c + m for c, m in zip(self.busy_c, self.busy_m)],
-                "compute": self.busy_c, "comm": self.busy_m}
+    def _decide(self, computing: list[int]) -> None:
+        """The messages sent now wait ``late`` more if every core computes (the rank they wake and its
+        network thread get one only when a time slice ends), nothing if one is free."""
+        full = len(computing) * self.replicas >= self.cores - 1e-9
+        for key, boundary in self.held.items():
+            self.extra[key] = self.wait[boundary] if full else 0.0
+        self.held.clear()
 
     def _ready_at(self, inputs) -> float | None:
-        """When an action with these ``inputs`` can start: their ends, plus a message's hop (and its
-        wait for a core) where an input comes from another rank; None while an input is missing."""
+        """When an action with these ``inputs`` can start: their ends, plus a message's hop and its
+        wait for a core where an input comes from another rank; None while an input is missing or its
+        wait is undecided."""
         t = 0.0
-        done, undecided = self.done, self.undecided
+        done, held = self.done, self.held
         for d, boundary in inputs:
-            if d not in done or d in undecided:
+            if d not in done or d in held:
                 return None
             t = max(t, done[d] + (self.hop[boundary] + self.extra.get(d, 0.0) if boundary is not None else 0.0))
         return t
 
-    def _next_event(self, computing: list[int], waits: list[float]) -> None:
-        """Move the clock to the next event, the computing ranks sharing the cores (each at ``rate``
-        of full speed: ``cores`` over the ranks computing, each standing for ``replicas``); then the
-        computes that ended go on to their communication, and the communications that ended end
-        their action (:meth:`_end_action`)."""
-        cores, now, remaining, state = self.cores, self.now, self.remaining, self.state
-        rate = 1.0 if not cores else min(1.0, cores / (len(computing) * self.replicas)) if computing else 1.0
-        events = waits + [now + remaining[r] / rate for r in computing] + \
-            [remaining[r] for r in range(self.ranks) if state[r] == "comm"]
-        if not events:
-            stuck = {r: str(self.actions[r][self.pos[r]]) for r in range(self.ranks)
-                     if self.pos[r] < len(self.actions[r])}
-            raise RuntimeError(f"simulate: the schedule deadlocks at {stuck}")
-        nxt = max(min(events), now)
-        busy_c = self.busy_c
-        for r in computing:
-            busy_c[r] += nxt - now
-            remaining[r] -= (nxt - now) * rate
-        self.now = now = nxt
-        comm_end = self.comm_end
-        for r in range(self.ranks):
-            if state[r] == "compute" and remaining[r] <= 1e-12:
-                state[r], remaining[r] = "comm", now + comm_end[r]
-                self.busy_m[r] += comm_end[r]
-            if state[r] == "comm" and remaining[r] <= now + 1e-15:
-                self._end_action(r)
+    def _sent(self, key: tuple, boundary: int) -> None:
+        """Hold a message for a wait decision where it could find every core busy."""
+        if self.cores and self.wait[boundary] > 0:
+            self.held[key] = boundary
 
-    def _end_action(self, r: int) -> None:
-        """Rank ``r``'s action ends now: record it, hold its message for a wait decision where it
-        crosses to another rank and could find every core busy, and move to the next action."""
-        a, _, done_key, _, boundary = self.steps[r][self.pos[r]]
-        self.done[done_key] = self.now
-        if self.cores and boundary is not None and self.wait[boundary] > 0:
-            self.undecided[done_key] = boundary
-        if self.trace is not None:
-            self.trace.append({"rank": r, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch,
-                               "start": self.started[r], "end": self.now})
-        self.state[r] = "idle"
-        self.pos[r] += 1
-        self.left -= 1
+    def _compute_ends(self, computing: list[int]) -> list[float]:
+        """Each computing rank's end at the rate the cores give now (one for all: ``cores`` over the
+        ranks computing, each standing for ``replicas``; full speed without ``cores``)."""
+        cores, now, remaining = self.cores, self.now, self.remaining
+        self.rate = rate = 1.0 if not cores else min(1.0, cores / (len(computing) * self.replicas)) if computing \
+            else 1.0
+        return [now + remaining[r] / rate for r in computing]
+
+    def _advance(self, computing: list[int], elapsed: float, now: float) -> list[int]:
+        """Each computing rank computed for ``elapsed`` seconds (counted in ``busy_c``) at the current
+        rate, which comes off its compute: those done (to a picosecond of full-speed work)."""
+        remaining, rate, busy_c = self.remaining, self.rate, self.busy_c
+        ended = []
+        for r in computing:
+            busy_c[r] += elapsed
+            remaining[r] -= elapsed * rate
+            if remaining[r] <= 1e-12:
+                ended.append(r)
+        return ended
 
 
 def _cpu_compute(shape, cluster, config: Config, rows: int, rate: float, oversubscription: float, contention):
@@ -982,7 +910,7 @@ def _replayed_parts(replay: dict, p: int, m: int, critical_messages: float) -> t
     r = max(range(p), key=lambda i: sim["busy"][i])
     compute, tp_total = sim["compute"][r], sim["comm"][r]
     # the share of the replayed work that was the messages' CPU: reported as pipeline communication
-    keys = _work_keys(replay["actions"])[r]
+    keys = plans.work_keys(replay["actions"])[r]
     mine = sum(work[key] for key in keys)
     msg_cpu = compute * sum(msg_work[key] for key in keys) / mine if mine > 0 else 0.0
     compute -= msg_cpu

@@ -49,14 +49,16 @@ DualPipeV          (p-1) / (6 m + p - 1), m >= 2p       see :func:`live_microbat
 :func:`simulate` replays the lists with fixed costs per action (every message instant) and gives
 the planned start and end of every action: the "planned" grid the plots draw, the predicted
 bubble, and a proof that the lists cannot deadlock (it raises if some rank would wait forever).
+It is the one event loop (:class:`Replay`) that the advisor also replays schedules with, there
+with timed work, message delays and ranks sharing a CPU's cores (:func:`workbench.advise.timing.simulate`).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zbv", "dualpipev", "with_comms",
-           "stage_to_rank", "inputs", "simulate", "bubble", "bubble_formula", "live_microbatches", "peak_live_bytes",
-           "min_microbatches"]
+           "stage_to_rank", "inputs", "work_keys", "Replay", "simulate", "bubble", "bubble_formula",
+           "live_microbatches", "peak_live_bytes", "min_microbatches"]
 
 
 class Action(NamedTuple):
@@ -332,10 +334,10 @@ def with_comms(compute: list[list[Action]], num_stages: int, style: str = "loop"
 def inputs(action: Action, num_stages: int) -> list[tuple[str, int, int]]:
     """The actions whose outputs ``action`` needs, as ``(kind, stage, microbatch)``: a forward the
     previous stage's forward; a backward the next stage's backward (the last stage: its own
-    forward); a weight-gradient W its own stage's B. Every replay of a schedule -- :func:`simulate`
-    here, the advisor's timed one (:func:`workbench.advise.timing.simulate`) -- orders actions by
-    these rules, and the interpreter (:mod:`workbench.parallel.pipeline`) meets them by its
-    messages."""
+    forward); a weight-gradient W its own stage's B. The replay of a schedule (:class:`Replay`:
+    :func:`simulate` here, the advisor's timed one, :func:`workbench.advise.timing.simulate`) orders
+    actions by these rules, and the interpreter (:mod:`workbench.parallel.pipeline`) meets them by
+    its messages."""
     s, i = action.stage, action.microbatch
     if action.kind == "F":
         return [("F", s - 1, i)] if s > 0 else []
@@ -344,49 +346,238 @@ def inputs(action: Action, num_stages: int) -> list[tuple[str, int, int]]:
     return [("B", s, i)]
 
 
+def work_keys(actions: list[list[Action]]) -> list[list[tuple[str, int]]]:
+    """Each action's key in a replay's ``work`` and ``comm`` costs, per rank: ``(kind, stage)``, a
+    backward that is not split into B and W (no W of its stage and micro-batch in any list) being
+    ``"Bfull"`` -- it does both halves, so it costs what B and W cost together."""
+    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
+    keys: dict[tuple, tuple] = {}   # one tuple per key, shared by the actions that have it
+    return [[keys.setdefault(k, k) for k in
+             (("Bfull" if a.kind == "B" and (a.stage, a.microbatch) not in split else a.kind, a.stage) for a in acts)]
+            for acts in actions]
+
+
+class Replay:
+    """The schedule replay: every rank walks its list of compute actions in order, in time.
+
+    An action starts once its inputs (:func:`inputs`) have arrived -- an input made on another rank
+    ``hop[k]`` seconds after it ended, ``k`` the stage boundary it crosses (``message``: one number, or
+    one per boundary) -- and its rank is idle. It then computes ``work[key]`` seconds (``key`` from
+    :func:`work_keys`), then communicates ``comm[key]`` seconds (a tensor-parallel collective its rank
+    waits for), and ends. The loop (:meth:`run`) alternates two moves: start every action that can
+    start now, then move the clock to the next event (a compute or a communication ending, an input
+    arriving) and end what ended. Each round costs O(ranks), and there are at most a few events per
+    action. Nothing running and nothing to wait for while actions are left is a deadlock: some rank
+    waits for an input that no list will ever make (raised with :attr:`deadlock`, naming each rank's
+    stuck action).
+
+    Here compute runs at full speed, so it ends ``work`` seconds after it started, and a message takes
+    its hop. The hooks a subclass overrides to change that (the advisor's ranks sharing a CPU's cores,
+    :func:`workbench.advise.timing.simulate`): how compute advances (:meth:`_compute_ends`,
+    :meth:`_advance`), when an action's inputs are in (:meth:`_ready_at`), what a message leaving for
+    another rank does (:meth:`_sent`: it may hold it in ``held``, its delay to be decided), and the
+    decision on the held messages, taken once the actions that can start now have started, before the
+    clock moves (:meth:`_decide`).
+
+    State per rank: ``pos`` (its next action), ``state`` (``idle``, ``compute``, ``comm``),
+    ``started`` (when its action began), ``remaining`` (its compute's seconds at full speed),
+    ``comm_s`` and ``comm_until`` (its communication's seconds and end), ``busy_c``/``busy_m``
+    (seconds computing/communicating so far); ``done`` maps each ended action's ``(kind, stage,
+    microbatch)`` to its end. ``trace``: a list each action is appended to as it ends, ``{"rank",
+    "stage", "kind", "microbatch", "start", "end"}``.
+    """
+
+    deadlock = "the schedule deadlocks: ranks wait forever at {stuck}"
+
+    def __init__(self, actions: list[list[Action]], num_stages: int, work: dict, comm: dict, *,
+                 message: float | list[float] = 0.0, style: str = "loop", trace: list | None = None):
+        ranks = len(actions)
+        self.actions, self.num_stages, self.work, self.comm = actions, num_stages, work, comm
+        self.trace, self.ranks = trace, ranks
+        self.owner = stage_to_rank(num_stages, ranks, style)
+        self.steps = self._steps(actions)
+        self.hop = list(message) if isinstance(message, (list, tuple)) else [message] * max(1, num_stages - 1)
+        self.done: dict[tuple, float] = {}
+        self.held: dict[tuple, int] = {}       # messages just sent whose delay is still to be decided
+        self.pos = [0] * ranks
+        self.state = ["idle"] * ranks
+        self.remaining = [0.0] * ranks
+        self.comm_s, self.comm_until = [0.0] * ranks, [0.0] * ranks
+        self.busy_c, self.busy_m = [0.0] * ranks, [0.0] * ranks
+        self.started = [0.0] * ranks
+        self.now = 0.0
+        self.left = sum(len(a) for a in actions)
+
+    def _steps(self, actions: list[list[Action]]) -> list[list[tuple]]:
+        """What each action reads of the schedule, worked out once before the loop: per rank, per
+        action, ``(action, its key in work/comm, its id (kind, stage, microbatch), [(an input's id, the
+        boundary it crossed, or None where its stage is on the action's rank)], the boundary its output
+        crosses to another rank or None)``."""
+        owner, n = self.owner, self.num_stages
+        out = []
+        for acts, keys in zip(actions, work_keys(actions)):
+            out.append([(a, key, (a.kind, a.stage, a.microbatch),
+                         [(d, min(d[1], a.stage) if owner[d[1]] != owner[a.stage] else None) for d in inputs(a, n)],
+                         self._crossing(a)) for a, key in zip(acts, keys)])
+        return out
+
+    def _crossing(self, a: Action) -> int | None:
+        """The stage boundary an action's output crosses to another rank (a forward's activations to
+        the next stage, a backward's gradients to the previous one), or None."""
+        peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else None
+        if peer is None or not 0 <= peer < self.num_stages or self.owner[peer] == self.owner[a.stage]:
+            return None
+        return min(peer, a.stage)
+
+    def run(self) -> dict:
+        """Rounds until every action has ended: start each idle rank's next action where its inputs
+        are in by now (:meth:`_ready_at`; an input that arrives later is an event to move the clock
+        to), decide the delays of the messages just sent where some are held (:meth:`_decide`, then
+        look again: their receivers' readiness is known), else move to the next event
+        (:meth:`_next_event`). Returns ``{"span", "busy": [per rank], "compute": [per rank], "comm":
+        [per rank]}`` in seconds. (The start pass is written out here, not a method: it runs every
+        round, and a call per round is a good part of a replay's time.)"""
+        steps, state, pos, ranks = self.steps, self.state, self.pos, range(self.ranks)
+        started, remaining, comm_s, work, comm = self.started, self.remaining, self.comm_s, self.work, self.comm
+        while self.left:
+            waits, now = [], self.now
+            for r in ranks:
+                while state[r] == "idle" and pos[r] < len(steps[r]):
+                    step = steps[r][pos[r]]
+                    t = self._ready_at(step[3])
+                    if t is None:
+                        break
+                    if t > now + 1e-15:   # its input arrives later: an event
+                        waits.append(t)
+                        break
+                    started[r], state[r], remaining[r], comm_s[r] = now, "compute", work[step[1]], comm[step[1]]
+            computing = [r for r in ranks if state[r] == "compute"]
+            if self.held:
+                self._decide(computing)
+                continue
+            self._next_event(computing, waits)
+        return {"span": self.now, "busy": [c + m for c, m in zip(self.busy_c, self.busy_m)],
+                "compute": self.busy_c, "comm": self.busy_m}
+
+    def _ready_at(self, inputs: list[tuple]) -> float | None:
+        """When an action with these ``inputs`` can start: their ends, plus a message's hop where an
+        input comes from another rank; None while an input is missing."""
+        t = 0.0
+        done = self.done
+        for d, boundary in inputs:
+            if d not in done:
+                return None
+            t = max(t, done[d] + (self.hop[boundary] if boundary is not None else 0.0))
+        return t
+
+    def _next_event(self, computing: list[int], waits: list[float]) -> None:
+        """Move the clock to the next event (the earliest of the inputs awaited, the computes' ends
+        (:meth:`_compute_ends`) and the communications' ends); then the computes that ended
+        (:meth:`_advance`) go on to their communication, and the communications that ended end their
+        action (:meth:`_end_action`), rank by rank. No event while actions are left: the lists deadlock."""
+        now, state, comm_until = self.now, self.state, self.comm_until
+        events = waits + self._compute_ends(computing) + \
+            [comm_until[r] for r in range(self.ranks) if state[r] == "comm"]
+        if not events:
+            stuck = {r: str(self.actions[r][self.pos[r]]) for r in range(self.ranks)
+                     if self.pos[r] < len(self.actions[r])}
+            raise RuntimeError(self.deadlock.format(stuck=stuck))
+        nxt = max(min(events), now)
+        busy_m, comm_s = self.busy_m, self.comm_s
+        for r in self._advance(computing, nxt - now, nxt):
+            state[r], comm_until[r] = "comm", nxt + comm_s[r]
+            busy_m[r] += comm_s[r]
+        self.now = nxt
+        for r in range(self.ranks):
+            if state[r] == "comm" and comm_until[r] <= nxt + 1e-15:
+                self._end_action(r)
+
+    def _end_action(self, r: int) -> None:
+        """Rank ``r``'s action ends now: record it (``done``, ``trace``), tell :meth:`_sent` where its
+        output crosses to another rank, and move the rank to its next action."""
+        a, _, done_key, _, boundary = self.steps[r][self.pos[r]]
+        self.done[done_key] = self.now
+        if boundary is not None:
+            self._sent(done_key, boundary)
+        if self.trace is not None:
+            self.trace.append({"rank": r, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch,
+                               "start": self.started[r], "end": self.now})
+        self.state[r] = "idle"
+        self.pos[r] += 1
+        self.left -= 1
+
+    # -- hooks: compute at full speed, messages that only take their hop
+
+    def _compute_ends(self, computing: list[int]) -> list[float]:
+        """When each computing rank's compute would end if nothing changed until then: at full speed,
+        its start plus its work."""
+        started, remaining = self.started, self.remaining
+        return [started[r] + remaining[r] for r in computing]
+
+    def _advance(self, computing: list[int], elapsed: float, now: float) -> list[int]:
+        """The computing ranks computed for ``elapsed`` seconds, up to ``now`` (each counts them in
+        ``busy_c``): those whose compute has ended (at full speed the ends are known from the start,
+        nothing to count down)."""
+        started, remaining, busy_c = self.started, self.remaining, self.busy_c
+        for r in computing:
+            busy_c[r] += elapsed
+        return [r for r in computing if started[r] + remaining[r] <= now]
+
+    def _sent(self, key: tuple, boundary: int) -> None:
+        """The output of action ``key`` leaves for another rank across stage ``boundary``, now."""
+
+    def _decide(self, computing: list[int]) -> None:
+        """Decide the delays of the ``held`` messages and empty it, with the ranks that compute now
+        (called once the actions that can start have started, before the clock moves). Nothing is
+        held here; a subclass that holds messages decides them."""
+        self.held.clear()
+
+
+def _sweep_order(replay: Replay, records: list[dict]) -> list[dict]:
+    """The replay's records (in the order the actions ended) put in the order of a sweep over the
+    ranks: round after round, rank 0 runs every action it can, then rank 1, and so on, an input
+    made on a higher rank being seen only in the next round. An action's round is the latest of
+    its rank's previous action's and of its inputs' (one more for an input from a higher rank),
+    each input's read from ``mark`` (round x ranks + rank, the position it sorts by). The order
+    :func:`simulate` has always listed its plans in; the times are the replay's."""
+    ranks, steps = replay.ranks, replay.steps
+    mark: dict[tuple, int] = {}
+    nxt, last = [0] * ranks, [0] * ranks
+    order = []
+    for rec in records:   # in the order of their ends: every input before the actions that read it
+        r = rec["rank"]
+        step = steps[r][nxt[r]]
+        nxt[r] += 1
+        k = last[r]
+        for d, _ in step[3]:
+            k = max(k, mark[d] // ranks + (mark[d] % ranks > r))
+        last[r] = k
+        mark[step[2]] = k * ranks + r
+        order.append(k * ranks + r)
+    return [records[j] for j in sorted(range(len(records)), key=order.__getitem__)]
+
+
 def simulate(actions: list[list[Action]], num_stages: int, *, f: float = 1.0, b: float | None = None,
              w: float = 1.0, style: str = "loop") -> list[dict]:
     """Replay the per-rank lists with fixed costs (messages instant): one record per compute
     action, ``{"rank", "stage", "kind", "microbatch", "start", "end"}`` -- a planned timeline.
 
-    ``b`` defaults to ``f`` for a split backward (B then W) and ``f + w`` for a full one. Raises
-    ``RuntimeError`` naming the stuck actions if the lists would deadlock.
+    The one replay (:class:`Replay`) with every F costing ``f``, a split B ``b``, a full one ``b``
+    (default ``f`` for a split backward and ``f + w`` for a full one), every W ``w``, no tensor-
+    parallel communication and no message delay: each action starts when its rank is free and its
+    inputs have ended. The send/recv actions of :func:`with_comms` lists are skipped (instant).
+    Records are listed round by round, rank by rank (:func:`_sweep_order`). Raises ``RuntimeError``
+    naming the stuck actions if the lists would deadlock.
     """
-    split = {(a.stage, a.microbatch) for acts in actions for a in acts if a.kind == "W"}
-    done: dict[tuple, float] = {}
-    pos = [0] * len(actions)
-    clock = [0.0] * len(actions)
-    records = []
     compute = [[a for a in acts if a.kind in ("F", "B", "W")] for acts in actions]
-    remaining = sum(len(c) for c in compute)
-    while remaining:
-        progressed = False
-        for r, acts in enumerate(compute):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                s, i = a.stage, a.microbatch
-                deps = inputs(a, num_stages)
-                if a.kind == "F":
-                    cost = f
-                elif a.kind == "B":
-                    cost = (b if b is not None else f) if (s, i) in split else \
-                        (b if b is not None else f + w)
-                else:
-                    cost = w
-                if any(d not in done for d in deps):
-                    break
-                start = max([clock[r]] + [done[d] for d in deps])
-                clock[r] = start + cost
-                done[(a.kind, s, i)] = clock[r]
-                records.append({"rank": r, "stage": s, "kind": a.kind, "microbatch": i,
-                                "start": start, "end": clock[r]})
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed and remaining:
-            stuck = {r: str(c[pos[r]]) for r, c in enumerate(compute) if pos[r] < len(c)}
-            raise RuntimeError(f"the schedule deadlocks: ranks wait forever at {stuck}")
-    return records
+    split_b, full_b = (b if b is not None else f), (b if b is not None else f + w)
+    work = {}
+    for s in range(num_stages):
+        work[("F", s)], work[("B", s)], work[("Bfull", s)], work[("W", s)] = f, split_b, full_b, w
+    records: list[dict] = []
+    replay = Replay(compute, num_stages, work, dict.fromkeys(work, 0.0), style=style, trace=records)
+    replay.run()
+    return _sweep_order(replay, records)
 
 
 def bubble(timeline: list[dict], ranks: int | None = None) -> float:
