@@ -21,6 +21,9 @@ import workbench
 from workbench import comm
 from workbench.measure import measuring, probes
 from workbench.apps.bench import collectives as bc
+from workbench.apps.bench import ddp as bench_ddp
+from workbench.apps.bench import pipeline as bench_pipeline
+from workbench.apps.bench import zero as bench_zero
 from workbench.comm import cost
 
 # ------------------------------------------------------------------------------- measuring helpers
@@ -38,6 +41,21 @@ def test_parse_and_format_bytes():
     assert measuring.format_bytes(64 << 20) == "64M"
     assert measuring.format_bytes(1536) == "1.5K"
     assert measuring.format_bytes(8) == "8"
+
+
+def test_a_benchmark_option_lists_its_choices():
+    assert measuring.choices(" ddp, zero1 ,", ("ddp", "zero1", "zero3"), "candidates") == ["ddp", "zero1"]
+    with pytest.raises(ValueError, match=r"--candidates='ddp,zer0': unknown \['zer0'\]; choose from ddp, zero1"):
+        measuring.choices("ddp,zer0", ("ddp", "zero1"), "candidates")
+    with pytest.raises(ValueError, match=r"--parts=' , ': unknown empty list"):
+        measuring.choices(" , ", ("time",), "parts")
+    # every benchmark that takes a list reads it this way, so a typo fails before any rank starts
+    for module, option, value in ((bench_ddp, "candidates", "nope"), (bench_pipeline, "schedules", "nope"),
+                                  (bench_zero, "candidates", "nope")):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        with pytest.raises(ValueError, match=f"--{option}='nope': unknown"):
+            module.main(parser.parse_args([f"--{option}", value]))
 
 
 def test_size_sweep_is_nccl_tests_b_e_f():

@@ -67,6 +67,17 @@ def format_bytes(n: float) -> str:
     return f"{int(n)}"
 
 
+def choices(text: str, allowed: Sequence[str], option: str) -> list[str]:
+    """A benchmark option's comma-separated list (``--candidates=ddp,zero1``), each name checked
+    against ``allowed``: the names in the order given, or a ``ValueError`` naming the option, the
+    unknown names and the choices."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise ValueError(f"--{option}={text!r}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
+    return items
+
+
 def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     """Sizes ``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` (nccl-tests' ``-b -e -f``).
 

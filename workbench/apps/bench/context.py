@@ -255,11 +255,7 @@ def configure(args: argparse.Namespace) -> dict:
         raise ValueError(f"--world-size={args.world_size}: context parallelism needs at least 2 ranks")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
-    items = [c.strip() for c in args.candidates.split(",") if c.strip()]
-    bad = [c for c in items if c not in CANDIDATES]
-    if bad or not items:
-        raise ValueError(f"--candidates={args.candidates!r}: unknown {bad or 'empty list'}; choose from "
-                         f"{', '.join(CANDIDATES)}")
+    items = measuring.choices(args.candidates, CANDIDATES, "candidates")
     candidates = ["sdpa"] + [c for c in CANDIDATES if c in items and c != "sdpa"]
     try:
         seq_lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]

@@ -70,14 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="do not draw ddp.png")
 
 
-def _parse_list(text: str, allowed, what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise ValueError(f"--{what}={text!r}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
-    return items
-
-
 # ---------------------------------------------------------------------------------- in a rank
 
 class _DefinedBackwards(nn.Module):
@@ -171,8 +163,8 @@ def _run(models: list[str], candidates: list[str], trials: int, steps: int, warm
 # ----------------------------------------------------------------------------------- report
 
 def main(args: argparse.Namespace) -> int:
-    models = _parse_list(args.models, MODELS, "models")
-    candidates = _parse_list(args.candidates, CANDIDATES, "candidates")
+    models = measuring.choices(args.models, MODELS, "models")
+    candidates = measuring.choices(args.candidates, CANDIDATES, "candidates")
     if "torch" not in candidates:
         candidates.insert(0, "torch")
     for name in ("world_size", "trials", "steps"):

@@ -98,14 +98,6 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _names(text: str, allowed, what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise ValueError(f"--{what}={text!r}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
-    return items
-
-
 def loss_fn(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
@@ -366,8 +358,8 @@ def activation_memory(schedules=SCHEDULES, m: int = 8, n_layer: int = 8, microba
 # ----------------------------------------------------------------------------------- report
 
 def main(args: argparse.Namespace) -> int:
-    parts = _names(args.parts, PARTS, "parts")
-    schedules = _names(args.schedules, SCHEDULES, "schedules")
+    parts = measuring.choices(args.parts, PARTS, "parts")
+    schedules = measuring.choices(args.schedules, SCHEDULES, "schedules")
     ms = _ints(args.microbatches, "microbatches")
     ps = _ints(args.stages, "stages")
     bubble_ms = _ints(args.bubble_m, "bubble-m")

@@ -228,11 +228,7 @@ def measure(preset: str, batch: int, candidates: list[str], trials: int, steps: 
 
 
 def main(args: argparse.Namespace) -> int:
-    items = [s.strip() for s in args.candidates.split(",") if s.strip()]
-    bad = [s for s in items if s not in CANDIDATES]
-    if bad or not items:
-        raise ValueError(f"--candidates={args.candidates!r}: unknown {bad or 'empty list'}; "
-                         f"choose from {', '.join(CANDIDATES)}")
+    items = measuring.choices(args.candidates, CANDIDATES, "candidates")
     if any(c.endswith("-sp") or c == "ours-sp-ring" for c in items) and "dtensor-sp" not in items:
         items.insert(0, "dtensor-sp")
     if "dtensor" not in items:

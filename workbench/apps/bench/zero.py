@@ -172,11 +172,7 @@ def state_and_traffic(preset: str = "small", stages=(0, 1, 2, 3), batch_size: in
 
 
 def main(args: argparse.Namespace) -> int:
-    candidates = [s.strip() for s in args.candidates.split(",") if s.strip()]
-    bad = [c for c in candidates if c not in CANDIDATES]
-    if bad or not candidates:
-        raise ValueError(f"--candidates={args.candidates!r}: unknown {bad or 'empty list'}; choose from "
-                         f"{', '.join(CANDIDATES)}")
+    candidates = measuring.choices(args.candidates, CANDIDATES, "candidates")
     for needed in ("stage3", "torch-fsdp"):
         if needed not in candidates:
             candidates.append(needed)
