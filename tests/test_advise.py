@@ -254,6 +254,33 @@ def test_pipeline_ranks_keep_the_schedules_live_microbatches():
     assert len(inter) == 2 and inter[0]["activations"] > inter[1]["activations"]
 
 
+def test_interleaving_with_more_virtual_stages_shrinks_the_bubble_and_the_first_ranks_activations():
+    """``Config.virtual_stages`` (Megatron's v): v chunks per rank, stage ``c p + r`` on rank ``r``.
+    The replayed bubble is the closed form ``(p - 1) / (v m + p - 1)`` of the step with equal
+    stages; the first rank holds ``2 (p - 1) + (v - 1) p + 1`` chunk-micro-batches of ``L / (p v)``
+    layers at its peak (Narayanan et al. 2021), fewer layers' worth as ``v`` grows."""
+    shape = ModelShape(layers=24, hidden=256, heads=4, vocab=512, seq=128, ffn=1024)
+    cluster = Cluster.preset("dgx-h100", nodes=1).with_(devices_per_node=4)
+    plain = Config(pp=4, schedule="1f1b", microbatches=8, precision="bf16")
+    by_v = {v: Config(pp=4, schedule="interleaved", microbatches=8, precision="bf16", virtual_stages=v)
+            for v in (2, 3, 6)}
+    assert by_v[2] == Config(pp=4, schedule="interleaved", microbatches=8, precision="bf16")   # the default
+    assert by_v[3].label() == "dp1-tp1-pp4 interleaved v3 m8 bf16" and by_v[2].label() == "dp1-tp1-pp4 interleaved m8 bf16"
+    assert [by_v[v].stages_per_rank for v in (2, 3, 6)] == [2, 3, 6] and plain.stages_per_rank == 1
+    assert Config(pp=1, schedule="interleaved", virtual_stages=3).stages_per_rank == 1
+    for v, config in by_v.items():
+        assert advise_timing._bubble_share("interleaved", 4, 8, v) == pytest.approx(3 / (v * 8 + 3))
+        assert advise_memory.rank_stages(config, 1) == [1 + 4 * c for c in range(v)]
+    first = {v: memory_by_rank(shape, c, 8)[0]["activations"] for v, c in by_v.items()}
+    assert first[6] < first[3] < first[2]
+    bubble = {v: predict(shape, cluster, 8, c).time["bubble"] for v, c in by_v.items()}
+    assert bubble[6] < bubble[3] < bubble[2] < predict(shape, cluster, 8, plain).time["bubble"]
+    with pytest.raises(ValueError, match="virtual_stages=1"):
+        predict(shape, cluster, 8, dataclasses.replace(by_v[2], virtual_stages=1))
+    assert "16 pipeline stages (4 ranks x 4 chunks) but only 12 layers" in infeasible_reason(
+        shape.with_(layers=12), cluster, dataclasses.replace(by_v[2], virtual_stages=4), 8)
+
+
 # ----------------------------------------------------------------------------------- the space
 def test_infeasibility_reasons_name_the_rule_and_the_numbers():
     small, four = "small", _cluster(4)

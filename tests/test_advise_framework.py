@@ -88,6 +88,13 @@ def test_tp_overlap_leaves_one_chunk_and_the_sms_it_takes():
     assert timing.tp_overlap(1.0, 0.0, 0.12, 8) == 1.0                 # nothing to hide behind
     assert timing.tp_overlap(1.0, 10.0, 0.0, 8) == pytest.approx(1 / 8)  # one chunk of eight exposed
     assert timing.tp_overlap(1.0, 10.0, 0.12, 8) == pytest.approx(1 / 8 + 0.12 * 7 / 8)
+    # NCCL's 16 channels take 16 of the device's SMs: 16/132 on an H100, 16/108 on an A100; set, the share wins
+    assert EAGER.sm_share_on(dev.PROFILES["h100-sxm-80gb"]) == pytest.approx(16 / 132)
+    assert EAGER.sm_share_on(dev.PROFILES["a100-sxm-80gb"]) == pytest.approx(16 / 108)
+    assert replace(EAGER, nccl_channels=32).sm_share_on(dev.PROFILES["a100-sxm-80gb"]) == pytest.approx(32 / 108)
+    assert replace(EAGER, sm_share=0.2).sm_share_on(dev.PROFILES["a100-sxm-80gb"]) == 0.2
+    with pytest.raises(ValueError, match="nccl_channels=0"):
+        Framework("x", nccl_channels=0)
     # an overlapped data-parallel collective: what compute covers, less the SMs NCCL takes from it
     assert timing.prefetch_wait(1.0, 0.5, 1 - 0.1, 0.0) == pytest.approx(0.5 + 0.05)
     shape = ModelShape(layers=8, hidden=8192, heads=64, vocab=32768, seq=4096, ffn=32768)

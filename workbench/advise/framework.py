@@ -55,11 +55,12 @@ favours tensor parallelism more than one that launches every operator on its own
 ``dp_bucket_params``
     gradient buckets in parameters: Megatron's ``max(40 M, 1 M x d)``; 0, the strategy's own
     (DDP's 25 MB).
-``sm_share``
+``nccl_channels``, ``sm_share``
     the share of the streaming multiprocessors a communication kernel running beside compute takes
     from it: NCCL runs one CTA per channel, 16-32 channels on NVLink (``NCCL_MIN_NCHANNELS`` /
     ``NCCL_MAX_NCHANNELS``), so an overlapped collective slows the compute it hides behind by about
-    ``channels / SMs``: 16 of 132 on an H100 SXM, 0.12; 16 of 108 on an A100, 0.15.
+    ``channels / SMs`` of the device it runs on (:meth:`Framework.sm_share_on`): 16 of 132 on an
+    H100 SXM, 0.12; 16 of 108 on an A100, 0.15. ``sm_share`` set (not 0) overrides it.
 
 The per-kernel and per-micro-batch launch costs are the device profile's (a calibration measures
 them), not the framework's.
@@ -102,7 +103,8 @@ class Framework:
     optimizer: str = "fused"
     loss_float32_copies: int = 1
     dp_bucket_params: float = 0.0
-    sm_share: float = 0.12
+    nccl_channels: int = 16
+    sm_share: float = 0.0
     grad_reduce_bytes: int = 4
     overlap_grad_reduce: bool = True
     source: str = ""
@@ -124,6 +126,17 @@ class Framework:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name == "sm_share" and v >= 1):
                 raise ValueError(f"Framework({name}={v!r}): must be >= 0" + (" and < 1" if name == "sm_share" else ""))
+        if isinstance(self.nccl_channels, bool) or not isinstance(self.nccl_channels, int) or self.nccl_channels < 1:
+            raise ValueError(f"Framework(nccl_channels={self.nccl_channels!r}): NCCL's channels, a whole number >= 1 "
+                             "(16 by default on NVLink)")
+
+    def sm_share_on(self, device) -> float:
+        """The share of ``device``'s SMs an overlapped collective takes: ``sm_share`` where set, else
+        ``nccl_channels / device.sms`` (a device without SMs, such as a CPU: 0)."""
+        if self.sm_share:
+            return self.sm_share
+        sms = getattr(device, "sms", 0)
+        return min(0.5, self.nccl_channels / sms) if sms else 0.0
 
     def optimizer_bytes(self, precision: str) -> int:
         """Bytes the optimizer's step moves per parameter it updates (:data:`OPTIMIZER_BYTES`)."""
@@ -138,15 +151,15 @@ EAGER = Framework(
            "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach)")
 MEGATRON = Framework(
     "megatron", attention="flash", fused=True, tp_comm_overlap=True, selective="attention", optimizer="fused",
-    loss_float32_copies=1, dp_bucket_params=40e6, sm_share=0.12, grad_reduce_bytes=0,
+    loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=0,
     source="Megatron-Core with TransformerEngine (NVIDIA/Megatron-LM README, H100 weak scaling: "
            "--tp-comm-overlap, fused kernels, flash attention, distributed optimizer buckets of 40 M parameters, "
            "gradients reduced in bf16 (--grad-reduce-in-bf16): inferred, see the module docstring)")
 MEGATRON_2022 = Framework(
     "megatron-2022", attention="math", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
-    loss_float32_copies=1, dp_bucket_params=40e6, sm_share=0.15, overlap_grad_reduce=False,
+    loss_float32_copies=1, dp_bucket_params=40e6, overlap_grad_reduce=False,
     source="Megatron-LM on A100 as in Narayanan et al. 2021 and Korthikanti et al. 2022 (fused scale-mask-softmax "
            "over materialised scores, fused bias-GeLU and bias-dropout-add, no TP overlap; its LocalDDP all-reduces "
            "the contiguous gradient buffer once the pipeline has flushed, megatron/model/distributed.py "
-           "allreduce_gradients, before --overlap-grad-reduce existed); 16 NCCL channels of 108 SMs")
+           "allreduce_gradients, before --overlap-grad-reduce existed)")
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (EAGER, MEGATRON, MEGATRON_2022)}

@@ -175,8 +175,8 @@ _SCHEDULE_KEY = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved",
 
 # ----------------------------------------------------------------------------------- layout of stages
 def chunks(config: Config) -> int:
-    """Stages per pipeline rank: 2 for ``interleaved`` (v = 2) and ``zbv``, else 1."""
-    return 2 if config.pp > 1 and config.schedule in ("interleaved", "zbv") else 1
+    """Stages per pipeline rank (:attr:`Config.stages_per_rank`)."""
+    return config.stages_per_rank
 
 
 def rank_stages(config: Config, rank: int) -> list[int]:
@@ -206,7 +206,7 @@ def microbatch_size(config: Config, global_batch: int) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _actions(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
+def _actions(schedule: str, p: int, m: int, v: int = 2) -> tuple[tuple, ...]:
     key = _SCHEDULE_KEY[schedule]
     if key == "gpipe":
         lists = schedules.gpipe(p, m)
@@ -215,18 +215,18 @@ def _actions(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
     elif key == "zb_h1":
         lists = schedules.zero_bubble_h1(p, m)
     elif key == "interleaved":
-        lists = schedules.interleaved(p, 2, m)
+        lists = schedules.interleaved(p, v, m)
     else:
         lists = schedules.zbv(p, m)
     return tuple(tuple(a) for a in lists)
 
 
 @lru_cache(maxsize=1 << 15)
-def _peak_live(schedule: str, p: int, m: int, rank: int, kept: tuple[tuple[int, float], ...]) -> float:
+def _peak_live(schedule: str, p: int, m: int, rank: int, kept: tuple[tuple[int, float], ...], v: int = 2) -> float:
     """:func:`~workbench.parallel.pipeline_schedules.peak_live_bytes` of rank ``rank``'s list with
     ``kept`` bytes per micro-batch on each of its stages (``(stage, bytes)`` pairs), remembered: the
     configurations that differ only in the ZeRO stage keep the same bytes per micro-batch."""
-    return schedules.peak_live_bytes(list(_actions(schedule, p, m)[rank]), dict(kept))
+    return schedules.peak_live_bytes(list(_actions(schedule, p, m, v)[rank]), dict(kept))
 
 
 @lru_cache(maxsize=4096)
@@ -777,7 +777,7 @@ def _state_config(config: Config) -> Config:
     those, the dozen a search tries for every split and ZeRO stage."""
     placement = config.schedule if config.schedule in ("interleaved", "zbv") else "1f1b"
     return Config(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, schedule=placement,
-                  precision=config.precision)
+                  precision=config.precision, virtual_stages=config.virtual_stages if placement == "interleaved" else 2)
 
 
 @lru_cache(maxsize=4096)
@@ -876,7 +876,7 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             activations = replayed[r]
         else:                    # several: their peaks need not coincide, so replay the list
             kept = tuple((s, per_stage[s]["kept"]) for s in stages)
-            activations = _peak_live(config.schedule, config.pp, m, r, kept)
+            activations = _peak_live(config.schedule, config.pp, m, r, kept, chunks(config))
             activations += max(per_stage[s]["peak"] - per_stage[s]["kept"] for s in stages)
             b = microbatch_size(config, global_batch)
             sbh = shape.seq * b * shape.hidden / (config.tp if config.sequence_parallel else 1)

@@ -46,7 +46,14 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration. ``dp * tp * pp`` is the number of devices it uses."""
+    """One configuration. ``dp * tp * pp`` is the number of devices it uses.
+
+    ``virtual_stages`` is read by the interleaved schedule only: the ``v`` chunks of consecutive
+    layers each pipeline rank holds (stage ``c p + r`` on rank ``r``; Narayanan et al. 2021). More
+    chunks shrink the bubble to ``(p - 1) / (v m + p - 1)`` and the first rank's in-flight
+    activations, for ``v`` times the pipeline's messages. Megatron-LM needs ``v`` to divide the
+    layers per rank (``--num-layers-per-virtual-pipeline-stage``); the workbench's own pipeline
+    splits them unevenly where it does not."""
 
     dp: int = 1
     tp: int = 1
@@ -57,10 +64,19 @@ class Config:
     sequence_parallel: bool = False  # needs tp > 1
     precision: str = "fp32"          # "fp32", "bf16" (bf16 compute, fp32 masters), "fp16"
     recompute: str = "none"          # "none", "selective", "full"
+    virtual_stages: int = 2          # interleaved: stages (model chunks) per pipeline rank, Megatron's v
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pipeline rank holds: ``virtual_stages`` under the interleaved
+        schedule, 2 under ZBV (its V), else 1."""
+        if self.pp == 1:
+            return 1
+        return self.virtual_stages if self.schedule == "interleaved" else 2 if self.schedule == "zbv" else 1
 
     def label(self) -> str:
         """Short name, e.g. ``dp2-tp2-pp2 zero1 1f1b m4 sp bf16 selective``."""
@@ -68,7 +84,8 @@ class Config:
         if self.dp > 1:
             parts.append(f"zero{self.zero}")
         if self.pp > 1:
-            parts.append(f"{self.schedule} m{self.microbatches}")
+            v = f" v{self.virtual_stages}" if self.schedule == "interleaved" and self.virtual_stages != 2 else ""
+            parts.append(f"{self.schedule}{v} m{self.microbatches}")
         elif self.microbatches > 1:
             parts.append(f"accum m{self.microbatches}")
         if self.sequence_parallel:
@@ -96,6 +113,7 @@ def check_config(config: Config) -> None:
         raise ValueError(f"Config.zero={config.zero!r}: the ZeRO stage is 0 (DDP), 1, 2 or 3")
     if config.schedule not in SCHEDULES:
         raise ValueError(f"Config.schedule={config.schedule!r}: use one of {SCHEDULES}")
+    _whole(config.virtual_stages, "virtual_stages", 2)
     if not isinstance(config.sequence_parallel, bool):
         raise ValueError(f"Config.sequence_parallel={config.sequence_parallel!r}: must be True or False")
     if config.sequence_parallel and config.tp == 1:

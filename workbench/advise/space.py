@@ -75,9 +75,10 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
         return f"tp = {tp} does not divide the MLP's {shape.ffn} units"
     if config.sequence_parallel and shape.seq % tp:
         return f"sequence parallelism splits the {shape.seq} positions over tp = {tp}, which does not divide them"
-    stages = pp * (2 if pp > 1 and config.schedule in ("interleaved", "zbv") else 1)
+    per_rank = config.stages_per_rank
+    stages = pp * per_rank
     if stages > shape.layers:
-        chunk = f" ({pp} ranks x 2 chunks)" if stages != pp else ""
+        chunk = f" ({pp} ranks x {per_rank} chunks)" if stages != pp else ""
         return f"{stages} pipeline stages{chunk} but only {shape.layers} layers: each stage needs at least one"
     if pp > 1:
         key = "zb_h1" if config.schedule == "zb-h1" else config.schedule

@@ -37,7 +37,7 @@ exist for ranks sharing CPU cores applies there. The cluster's ``framework``
 Adam), whether tensor-parallel collectives overlap their multiplies (:func:`tp_overlap`: all but
 one chunk of ``t`` hidden), the gradients' bytes on the wire (float32 reductions) and whether
 they overlap backward, its buckets, and the SMs an overlapped collective takes from compute
-(``sm_share``: :func:`prefetch_wait` hides ``1 - sm_share`` of what compute covers); FSDP2's copies around each unit's collectives are GPU work
+(``Framework.sm_share_on``: :func:`prefetch_wait` hides ``1 - sm_share`` of what compute covers); FSDP2's copies around each unit's collectives are GPU work
 (:func:`workbench.advise.device.fsdp_copy_seconds`), and a pipeline's messages are NCCL
 send/recv at the achieved point-to-point bandwidth of their link class.
 
@@ -356,23 +356,24 @@ def _schedule(config: Config, p: int, m: int):
     if name == "zb_h1":
         return plans.zero_bubble_h1(p, m), p, "loop"
     if name == "interleaved":
-        return plans.interleaved(p, 2, m), 2 * p, "loop"
+        v = config.virtual_stages
+        return plans.interleaved(p, v, m), v * p, "loop"
     return plans.zbv(p, m), 2 * p, "v"
 
 
 @lru_cache(maxsize=4096)
-def _bubble_share(schedule: str, p: int, m: int) -> float:
+def _bubble_share(schedule: str, p: int, m: int, v: int = 2) -> float:
     """:func:`~workbench.parallel.pipeline_schedules.bubble_formula`, remembered: for the interleaved
     and ZBV schedules it replays the schedule's action lists, the same for every configuration
-    that shares ``(schedule, p, m)``."""
-    return bubble_formula(schedule, p, m)
+    that shares ``(schedule, p, m, v)``."""
+    return bubble_formula(schedule, p, m, v)
 
 
 def _placement(config: Config, p: int) -> tuple[int, str]:
     """The schedule's number of stages and their placement style (:func:`_schedule` without
     building its action lists, which only the replay reads)."""
     name = SCHEDULE_NAMES[config.schedule] if p > 1 else "1f1b"
-    return (2 * p if name in ("interleaved", "zbv") else p), ("v" if name == "zbv" else "loop")
+    return config.stages_per_rank * p, ("v" if name == "zbv" else "loop")
 
 
 def simulate(actions, num_stages: int, work: dict, comm: dict, *, message=0.0, style: str = "loop",
@@ -738,8 +739,9 @@ def _overlapped_tp(ctx: _Step, n_layers: int, first: bool, last: bool, tp_f: flo
                                     config.recompute, config.precision, framework)["gemm"]
     edge_f, edge_b = _tp_time(ctx.rows, ctx.shape, config, 0, first, last, ctx.e, ctx.topo["tp"], ctx.machine,
                               tp_sync)
-    return (edge_f + tp_overlap(tp_f - edge_f, gemm / 3, framework.sm_share, ctx.t),
-            edge_b + tp_overlap(tp_b - edge_b, gemm * 2 / 3, framework.sm_share, ctx.t))
+    share = framework.sm_share_on(ctx.device)
+    return (edge_f + tp_overlap(tp_f - edge_f, gemm / 3, share, ctx.t),
+            edge_b + tp_overlap(tp_b - edge_b, gemm * 2 / 3, share, ctx.t))
 
 
 def _slowest_rank(per_stage: list[dict], num_stages: int, style: str, p: int, oversubscription: float) -> dict:
@@ -934,7 +936,7 @@ def _closed_form_parts(ctx: _Step, slowest: dict, critical_messages: float) -> t
     compute, tp_total = m * slowest["compute"] * ctx.oversubscription, m * slowest["tp"]
     bubble = 0.0
     if p > 1:
-        f = _bubble_share(SCHEDULE_NAMES[ctx.config.schedule], p, m)
+        f = _bubble_share(SCHEDULE_NAMES[ctx.config.schedule], p, m, ctx.config.virtual_stages)
         bubble = (compute + tp_total) * f / (1 - f)
     return compute, tp_total, critical_messages, bubble
 
@@ -976,7 +978,7 @@ def _dp_overlap(ctx: _Step) -> tuple[float, float]:
     overlap, hides = shared_cores.overlap(ctx.contention) if ctx.contention else (1.0, 1.0)
     framework = ctx.framework
     if framework is not None:
-        overlap = hides = 1.0 - framework.sm_share
+        overlap = hides = 1.0 - framework.sm_share_on(ctx.device)
         if not framework.overlap_grad_reduce:
             overlap = 0.0
     return overlap, hides
