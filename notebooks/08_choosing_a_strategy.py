@@ -487,10 +487,12 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
 
 # %% [markdown]
 # What the misses say (the command's notes give each row's assumptions): the smallest Megatron
-# model comes out fast, where nothing in the per-operator model accounts for the gap; two of
-# torchtitan's A100 rows, which ran on a cluster whose network is not published, come out fast too,
-# the two the model puts nearest the memory limit; the largest Megatron model is predicted not to
-# fit where it ran. The GPU figures are public measurements, not runs of this workbench:
+# model comes out fast, where nothing in the per-operator model accounts for the gap; one of
+# torchtitan's A100 rows, which ran on a cluster whose network is not published, comes out fast
+# too, the one the model puts nearest the memory limit. The Megatron README does not say which
+# pipeline schedule its runs used; they are priced with 1F1B, its default, since two of its layouts
+# have an odd number of layers per rank, which Megatron cannot interleave in two chunks. The GPU
+# figures are public measurements, not runs of this workbench:
 # `workbench advise --calibrate --device cuda` measures a GPU's own profile where one is at hand.
 #
 # ## Check

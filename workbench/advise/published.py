@@ -100,6 +100,16 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int) 
                       name=name, source="as published")
 
 
+# The README names no virtual pipeline size, and two of its pipelined layouts admit no interleaving with
+# two chunks per rank: Megatron-LM needs the layers per pipeline rank to be a multiple of the layers per
+# virtual stage (megatron/training/arguments.py, core_r0.8.0), and 119B (92 layers over p = 4) and 462B
+# (112 over 16) have 23 and 7, odd. Megatron's schedule without --num-layers-per-virtual-pipeline-stage
+# is 1F1B, taken for all five; Config(schedule="interleaved", virtual_stages=v) prices the others.
+_MEGATRON_SCHEDULE_NOTE = ("; 1F1B assumed, Megatron's schedule without a virtual pipeline size (none is "
+                           "published, and 119B's 23 and 462B's 7 layers per rank admit no interleaving "
+                           "with two chunks per rank)")
+
+
 def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
               tflops: float) -> Published:
     dp = gpus // (tp * pp)
@@ -107,12 +117,13 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
         name=f"Megatron GPT {size}, {gpus} H100", source=MEGATRON, metric="tflops_per_gpu", value=tflops,
         cluster="dgx-h100", nodes=gpus // 8, model=_gpt(f"gpt-{size.lower()}", layers, hidden, heads, 131072, 4096),
         global_batch=batch,
-        config=Config(dp=dp, tp=tp, pp=pp, zero=1, schedule="interleaved" if pp > 1 else "1f1b",
-                      microbatches=batch // dp, sequence_parallel=tp > 1, precision="bf16", recompute="selective"),
+        config=Config(dp=dp, tp=tp, pp=pp, zero=1, schedule="1f1b", microbatches=batch // dp,
+                      sequence_parallel=tp > 1, precision="bf16", recompute="selective"),
         framework="megatron",
-        note="micro-batch 1, interleaved schedule, distributed optimizer (ZeRO-1) and flash attention (priced as "
-             "selective recomputation: its backward recomputes the scores) assumed: the table gives t, p, d, batch; "
-             "Megatron-Core's kernels and --tp-comm-overlap (framework 'megatron')")
+        note="micro-batch 1, distributed optimizer (ZeRO-1) and flash attention (priced as selective "
+             "recomputation: its backward recomputes the scores) assumed: the table gives t, p, d, batch; "
+             "Megatron-Core's kernels and --tp-comm-overlap (framework 'megatron')"
+             + (_MEGATRON_SCHEDULE_NOTE if pp > 1 else ""))
 
 
 _TITAN_NOTE = ("FSDP2 = ZeRO-3 over 64 GPUs on 8 nodes, eager PyTorch (framework 'eager': SDPA flash attention, "
