@@ -135,6 +135,45 @@ def test_gradient_accumulation_down_to_one_sequence_per_microbatch():
     assert any(c.pp == 1 and c.dp == 2 and c.microbatches == 256 for c in configs)
 
 
+def test_an_eager_layer_dispatches_its_host_operators_per_kernel():
+    """``EAGER.host_ops_per_kernel`` recounted: Hugging Face's ``LlamaDecoderLayer`` (eager PyTorch:
+    float32 RMSNorm, rotary by ``rotate_half``, ``repeat_kv``, SDPA) in bf16, forward and backward
+    with gradients accumulating, dispatches that many ATen operators per kernel the device model
+    counts for the same layer under eager accounting (within 10%)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from workbench.advise.calibrate_cuda import dispatched_operators
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8,
+                                      num_key_value_heads=2, attn_implementation="sdpa")
+    layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    x = torch.randn(1, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(64)[None]
+    cos, sin = (t.to(torch.bfloat16) for t in LlamaRotaryEmbedding(config)(x, positions))
+
+    def step():
+        out = layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+    step()                                            # the gradients exist: the next step accumulates
+    dispatched = dispatched_operators(step)
+    shape = ModelShape(layers=1, hidden=256, heads=8, kv_heads=2, ffn=688, vocab=64, seq=64, gated=True,
+                       positions="rope", norm="rmsnorm", bias=False)
+    kernels = sum(dev.kernels_per_layer(H100, shape, framework=EAGER).values())
+    assert dispatched / kernels == pytest.approx(EAGER.host_ops_per_kernel, rel=0.1), (dispatched, kernels)
+    assert MEGATRON.host_ops_per_kernel == MEGATRON_2022.host_ops_per_kernel == 1.0
+    # per kernel, an eager layer pays the host 2.25 dispatches: a host-bound layer takes that much longer
+    tiny = shape.with_(seq=16)
+    slow = H100.with_(kernel_overhead_s=1e-3)
+    assert dev.layer_seconds(slow, tiny, 1, framework=EAGER)["total"] == pytest.approx(
+        EAGER.host_ops_per_kernel * kernels * 1e-3)
+    with pytest.raises(ValueError, match="host_ops_per_kernel=0.5"):
+        Framework("x", host_ops_per_kernel=0.5)
+
+
 def test_public_rows_hold_korthikanti_table_5_and_name_their_frameworks():
     t5 = [r for r in published.ROWS if r.metric == "step_s"]
     assert len(t5) == 8 and {r.config.recompute for r in t5} == {"full", "selective"}

@@ -98,6 +98,9 @@ def test_launch_overhead_makes_small_micro_batches_slow():
         (kernels["forward"] + kernels["backward"]) * 1e-3)
     assert dm.kernel_seconds(H100, 1.0, 10) == pytest.approx(1.0 + 10 * H100.kernel_fixed_s)
     assert dm.kernel_seconds(H100, 0.0, 10) == 10 * H100.kernel_overhead_s
+    # a framework dispatching 2.25 host operators per kernel: the launches set the pace sooner
+    assert dm.kernel_seconds(H100, 0.0, 10, 2.25) == pytest.approx(22.5 * H100.kernel_overhead_s)
+    assert dm.kernel_seconds(H100, 1.0, 10, 2.25) == dm.kernel_seconds(H100, 1.0, 10)
     # the same global batch in more micro-batches: the same FLOPs, more launches and per-micro-batch costs
     cl = Cluster.preset("dgx-h100")
     t = {m: timing.step_time(small, cl, Config(dp=8, microbatches=m, precision="bf16"), 128)["compute"]
@@ -166,6 +169,9 @@ def test_calibrate_cuda_fits_a_device_from_measurements():
     assert fit.gemm_ceiling == pytest.approx(0.7) and fit.flash_efficiency == pytest.approx(true.flash_efficiency)
     assert fit.kernel_fixed_s == pytest.approx(3e-6) and fit.k_half == 0
     assert fit.kernel_overhead_s == 6e-6 and fit.memory_bytes == 85e9 and fit.bf16_flops == H100.bf16_flops
+    # the host's cost per dispatched operator, where the probe counted the dispatches
+    counted = dict(measured, host={"seconds": 2e-3, "dispatched": 100, "kernels": 30})
+    assert device_from_measurements(counted, H100).kernel_overhead_s == pytest.approx(20e-6)
     measured["layers"] = [{"rows": 2, "hidden": 256, "heads": 4, "seq": 512, "seconds": 1e-3, "forward_seconds": 3e-4}]
     cl = calibrate_cuda("dgx-h100", measured=measured)
     assert cl.device == fit and cl.nccl == Cluster.preset("dgx-h100").nccl
@@ -236,6 +242,9 @@ def test_the_device_model_prices_a_measured_h100s_gpt_blocks():
     measured = stored["measured"]
     fit = device_from_measurements(measured, profile_for(measured["name"], measured["memory_bytes"]))
     assert 0.7 < fit.gemm_ceiling < 0.85 and 2.5e12 < fit.memory_bandwidth < 3.35e12
+    # the host per dispatched operator: the tiny block's step over the 106 operators it dispatches
+    assert fit.kernel_overhead_s == pytest.approx(measured["host"]["seconds"] / 106) and \
+        15e-6 < fit.kernel_overhead_s < 30e-6
     assert fit.k_half == 0 and 0 < fit.kernel_fixed_s <= 5e-6
     ratios = [g["seconds"] / (dm.gemm_seconds(fit, g["m"], g["n"], g["k"], "bf16") + fit.kernel_fixed_s)
               for g in measured["gemms"]]

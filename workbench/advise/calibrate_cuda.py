@@ -15,9 +15,10 @@ probe                       figure
 matrix multiplies over      ``gemm_ceiling`` and ``kernel_fixed_s``: the pair with which the tile,
 shapes (:data:`GEMM_SHAPES`) wave and epilogue model prices every shape best (:func:`fit_gemms`)
 a large copy                ``memory_bandwidth``: bytes read + written per second
-a tiny block's forward +    ``kernel_overhead_s``: the host's time per operator of eager training
-backward, many times        (wall time over the steps and the operators the model counts; the
-                            GPU work is negligible); bare one-element adds kept as ``launch_s``
+a tiny block's forward +    ``kernel_overhead_s``: the host's time per operator eager training
+backward, many times        dispatches (wall time over the steps and the ATen operators one step
+                            dispatches, :func:`dispatched_operators`; the GPU work is negligible);
+                            bare one-element adds kept as ``launch_s``
 causal attention            ``flash_efficiency``: ``F.scaled_dot_product_attention``'s FLOPs over
 (``scaled_dot_product_      its time, over the peak, forward + backward
 attention``)
@@ -44,6 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import workbench
 from workbench.comm.topology import Link
@@ -163,12 +165,34 @@ def _block(dtype, hidden: int, heads: int, seq: int, rows: int):
     return block, x
 
 
+class _Dispatches(TorchDispatchMode):
+    """Counts the ATen operators dispatched while it is active (autograd's backward included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_operators(step) -> int:
+    """ATen operators one call of ``step`` dispatches (forward, backward, gradient accumulation,
+    views and casts alike): what the host pays for one by one in eager PyTorch. Any device."""
+    counter = _Dispatches()
+    with counter:
+        step()
+    return counter.count
+
+
 def _host_per_operator(dtype, hidden: int = 64, heads: int = 4, seq: int = 64) -> dict:
-    """Host seconds per operator of an eager training step, in the device model's count: a block so
-    small that its kernels take next to no GPU time, ``HOST_STEPS`` forward + backward passes on the
-    wall clock, over the kernels :func:`~workbench.advise.device.kernels_per_layer` counts for it. This
-    is the ``kernel_overhead_s`` the model needs: its operators are the layer's (a norm, a multiply),
-    and eager PyTorch pays for each a Python module call, autograd's bookkeeping and allocation."""
+    """Host seconds per dispatched operator of an eager training step: a block so small that its
+    kernels take next to no GPU time, ``HOST_STEPS`` forward + backward passes on the wall clock,
+    over the ATen operators one step dispatches (:func:`dispatched_operators`). This is the
+    ``kernel_overhead_s`` the model needs; a framework says how many operators it dispatches per
+    kernel the model counts (``Framework.host_ops_per_kernel``). ``kernels``: the model's count
+    for the block, kept beside."""
     block, x = _block(dtype, hidden, heads, seq, 1)
 
     def step():
@@ -182,9 +206,11 @@ def _host_per_operator(dtype, hidden: int = 64, heads: int = 4, seq: int = 64) -
         step()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / HOST_STEPS
+    dispatched = dispatched_operators(step)
     shape = ModelShape(layers=1, hidden=hidden, heads=heads, vocab=64, seq=seq, ffn=4 * hidden, name="gpt block")
     kernels = sum(kernels_per_layer(PROFILES["h100-sxm-80gb"], shape).values())
-    return {"hidden": hidden, "seq": seq, "seconds": seconds, "kernels": kernels, "per_operator": seconds / kernels}
+    return {"hidden": hidden, "seq": seq, "seconds": seconds, "kernels": kernels, "dispatched": dispatched,
+            "per_operator": seconds / dispatched}
 
 
 def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int = 128) -> dict:
@@ -290,10 +316,14 @@ def device_from_measurements(measured: dict, base: Device | None = None) -> Devi
     att = measured.get("attention")
     flash = min(1.0, att["flops"] / peak * (att["seq"] + 256) / att["seq"]) if att else base.flash_efficiency
     when = time.strftime("%Y-%m-%d")
+    host = measured.get("host", {})
+    # host seconds per dispatched operator; a profile measured before the dispatches were counted
+    # kept seconds per counted kernel only
+    overhead = host["seconds"] / host["dispatched"] if host.get("dispatched") else measured["kernel_overhead_s"]
     return base.with_(name=measured["name"], sms=sms, gemm_ceiling=ceiling, kernel_fixed_s=fixed, k_half=0.0,
                       memory_bandwidth=float(measured["memory_bandwidth"]),
                       memory_bytes=float(measured["memory_bytes"]), flash_efficiency=flash,
-                      kernel_overhead_s=float(measured["kernel_overhead_s"]),
+                      kernel_overhead_s=float(overhead),
                       source=(f"measured {when} by workbench advise --calibrate --device cuda "
                               f"(torch {measured.get('torch')}, CUDA {measured.get('cuda')}): gemm_ceiling, "
                               "kernel_fixed_s, memory_bandwidth, kernel_overhead_s, flash_efficiency, sms, memory_bytes",

@@ -66,18 +66,18 @@ at memory bandwidth.
 
 Launch overhead
 ---------------
-Each kernel costs the host ``kernel_overhead_s`` to launch from eager PyTorch (Python, the
+Each operator eager PyTorch dispatches costs the host ``kernel_overhead_s`` (Python, the
 dispatcher, autograd's bookkeeping: Horace He, "Making Deep Learning Go Brrrr From First
 Principles", 2022, the *overhead* regime; the CUDA graphs post on the PyTorch blog, 2021). The
 profiles take 20 microseconds per operator, from a small GPT block's forward and backward timed on
-an H100 host, whose GPU work is negligible, over the ATen operators it dispatched
-(``docs/benchmarks/2026-11-27-h100-calibration.md``). A framework that launches several unfused
-operators for each one counted here (our GPT block: 106 dispatched for the 30 counted) pays that
-many times more per counted operator; ``--calibrate --device cuda`` measures it for the block at
-hand. Launches are asynchronous: the host queues kernels while the GPU runs
-earlier ones, so a pass (a layer's forward, its backward) takes ``max(GPU time, kernels x
-kernel_overhead_s)`` (:func:`kernel_seconds`): the launches hide behind large kernels and set
-the pace when the kernels are shorter than their launch. Every micro-batch pays
+an H100 host, whose GPU work is negligible, over the 106 ATen operators it dispatched: 21 us
+(``docs/benchmarks/2026-11-27-h100-calibration.md``; ``--calibrate --device cuda`` measures it).
+Not every dispatched operator is a kernel: views, transposes and gradient accumulation come with
+them, so a framework dispatches ``host_ops_per_kernel`` operators per kernel counted here (eager
+PyTorch about 2.25, :mod:`workbench.advise.framework`). Launches are asynchronous: the host queues
+kernels while the GPU runs earlier ones, so a pass (a layer's forward, its backward) takes
+``max(GPU time, kernels x host_ops_per_kernel x kernel_overhead_s)`` (:func:`kernel_seconds`): the
+launches hide behind large kernels and set the pace when the kernels are shorter than their launch. Every micro-batch pays
 ``microbatch_overhead_s`` more (the training loop's Python per micro-batch, the loss's scalar, the
 schedule's bookkeeping). Both are framework figures, not hardware ones: they hold
 for eager PyTorch with Megatron-style fused kernels (fused bias-dropout-add, fused norms,
@@ -144,7 +144,9 @@ class Device:
     which a tile's epilogue takes as long as its main loop (0: derived from the rate and the
     bandwidth, :func:`epilogue_k`). ``kernel_fixed_s``: GPU time every kernel costs beyond its work.
     ``kernel_overhead_s``: the host's
-    cost to launch one kernel (framework). ``microbatch_overhead_s``: fixed cost per micro-batch
+    cost per operator it dispatches (eager PyTorch; a framework dispatches
+    :attr:`~workbench.advise.framework.Framework.host_ops_per_kernel` of them per kernel counted
+    here). ``microbatch_overhead_s``: fixed cost per micro-batch
     (framework). ``memory_bytes``: device memory. ``attention``: ``"flash"`` or ``"math"``.
     ``source``: where each figure comes from.
     """
@@ -276,12 +278,16 @@ def flash_seconds(device: Device, rows: int, seq: int, width: int, precision: st
     return flops / (rate * seq / (seq + FLASH_SEQ_HALF))
 
 
-def kernel_seconds(device: Device, gpu_seconds: float, kernels: int) -> float:
+def kernel_seconds(device: Device, gpu_seconds: float, kernels: int, host_ops: float = 1.0) -> float:
     """Wall seconds of ``kernels`` kernels doing ``gpu_seconds`` of GPU work, launched one after the
-    other by the host at ``kernel_overhead_s`` each while the GPU runs the earlier ones: the slower
-    of the two, ``max(gpu_seconds + kernels x kernel_fixed_s, kernels x kernel_overhead_s)`` (each
-    kernel's fixed GPU cost on the GPU's side)."""
-    return max(gpu_seconds + max(0, kernels) * device.kernel_fixed_s, max(0, kernels) * device.kernel_overhead_s)
+    other by the host while the GPU runs the earlier ones, the host dispatching ``host_ops``
+    operators per kernel (views, transposes and autograd's bookkeeping come with an eager kernel:
+    :attr:`Framework.host_ops_per_kernel <workbench.advise.framework.Framework.host_ops_per_kernel>`)
+    at ``kernel_overhead_s`` each: the slower of the two, ``max(gpu_seconds + kernels x
+    kernel_fixed_s, kernels x host_ops x kernel_overhead_s)`` (each kernel's fixed GPU cost on the
+    GPU's side)."""
+    kernels = max(0, kernels)
+    return max(gpu_seconds + kernels * device.kernel_fixed_s, kernels * host_ops * device.kernel_overhead_s)
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -452,6 +458,11 @@ def kernels_per_layer(device: Device, shape, rows: int = 1, tp: int = 1, sequenc
     return out
 
 
+def _host_ops(framework) -> float:
+    """Operators the host dispatches per kernel counted here: the framework's (None: 1)."""
+    return 1.0 if framework is None else framework.host_ops_per_kernel
+
+
 @lru_cache(maxsize=1 << 14)
 def layer_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
                   recompute: str = "none", precision: str = "bf16", framework=None) -> dict[str, float]:
@@ -479,11 +490,12 @@ def layer_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_parall
         if phase == "forward" and (kind == "memory" or (kind == "gemm" and gemms % 2 == 0)):
             again_gpu += seconds
             again_kernels += k
-    forward = kernel_seconds(device, gpu["forward"] + gpu["attention"], kernels["forward"] + kernels["attention"])
-    backward = kernel_seconds(device, gpu["backward"], kernels["backward"])
-    attention = kernel_seconds(device, gpu["attention"], kernels["attention"])
+    ops = _host_ops(framework)
+    forward = kernel_seconds(device, gpu["forward"] + gpu["attention"], kernels["forward"] + kernels["attention"], ops)
+    backward = kernel_seconds(device, gpu["backward"], kernels["backward"], ops)
+    attention = kernel_seconds(device, gpu["attention"], kernels["attention"], ops)
     if recompute == "selective" and framework is not None and framework.selective == "op":
-        again = kernel_seconds(device, again_gpu, again_kernels)
+        again = kernel_seconds(device, again_gpu, again_kernels, ops)
     else:
         again = {"none": 0.0, "selective": attention, "full": forward}[recompute]
     return {"forward": forward, "backward": backward, "recompute": again,
@@ -518,7 +530,8 @@ def head_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_paralle
             + gemm_seconds(device, n, vocab, h, precision)
         backward = memory_seconds(device, 2 * (fixed + per_e * e) * rows_h * h + (24 + e) * n * vocab) \
             + gemm_seconds(device, n, h, vocab, precision) + gemm_seconds(device, h, vocab, n, precision)
-        head = kernel_seconds(device, forward, k + 5) + kernel_seconds(device, backward, 2 * k + 6)
+        ops = _host_ops(framework)
+        head = kernel_seconds(device, forward, k + 5, ops) + kernel_seconds(device, backward, 2 * k + 6, ops)
     else:
         forward = memory_seconds(device, 2 * rows_h * h * e + (36 + e) * n * vocab) \
             + gemm_seconds(device, n, vocab, h, precision)                     # norm, logits, loss: 6 kernels
@@ -556,10 +569,10 @@ def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int) -> float:
 # and the bandwidth are hardware figures measured through cuBLAS and a copy kernel, the two overheads
 # are eager PyTorch's (framework), flash efficiency FlashAttention-2's.
 
-_LAUNCH = ("kernel_overhead_s 20 us: eager PyTorch's host cost per operator (Python, dispatcher, autograd), "
-           "from a GPT block's forward + backward timed on an H100 host over the ATen operators it dispatched "
-           "(docs/benchmarks/2026-11-27-h100-calibration.md); the regime is Horace He's 'Making Deep Learning Go "
-           "Brrrr From First Principles' (2022); a framework figure")
+_LAUNCH = ("kernel_overhead_s 20 us: eager PyTorch's host cost per dispatched operator (Python, dispatcher, "
+           "autograd), from a GPT block's forward + backward timed on an H100 host over the 106 ATen operators it "
+           "dispatched: 21 us (docs/benchmarks/2026-11-27-h100-calibration.md); the regime is Horace He's 'Making "
+           "Deep Learning Go Brrrr From First Principles' (2022); a framework figure")
 _MICRO = ("microbatch_overhead_s 1 ms: a training loop's Python per micro-batch (data slicing, the loss's scalar, "
           "the schedule's bookkeeping), eager PyTorch; a framework figure")
 # The attention kernel is the framework's: the A100 profiles take Megatron-LM's of the A100's published runs

@@ -62,8 +62,19 @@ favours tensor parallelism more than one that launches every operator on its own
     ``channels / SMs`` of the device it runs on (:meth:`Framework.sm_share_on`): 16 of 132 on an
     H100 SXM, 0.12; 16 of 108 on an A100, 0.15. ``sm_share`` set (not 0) overrides it.
 
-The per-kernel and per-micro-batch launch costs are the device profile's (a calibration measures
-them), not the framework's.
+``host_ops_per_kernel``
+    operators the host dispatches for each kernel the device model counts
+    (:func:`workbench.advise.device.layer_operators`), each at the device profile's
+    ``kernel_overhead_s``: an eager layer's kernels come with views, transposes, casts' bookkeeping
+    and autograd's gradient accumulation, which cost the host a dispatch but the GPU nothing. Eager:
+    2.25, counted (``torch.utils._python_dispatch.TorchDispatchMode``, on a CPU) over Hugging Face's
+    ``LlamaDecoderLayer`` in bf16 with SDPA, forward and backward with gradients accumulating: 223
+    ATen operators for the 99 kernels the model counts for that layer under eager accounting
+    (``tests/test_advise_framework.py`` recounts it). Megatron's fused modules: 1, an assumption
+    (TransformerEngine launches its kernels from C++, past the dispatcher).
+
+The per-operator and per-micro-batch host costs are the device profile's (a calibration measures
+them); how many operators a layer dispatches is the framework's.
 
 Presets (:data:`FRAMEWORKS`): ``"eager"`` (PyTorch without ``torch.compile``: torchtitan's FSDP2
 runs, nanotron, Hugging Face; flash attention through SDPA, separate elementwise kernels,
@@ -107,6 +118,7 @@ class Framework:
     sm_share: float = 0.0
     grad_reduce_bytes: int = 4
     overlap_grad_reduce: bool = True
+    host_ops_per_kernel: float = 1.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -122,6 +134,10 @@ class Framework:
                              "(the compute precision's)")
         if isinstance(self.loss_float32_copies, bool) or self.loss_float32_copies not in (1, 2, 3, 4):
             raise ValueError(f"Framework(loss_float32_copies={self.loss_float32_copies!r}): a whole number 1-4")
+        if isinstance(self.host_ops_per_kernel, bool) or not isinstance(self.host_ops_per_kernel, (int, float)) \
+                or self.host_ops_per_kernel < 1:
+            raise ValueError(f"Framework(host_ops_per_kernel={self.host_ops_per_kernel!r}): operators the host "
+                             "dispatches per counted kernel, a number >= 1 (eager PyTorch: about 2.25)")
         for name in ("dp_bucket_params", "sm_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name == "sm_share" and v >= 1):
@@ -145,7 +161,7 @@ class Framework:
 
 EAGER = Framework(
     "eager", attention="flash", fused=False, tp_comm_overlap=False, selective="op", optimizer="foreach",
-    loss_float32_copies=3, dp_bucket_params=0.0,
+    loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=2.25,
     source="PyTorch eager without torch.compile, as torchtitan runs it (pytorch/torchtitan: models/llama3 "
            "RMSNorm, apply_rotary_emb, repeat_kv, F.silu(w1(x)) * w3(x); activation_checkpoint.mode selective, "
            "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach)")
