@@ -196,6 +196,19 @@ def _errors_and_other_models():
     out["mlp"] = _max_diff(model.full_state_dict(), ref.state_dict())
     out["mlp_eval"] = (y - y_ref).abs().max().item()
     out["mlp_units"] = len(model.units)
+    # a gradient hook registered on a parameter before wrapping runs on its slice of the unit's gradient
+    torch.manual_seed(1)
+    ref = MLP(width=9, depth=3, in_features=5, out_features=3)
+    hooked = copy.deepcopy(ref)
+    for m in (ref, hooked):
+        m.layers[2].weight.register_hook(lambda g: 3 * g)
+    model = FullyShardedDataParallel(hooked)
+    for m in (ref, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(x if m is ref else _local(x)).pow(2).mean().backward()
+        opt.step()
+    out["hooked"] = _max_diff(model.full_state_dict(), ref.state_dict())
+    out["hook_counts"] = sum(len(h) for u in model.units for _, h in u.grad_hooks)
     return out
 
 
@@ -207,6 +220,7 @@ def test_bad_input_is_refused_and_other_models_shard():
     assert out["module"].startswith("TypeError")
     assert out["mlp"] <= 1e-6 and out["mlp_eval"] <= 1e-6
     assert out["mlp_units"] == 3
+    assert out["hooked"] <= 1e-6 and out["hook_counts"] == 1
 
 
 def test_a_pipeline_stage_is_cut_into_its_blocks():

@@ -250,8 +250,6 @@ def _hugging_face_rank(cases) -> list[str]:
         expect(lambda: parallelize(_hugging_face("gpt2"), pipeline, zero_stage=2), "zero_stage=2", "tied",
                "tie_word_embeddings=False")
         expect(lambda: parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)), pipeline), "pp=2", "pp_split=callable")
-        expect(lambda: parallelize(_hugging_face("llama"), tensor, zero_stage=3, sequence_parallel=True),
-               "zero_stage=3 with sequence_parallel=True", "model.layers.0.input_layernorm", "zero_stage=1 or 2")
     if c.total_calls:
         bad.append(f"bad input sent {c.total_calls} messages")
     return bad
@@ -259,7 +257,8 @@ def _hugging_face_rank(cases) -> list[str]:
 
 def test_hugging_face_models_on_the_mesh():
     """Issue 42: parallelize() on Hugging Face GPT-2 and Llama (small configs) through their plans
-    and splits: dp x tp (DDP; ZeRO-3 over GPT-2's transposed Conv1D shards) and tp x pp (1F1B, GPT-2's
+    and splits: dp x tp (DDP; ZeRO-3 over GPT-2's transposed Conv1D shards; ZeRO-3 with Llama's
+    sequence-parallel RMSNorms, whose gradient hooks FSDP runs on its flat gradient) and tp x pp (1F1B, GPT-2's
     tied embedding across stages, the plan and split passed by name; Llama with sequence
     parallelism and recomputation), each loss and the full state after 3 AdamW steps within 1e-5
     of one process; bad input raises before any message."""
@@ -269,6 +268,7 @@ def test_hugging_face_models_on_the_mesh():
         for name in ("gpt2", "llama"):
             _hugging_face(name)(input_ids=ids, labels=ids)
     cases = [("llama", 2, 2, 1, dict()), ("gpt2", 2, 2, 1, dict(zero_stage=3)),
+             ("llama", 2, 2, 1, dict(zero_stage=3, sequence_parallel=True)),
              ("gpt2", 1, 2, 2, dict(tp_plan="gpt2", n_microbatches=4)),
              ("llama", 1, 2, 2, dict(pp_split=["model.layers.1"], sequence_parallel=True, recompute="full"))]
     preload()

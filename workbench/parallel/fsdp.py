@@ -63,6 +63,12 @@ runs in ``reduce_dtype`` (default ``param_dtype``) and the reduced shard is cast
 ``output_dtype`` if given. The old ``compute_dtype=d`` still works (deprecated) and means
 ``MixedPrecision(param_dtype=d)``.
 
+Gradient hooks a parameter carries (``Tensor.register_hook``, registered before wrapping) are
+kept: the original parameters leave the module, so each hook runs instead on that parameter's
+slice of the unit's gradient, as a view of the parameter's shape, before the reduce-scatter. That
+is how tensor parallelism's sequence-parallel norms (a Hugging Face ``RMSNorm`` is not replaced,
+its weight's gradient is summed over the tensor-parallel ranks by a hook) compose with ZeRO-3.
+
 Frozen parameters (``requires_grad=False``) are sharded too, in a flat shard of their own per
 unit that is gathered and freed with the unit's trainable one: they get no gradient, no
 reduce-scatter and (their shard has no ``.grad``) no optimizer state.
@@ -142,6 +148,8 @@ class _Unit:
         self.dtype = compute_dtype or params[0].dtype
         self.reduce_dtype = reduce_dtype or self.dtype
         self.frozen = not params[0].requires_grad
+        # (index, hooks) of the parameters that carry gradient hooks: they run on the unit's gradient
+        self.grad_hooks = [(i, list(p._backward_hooks.values())) for i, p in enumerate(params) if p._backward_hooks]
         self.companion: "_Unit | None" = None   # the unit's frozen parameters, gathered with it
         self.main: "_Unit | None" = None        # set on a companion: the unit it belongs to
         with torch.no_grad():
@@ -182,6 +190,20 @@ class _Unit:
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def run_grad_hooks(self, grad_full: torch.Tensor) -> torch.Tensor:
+        """The unit's gradient after its parameters' own gradient hooks, each on its parameter's
+        slice (a copy where a hook returns a new gradient; ``grad_full`` itself when none has hooks)."""
+        if not self.grad_hooks:
+            return grad_full
+        grad = grad_full.clone()
+        for i, hooks in self.grad_hooks:
+            view = grad[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
+            for hook in hooks:
+                out = hook(view)
+                if out is not None:
+                    view.copy_(out)
+        return grad
 
 
 class _GatherParams(torch.autograd.Function):
@@ -410,7 +432,7 @@ class FullyShardedDataParallel(nn.Module):
             self._by_storage.pop(unit.companion.full.untyped_storage().data_ptr(), None)
             unit.companion.full = None
             self._in_backward.discard(id(unit.companion))
-        grad = grad_full.to(unit.reduce_dtype).contiguous()
+        grad = unit.run_grad_hooks(grad_full).to(unit.reduce_dtype).contiguous()
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=grad.device)
         work = comm.reduce_scatter(out, list(grad.chunk(self.world_size)), group=self.process_group, async_op=True)
         self._pending.append((unit, out, work, time.perf_counter()))

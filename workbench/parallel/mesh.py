@@ -564,7 +564,7 @@ def _validate(model: nn.Module, mesh: Mesh, *, zero_stage, schedule, n_microbatc
     if pp > 1:
         _check_split(model, pp, pp_split)
     tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
-    _check_zero(model, ours, zero_stage, sequence_parallel, tp_plan, pp, tied, dp * cp)
+    _check_zero(zero_stage, pp, tied, dp * cp)
     ep, n_experts = mesh.size("ep"), getattr(getattr(model, "config", None), "n_experts", 0)
     if ep > 1:
         _check_experts(ep, n_experts, zero_stage, tp, pp, cp)
@@ -629,27 +629,14 @@ def _check_recompute_and_sequence_parallel(recompute: str, sequence_parallel, sc
                          "frees come back, for longer; use schedule='1f1b' with recomputation, or zb-h1 without it")
 
 
-def _check_zero(model: nn.Module, ours: bool, zero_stage: int, sequence_parallel: bool, tp_plan, pp: int,
-                tied: bool, dpc: int) -> None:
-    """The ZeRO stages that cannot compose here: ZeRO-2 with a tied embedding cut across stages
-    (it frees each gradient in backward, before the two stages add their halves), and ZeRO-3
-    with sequence parallelism on a model whose norms are summed over tp by parameter hooks
-    (ZeRO-3's flat shards replace the hooked parameters)."""
+def _check_zero(zero_stage: int, pp: int, tied: bool, dpc: int) -> None:
+    """The ZeRO stage that cannot compose here: ZeRO-2 with a tied embedding cut across stages (it
+    frees each gradient in backward, before the two stages add their halves)."""
     if pp > 1 and tied and zero_stage == 2 and dpc > 1:
         raise ValueError("parallelize: zero_stage=2 with pp > 1 and a tied embedding is not supported (ZeRO-2 "
                          "frees each gradient during backward, before the first and last stage can add their "
                          "halves of the tied one); use zero_stage=1 or 3, or untie it (GPTConfig(tie_weights=False), "
                          "Hugging Face's tie_word_embeddings=False)")
-    if sequence_parallel and zero_stage == 3 and dpc > 1 and not ours:
-        styles = tensor_plans.match(model, tensor_plans.plan_for(model, tp_plan), "parallelize")
-        hooked = [n for n, style in styles.items() if style.kind == "sequence"
-                  and not isinstance(model.get_submodule(n), (nn.LayerNorm, nn.Dropout))]
-        if hooked:
-            raise ValueError(f"parallelize: zero_stage=3 with sequence_parallel=True is not supported on "
-                             f"{type(model).__name__}: its norms ({hooked[0]} and {len(hooked) - 1} more) are not "
-                             "nn.LayerNorm, so tensor parallelism sums their weights' gradients over tp by hooks on "
-                             "the parameters, which ZeRO-3's flat shards replace; use zero_stage=1 or 2, or "
-                             "sequence_parallel=False")
 
 
 def _check_experts(ep: int, n_experts: int, zero_stage: int, tp: int, pp: int, cp: int) -> None:
