@@ -451,8 +451,8 @@ else:
 # NVLink or the network (`nccl.py`), and the memory a real framework holds (`runtime_memory.py`).
 # `workbench advise --validate-published` predicts every public measurement the model was checked
 # against (`workbench/advise/published.py`: Megatron-LM's H100 scaling table, torchtitan's
-# benchmarks, Korthikanti et al. 2022, nccl-tests), each with its source and the layout it ran,
-# using the presets' own figures. Rows marked *calibrated* gave the model a figure; the others gave
+# benchmarks, IBM and Meta's FSDP blog, Korthikanti et al. 2022, nccl-tests), each with its source
+# and the layout it ran, using the presets' own figures. Rows marked *calibrated* gave the model a figure; the others gave
 # it nothing. A run that ran counts only where it is also predicted to fit, and one row is a run
 # that ran out of memory (torchtitan's footnote): it counts where the advisor says it does not fit.
 # The table below is that command's, computed here (no GPU needed).
@@ -489,10 +489,11 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
 # What the misses say (the command's notes give each row's assumptions): the smallest Megatron
 # model comes out fast, where nothing in the per-operator model accounts for the gap; one of
 # torchtitan's A100 rows, which ran on a cluster whose network is not published, comes out fast
-# too, the one the model puts nearest the memory limit. The Megatron README does not say which
-# pipeline schedule its runs used; they are priced with 1F1B, its default, since two of its layouts
-# have an odd number of layers per rank, which Megatron cannot interleave in two chunks. The GPU
-# figures are public measurements, not runs of this workbench:
+# too, the one the model puts nearest the memory limit; and IBM's FSDP run of a 34B Llama on
+# H100, where the blog itself finds a tenth of the step lost to communication. The Megatron README
+# does not say which pipeline schedule its runs used; they are priced with 1F1B, its default, since
+# two of its layouts have an odd number of layers per rank, which Megatron cannot interleave in two
+# chunks. The GPU figures are public measurements, not runs of this workbench:
 # `workbench advise --calibrate --device cuda` measures a GPU's own profile where one is at hand.
 #
 # ## Check

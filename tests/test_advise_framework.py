@@ -180,6 +180,14 @@ def test_public_rows_hold_korthikanti_table_5_and_name_their_frameworks():
     assert all(r.framework == "megatron" for r in published.ROWS if r.source == published.MEGATRON)
     for row in t5[:2]:   # 22B on one DGX A100: within 15%
         assert abs(published.predicted(row)["value"] / row.value - 1) < 0.15
+    # a row on its own network (IBM's blog: 400 Gb/s per A100 node) and framework (bf16 gradient reduction)
+    ibm = next(r for r in published.ROWS if r.source == published.IBM and r.cluster == "dgx-a100")
+    cluster = published.row_cluster(ibm)
+    assert cluster.inter.bandwidth_Bps == pytest.approx(400e9 / 8 / 8)
+    assert cluster.nccl.network_Bps == pytest.approx(0.96 * 400e9 / 8 / 8)
+    assert cluster.framework.grad_reduce_bytes == 2 and not cluster.framework.fused
+    slower = published.predicted(replace(ibm, network_gbps=100))["value"]
+    assert slower < published.predicted(ibm)["value"]   # a quarter of the network: FSDP's traffic shows
 
 
 def test_megatron_2022_reduces_gradients_after_the_flush():

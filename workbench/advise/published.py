@@ -35,12 +35,14 @@ et al. 2021; the checks that use them are run by others.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from workbench.comm.topology import Link
 
 from .choose import predict
 from .cluster import GiB, Cluster
 from .device import PROFILES
-from .framework import FRAMEWORKS
+from .framework import EAGER, FRAMEWORKS, Framework
 from .nccl import NcclModel
 from .nccl import PRESETS as NCCL_PRESETS
 from .plan import Config
@@ -65,6 +67,9 @@ NCCL_212 = "NVIDIA/nccl-tests#212 (S. Jeaugey, NVIDIA): https://github.com/NVIDI
 NCCL_290 = "NVIDIA/nccl-tests#290 (NVIDIA): https://github.com/NVIDIA/nccl-tests/issues/290"
 NCCL_119 = "NVIDIA/nccl-tests#119 (3 x 8 A100, 4 HDR per node): https://github.com/NVIDIA/nccl-tests/issues/119"
 SENDRECV = "li-plus/playground cuda/nccl.md (sendrecv_perf, 8 A100): https://github.com/li-plus/playground"
+IBM = ("PyTorch blog, 'Maximizing training throughput using PyTorch FSDP' (IBM and Meta, 2024), Table 1 (A100 80GB: "
+       "128 GPUs, 400 Gbps; H100 80GB: 96 GPUs, 800 Gbps; batch 2 per GPU, sequences of 4,096): "
+       "https://pytorch.org/blog/maximizing-training/")
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,9 @@ class Published:
     nccl: NcclModel | None = None
     role: str = "checked"
     note: str = ""
-    framework: str = ""     # the run's framework (workbench.advise.framework.FRAMEWORKS), "" the preset's
+    framework: str | Framework = ""   # the run's framework (a name in FRAMEWORKS, or one), "" the preset's
     device: str = ""        # the run's GPU when it is not the preset's (workbench.advise.device.PROFILES)
+    network_gbps: float = 0.0   # the run's network per node, Gb/s, where the source gives it; 0: the preset's
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelShape:
@@ -140,6 +146,30 @@ def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str) ->
                      global_batch=64 * lbs,
                      config=Config(dp=64, zero=3, precision="bf16", recompute=recompute), note=_TITAN_NOTE,
                      framework="eager")
+
+
+# fms-fsdp (IBM's Foundation Model Stack on FSDP): eager PyTorch (RMSNorm, rotary through complex numbers, SDPA
+# flash attention), FSDP with MixedPrecision bf16 parameters and bf16 gradient reduction (fms_fsdp/policies/
+# mixed_precision.py: bfSixteen), full activation checkpointing of every block for 34B and 70B (the table's "Yes";
+# scripts/34b.sh, 70b.sh: fsdp_activation_checkpointing=True, selective_checkpointing=1, sharding_strategy=fsdp).
+# The 7B row (sharding_strategy=hsdp: sharded inside a node, replicated across) and the 13B row (every n-th block
+# checkpointed) have layouts a Config cannot say, and are left out.
+_FMS = replace(EAGER, name="eager (fms-fsdp)", grad_reduce_bytes=2,
+               source="fms-fsdp: eager PyTorch, FSDP MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
+_LLAMA2_34B = ModelShape(layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016, vocab=32000, seq=4096, gated=True,
+                         tied=False, bias=False, positions="rope", norm="rmsnorm", name="llama2-34b (fms-fsdp)",
+                         source="fms-fsdp get_model_config('llama2_34b'): emb 8192, 64 heads, 8 kv heads, 48 "
+                                "layers, hidden 22016; Llama 2's vocabulary of 32,000")
+_IBM_NOTE = ("FSDP over every GPU (ZeRO-3), full activation checkpointing, bf16 gradient reduction (framework 'eager "
+             "(fms-fsdp)'); the network is the blog's figure, taken as per node")
+
+
+def _ibm(model: ModelShape, label: str, gpus: int, gpu: str, tokens: float) -> Published:
+    cluster, gbps = ("dgx-a100", 400) if gpu == "A100" else ("dgx-h100", 800)
+    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch 2, full AC", source=IBM, metric="tokens_per_gpu",
+                     value=tokens, cluster=cluster, nodes=gpus // 8, model=model, global_batch=2 * gpus,
+                     config=Config(dp=gpus, zero=3, precision="bf16", recompute="full"), framework=_FMS,
+                     network_gbps=gbps, note=_IBM_NOTE)
 
 
 _GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048)
@@ -200,6 +230,11 @@ ROWS: tuple[Published, ...] = (
               "dgx-h100", 16, SHAPES["llama3-8b"], 256,
               Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE, framework="eager",
               device="h100-sxm-96gb-500w"),
+    # -- IBM and Meta's FSDP blog, Table 1: tokens/s per GPU, FSDP with full activation checkpointing
+    _ibm(_LLAMA2_34B, "Llama 2 34B", 128, "A100", 700),
+    _ibm(SHAPES["llama-70b"], "Llama 2 70B", 128, "A100", 370),
+    _ibm(_LLAMA2_34B, "Llama 2 34B", 96, "H100", 1550),
+    _ibm(SHAPES["llama-70b"], "Llama 2 70B", 96, "H100", 800),
     # -- Korthikanti et al. 2022: 530B on 2240 A100, MFU with sequence parallelism + selective recomputation,
     #    and with full recomputation
     Published("Korthikanti 530B, 2240 A100, SP + selective", KORTHIKANTI, "mfu", 54.2, "dgx-a100", 280,
@@ -255,11 +290,18 @@ def _gpu(cluster: Cluster) -> str:
 
 
 def row_cluster(row: Published) -> Cluster:
-    """The cluster a training row ran on: its preset, ``nodes`` of them, with the row's framework and GPU
-    where it names them (the GPU's memory with it)."""
+    """The cluster a training row ran on: its preset, ``nodes`` of them, with the row's framework, GPU
+    (the GPU's memory with it) and network where it names them. A network of ``g`` Gb/s per node
+    gives each GPU ``g / 8 / devices_per_node`` GB/s of link, and NCCL 0.96 of it (as the presets
+    on a per-node network, ``p4d-a100`` and ``a2-ultra-100g``)."""
     changes = {}
     if row.framework:
-        changes["framework"] = FRAMEWORKS[row.framework]
+        changes["framework"] = row.framework if isinstance(row.framework, Framework) else FRAMEWORKS[row.framework]
+    if row.network_gbps:
+        preset = Cluster.preset(row.cluster)
+        per_gpu = row.network_gbps * 1e9 / 8 / preset.devices_per_node
+        changes["inter"] = Link(preset.inter.latency_s, per_gpu)
+        changes["nccl"] = replace(preset.nccl, network_Bps=0.96 * per_gpu)
     if row.device:
         changes["device"] = PROFILES[row.device]
         changes["memory_bytes"] = PROFILES[row.device].memory_bytes
@@ -334,8 +376,9 @@ def report(results: list[dict]) -> str:
              "*role*: `calibrated` rows gave the model a figure (their ratio only shows it reproduces its "
              "input), `checked` rows gave nothing. A row runs on its preset with the framework it was measured "
              "with (`workbench.advise.framework`: `megatron` for the Megatron-LM README's H100 table, `eager` for "
-             "torchtitan, the A100 presets' `megatron-2022` for Korthikanti et al.) and, where it names one, its "
-             "own GPU (torchtitan's H100 rows: `h100-sxm-96gb-500w`), as its assumptions below say.", "",
+             "torchtitan, `eager` with bf16 gradient reduction for IBM's fms-fsdp, the A100 presets' "
+             "`megatron-2022` for Korthikanti et al.) and, where it names them, its own GPU (torchtitan's H100 "
+             "rows: `h100-sxm-96gb-500w`) and network (fms-fsdp's), as its assumptions below say.", "",
              "| # | run | layout | metric | published | predicted | ratio | within | role | source |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"]
     sources: dict[str, int] = {}
