@@ -77,12 +77,12 @@ them, so a framework dispatches ``host_ops_per_kernel`` operators per kernel cou
 PyTorch about 2.25, :mod:`workbench.advise.framework`). Launches are asynchronous: the host queues
 kernels while the GPU runs earlier ones, so a pass (a layer's forward, its backward) takes
 ``max(GPU time, kernels x host_ops_per_kernel x kernel_overhead_s)`` (:func:`kernel_seconds`): the
-launches hide behind large kernels and set the pace when the kernels are shorter than their launch. Every micro-batch pays
-``microbatch_overhead_s`` more (the training loop's Python per micro-batch, the loss's scalar, the
-schedule's bookkeeping). Both are framework figures, not hardware ones: they hold
-for eager PyTorch with Megatron-style fused kernels (fused bias-dropout-add, fused norms,
-FlashAttention) and shrink under CUDA graphs or ``torch.compile``. This is what makes one
-sequence per micro-batch slow: the same kernels, launched for a sixteenth of the work.
+launches hide behind large kernels and set the pace when the kernels are shorter than their launch.
+Every micro-batch pays ``microbatch_overhead_s`` more (the training loop's Python per micro-batch,
+the loss's scalar, the schedule's bookkeeping). Both are eager PyTorch's figures, not hardware
+ones, and shrink under CUDA graphs or ``torch.compile``. This is what makes one sequence per
+micro-batch slow, above all where tensor parallelism has already made each kernel small: the same
+dispatches, for a sixteenth of the work.
 
 Recomputation, tensor and sequence parallelism
 ----------------------------------------------

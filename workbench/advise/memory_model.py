@@ -776,8 +776,9 @@ def _state_config(config: Config) -> Config:
     their defaults. Their caches then hold one entry for the configurations that differ only in
     those, the dozen a search tries for every split and ZeRO stage."""
     placement = config.schedule if config.schedule in ("interleaved", "zbv") else "1f1b"
+    v = config.virtual_stages if placement == "interleaved" else 2
     return Config(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, schedule=placement,
-                  precision=config.precision, virtual_stages=config.virtual_stages if placement == "interleaved" else 2)
+                  precision=config.precision, virtual_stages=v)
 
 
 @lru_cache(maxsize=4096)

@@ -37,7 +37,8 @@ exist for ranks sharing CPU cores applies there. The cluster's ``framework``
 Adam), whether tensor-parallel collectives overlap their multiplies (:func:`tp_overlap`: all but
 one chunk of ``t`` hidden), the gradients' bytes on the wire (float32 reductions) and whether
 they overlap backward, its buckets, and the SMs an overlapped collective takes from compute
-(``Framework.sm_share_on``: :func:`prefetch_wait` hides ``1 - sm_share`` of what compute covers); FSDP2's copies around each unit's collectives are GPU work
+(``Framework.sm_share_on``: :func:`prefetch_wait` hides ``1 - sm_share`` of what compute covers);
+FSDP2's copies around each unit's collectives are GPU work
 (:func:`workbench.advise.device.fsdp_copy_seconds`), and a pipeline's messages are NCCL
 send/recv at the achieved point-to-point bandwidth of their link class.
 
