@@ -254,6 +254,33 @@ def test_pipeline_ranks_keep_the_schedules_live_microbatches():
     assert len(inter) == 2 and inter[0]["activations"] > inter[1]["activations"]
 
 
+def test_hybrid_sharding_shards_over_its_group_and_all_reduces_across_replicas():
+    """``Config(zero=3, shard_group=s)`` (HSDP): the model state of ZeRO-3 over ``s`` ranks (each
+    rank's share of it as plain ZeRO-3 with ``dp = s`` holds), the gathers and reduce-scatters inside
+    the shard group's links, then each gradient shard all-reduced across the ``dp / s`` replicas:
+    across a slow network less traffic than ZeRO-3 over every rank. ``shard_group`` 0 or ``dp``:
+    plain ZeRO-3, to the bit."""
+    shape = ModelShape(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024, ffn=4096)
+    slow = Cluster(nodes=4, devices_per_node=4, memory_bytes=80e9, flops=100e12, intra=Link(2e-6, 200e9),
+                   inter=Link(30e-6, 1e9))
+    plain = Config(dp=16, zero=3, precision="bf16", microbatches=2)
+    hybrid = dataclasses.replace(plain, shard_group=4)
+    assert hybrid.shard_size == 4 and plain.shard_size == 16 and dataclasses.replace(plain, shard_group=16).shard_size == 16
+    assert hybrid.label() == "dp16-tp1-pp1 zero3 hsdp4 accum m2 bf16" and "hsdp" not in plain.label()
+    four = memory_per_device(shape, Config(dp=4, zero=3, precision="bf16", microbatches=2), 8)
+    mem = memory_per_device(shape, hybrid, 32)
+    assert all(mem[k] == four[k] for k in ("parameters", "gradients", "optimizer")), (mem, four)
+    assert mem["parameters"] > memory_per_device(shape, plain, 32)["parameters"]
+    groups = advise_timing._groups(dataclasses.replace(hybrid, dp=8, tp=2, shard_group=4))
+    assert groups["shard"] == [0, 2, 4, 6] and groups["replicate"] == [0, 8] and "shard" not in advise_timing._groups(plain)
+    t_plain, t_hybrid = (predict(shape, slow, 32, c).time for c in (plain, hybrid))
+    assert t_hybrid["dp"] < 0.5 * t_plain["dp"]
+    assert predict(shape, slow, 32, dataclasses.replace(plain, shard_group=16)).time == t_plain
+    for bad in (dict(shard_group=3), dict(zero=1, shard_group=4)):
+        with pytest.raises(ValueError, match="shard_group"):
+            predict(shape, slow, 32, dataclasses.replace(plain, **bad))
+
+
 def test_interleaving_with_more_virtual_stages_shrinks_the_bubble_and_the_first_ranks_activations():
     """``Config.virtual_stages`` (Megatron's v): v chunks per rank, stage ``c p + r`` on rank ``r``.
     The replayed bubble is the closed form ``(p - 1) / (v m + p - 1)`` of the step with equal

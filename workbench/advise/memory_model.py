@@ -778,7 +778,7 @@ def _state_config(config: Config) -> Config:
     placement = config.schedule if config.schedule in ("interleaved", "zbv") else "1f1b"
     v = config.virtual_stages if placement == "interleaved" else 2
     return Config(dp=config.dp, tp=config.tp, pp=config.pp, zero=config.zero, schedule=placement,
-                  precision=config.precision, virtual_stages=v)
+                  precision=config.precision, virtual_stages=v, shard_group=config.shard_group)
 
 
 @lru_cache(maxsize=4096)
@@ -786,7 +786,7 @@ def _model_state(shape: ModelShape, config: Config, stages: tuple[int, ...], opt
     """:func:`model_state`, remembered per :func:`_state_config`; the dict is shared: read it only."""
     n_stages = config.pp * chunks(config)
     tensors = [n for s in stages for n in shape.stage_tensors(n_stages, s, config.tp)]
-    psi, n = sum(tensors), config.dp
+    psi, n = sum(tensors), config.shard_size       # ZeRO-3 under hybrid sharding: the shard group
     zero = config.zero if n > 1 else 0
     if config.precision != "fp32" or optimizer != "adam":
         state = model_state_per_rank(psi, n, zero, optimizer, _ZERO_PRECISION[config.precision])
@@ -837,7 +837,8 @@ def _rank_states(shape: ModelShape, layout: Config, optimizer: str) -> tuple[tup
 
 def _communicators(config: Config) -> int:
     """NCCL communicators a rank of ``config`` creates (:func:`~workbench.advise.runtime_memory.communicators`)."""
-    return runtime.communicators(config.dp, config.tp, config.pp)
+    hybrid = 1 if config.shard_size < config.dp else 0   # HSDP: the shard group and the replicas' group
+    return runtime.communicators(config.dp, config.tp, config.pp) + hybrid
 
 
 @lru_cache(maxsize=4096)
@@ -870,7 +871,7 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
     for r, (stages, state, zero_elements) in enumerate(_rank_states(shape, _state_config(config), optimizer)):
         if mixed_state:   # the framework's mixed precision (runtime_memory.model_state), not the paper's 2 + 2 + 12
             psi = _rank_parameters(shape, n_stages, stages, config.tp)
-            state = runtime.model_state(psi, config.dp, config.zero, rt)
+            state = runtime.model_state(psi, config.shard_size, config.zero, rt)
         if not piped:
             activations = per_stage[0]["peak"]
         elif not several:        # one stage per rank: replay its action list

@@ -53,7 +53,13 @@ class Config:
     chunks shrink the bubble to ``(p - 1) / (v m + p - 1)`` and the first rank's in-flight
     activations, for ``v`` times the pipeline's messages. Megatron-LM needs ``v`` to divide the
     layers per rank (``--num-layers-per-virtual-pipeline-stage``); the workbench's own pipeline
-    splits them unevenly where it does not."""
+    splits them unevenly where it does not.
+
+    ``shard_group`` (with ``zero=3``): hybrid sharding (HSDP; PyTorch FSDP's ``HYBRID_SHARD``,
+    ``FullyShardedDataParallel(replicate_group=...)`` here): the state is sharded over groups of
+    ``shard_group`` consecutive data-parallel ranks (a node, typically) and replicated across the
+    ``dp / shard_group`` groups. Each unit's gathers and reduce-scatters stay inside the group;
+    each gradient shard is then all-reduced across the replicas. 0 (or ``dp``): plain ZeRO-3."""
 
     dp: int = 1
     tp: int = 1
@@ -65,10 +71,17 @@ class Config:
     precision: str = "fp32"          # "fp32", "bf16" (bf16 compute, fp32 masters), "fp16"
     recompute: str = "none"          # "none", "selective", "full"
     virtual_stages: int = 2          # interleaved: stages (model chunks) per pipeline rank, Megatron's v
+    shard_group: int = 0             # ZeRO-3 over groups of this many dp ranks, replicated across them (HSDP); 0: all
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def shard_size(self) -> int:
+        """Data-parallel ranks one copy of the state is sharded over: ``shard_group`` under hybrid
+        sharding (ZeRO-3 with ``0 < shard_group < dp``), else ``dp``."""
+        return self.shard_group if self.zero == 3 and 0 < self.shard_group < self.dp else self.dp
 
     @property
     def stages_per_rank(self) -> int:
@@ -82,7 +95,7 @@ class Config:
         """Short name, e.g. ``dp2-tp2-pp2 zero1 1f1b m4 sp bf16 selective``."""
         parts = [f"dp{self.dp}-tp{self.tp}-pp{self.pp}"]
         if self.dp > 1:
-            parts.append(f"zero{self.zero}")
+            parts.append(f"zero{self.zero}" + (f" hsdp{self.shard_size}" if self.shard_size < self.dp else ""))
         if self.pp > 1:
             v = f" v{self.virtual_stages}" if self.schedule == "interleaved" and self.virtual_stages != 2 else ""
             parts.append(f"{self.schedule}{v} m{self.microbatches}")
@@ -114,6 +127,11 @@ def check_config(config: Config) -> None:
     if config.schedule not in SCHEDULES:
         raise ValueError(f"Config.schedule={config.schedule!r}: use one of {SCHEDULES}")
     _whole(config.virtual_stages, "virtual_stages", 2)
+    _whole(config.shard_group, "shard_group", 0)
+    if config.shard_group and (config.dp % config.shard_group or config.zero != 3):
+        raise ValueError(f"Config.shard_group={config.shard_group}: hybrid sharding shards ZeRO-3's state over groups "
+                         f"of shard_group data-parallel ranks and replicates it across them; use zero=3 and a "
+                         f"divisor of dp={config.dp}, or shard_group=0 (shard over every data-parallel rank)")
     if not isinstance(config.sequence_parallel, bool):
         raise ValueError(f"Config.sequence_parallel={config.sequence_parallel!r}: must be True or False")
     if config.sequence_parallel and config.tp == 1:

@@ -151,25 +151,30 @@ def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str) ->
 # fms-fsdp (IBM's Foundation Model Stack on FSDP): eager PyTorch (RMSNorm, rotary through complex numbers, SDPA
 # flash attention), FSDP with MixedPrecision bf16 parameters and bf16 gradient reduction (fms_fsdp/policies/
 # mixed_precision.py: bfSixteen), full activation checkpointing of every block for 34B and 70B (the table's "Yes";
-# scripts/34b.sh, 70b.sh: fsdp_activation_checkpointing=True, selective_checkpointing=1, sharding_strategy=fsdp).
-# The 7B row (sharding_strategy=hsdp: sharded inside a node, replicated across) and the 13B row (every n-th block
-# checkpointed) have layouts a Config cannot say, and are left out.
+# scripts/34b.sh, 70b.sh: fsdp_activation_checkpointing=True, selective_checkpointing=1, sharding_strategy=fsdp);
+# 7B without checkpointing, sharded inside each node and replicated across them (scripts/7b.sh:
+# sharding_strategy=hsdp: Config(shard_group=8)). The 13B row (every n-th block checkpointed) has a layout a Config
+# cannot say, and is left out.
 _FMS = replace(EAGER, name="eager (fms-fsdp)", grad_reduce_bytes=2,
                source="fms-fsdp: eager PyTorch, FSDP MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
 _LLAMA2_34B = ModelShape(layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016, vocab=32000, seq=4096, gated=True,
                          tied=False, bias=False, positions="rope", norm="rmsnorm", name="llama2-34b (fms-fsdp)",
                          source="fms-fsdp get_model_config('llama2_34b'): emb 8192, 64 heads, 8 kv heads, 48 "
                                 "layers, hidden 22016; Llama 2's vocabulary of 32,000")
-_IBM_NOTE = ("FSDP over every GPU (ZeRO-3), full activation checkpointing, bf16 gradient reduction (framework 'eager "
-             "(fms-fsdp)'); the network is the blog's figure, taken as per node")
+_IBM_NOTE = ("bf16 gradient reduction (framework 'eager (fms-fsdp)'); the network is the blog's figure, taken as per "
+             "node")
 
 
-def _ibm(model: ModelShape, label: str, gpus: int, gpu: str, tokens: float) -> Published:
+def _ibm(model: ModelShape, label: str, gpus: int, gpu: str, tokens: float, hsdp: bool = False) -> Published:
     cluster, gbps = ("dgx-a100", 400) if gpu == "A100" else ("dgx-h100", 800)
-    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch 2, full AC", source=IBM, metric="tokens_per_gpu",
-                     value=tokens, cluster=cluster, nodes=gpus // 8, model=model, global_batch=2 * gpus,
-                     config=Config(dp=gpus, zero=3, precision="bf16", recompute="full"), framework=_FMS,
-                     network_gbps=gbps, note=_IBM_NOTE)
+    layout = ("HSDP (sharded inside each node, replicated across: fms-fsdp's 7B script), no activation checkpointing"
+              if hsdp else "FSDP over every GPU (ZeRO-3), full activation checkpointing")
+    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch 2, {'HSDP' if hsdp else 'full AC'}", source=IBM,
+                     metric="tokens_per_gpu", value=tokens, cluster=cluster, nodes=gpus // 8, model=model,
+                     global_batch=2 * gpus,
+                     config=Config(dp=gpus, zero=3, precision="bf16", recompute="none" if hsdp else "full",
+                                   shard_group=8 if hsdp else 0),
+                     framework=_FMS, network_gbps=gbps, note=f"{layout}, {_IBM_NOTE}")
 
 
 _GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048)
@@ -231,8 +236,10 @@ ROWS: tuple[Published, ...] = (
               Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE, framework="eager",
               device="h100-sxm-96gb-500w"),
     # -- IBM and Meta's FSDP blog, Table 1: tokens/s per GPU, FSDP with full activation checkpointing
+    _ibm(SHAPES["llama-7b"], "Llama 2 7B", 128, "A100", 3700, hsdp=True),
     _ibm(_LLAMA2_34B, "Llama 2 34B", 128, "A100", 700),
     _ibm(SHAPES["llama-70b"], "Llama 2 70B", 128, "A100", 370),
+    _ibm(SHAPES["llama-7b"], "Llama 2 7B", 96, "H100", 7500, hsdp=True),
     _ibm(_LLAMA2_34B, "Llama 2 34B", 96, "H100", 1550),
     _ibm(SHAPES["llama-70b"], "Llama 2 70B", 96, "H100", 800),
     # -- Korthikanti et al. 2022: 530B on 2240 A100, MFU with sequence parallelism + selective recomputation,

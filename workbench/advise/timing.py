@@ -264,9 +264,14 @@ def _price(collective: str, nbytes: float, group: int, machine, topology) -> flo
 
 
 def _groups(config: Config) -> dict[str, list[int]]:
-    """The first group of each dimension, in Megatron's order (tp adjacent, then dp, then pp)."""
-    d, t, p = config.dp, config.tp, config.pp
-    return {"tp": list(range(t)), "dp": [k * t for k in range(d)], "pp": [k * d * t for k in range(p)]}
+    """The first group of each dimension, in Megatron's order (tp adjacent, then dp, then pp); under
+    hybrid sharding also the first shard group (``shard``: consecutive data-parallel ranks) and the
+    first replicas' group (``replicate``: one rank of each shard group)."""
+    d, t, p, s = config.dp, config.tp, config.pp, config.shard_size
+    groups = {"tp": list(range(t)), "dp": [k * t for k in range(d)], "pp": [k * d * t for k in range(p)]}
+    if s < d:
+        groups["shard"], groups["replicate"] = [k * t for k in range(s)], [k * s * t for k in range(d // s)]
+    return groups
 
 
 def _check(shape, cluster, config: Config, global_batch: int) -> None:
@@ -761,7 +766,7 @@ def _optimizer_time(ctx: _Step, psi_rank: float, step_over: float) -> float:
     ``update_s_per_param`` per parameter (by default :data:`ADAM_BYTES` at ``flops /``
     :data:`FLOPS_PER_BYTE` bytes/s) plus the step's fixed cost for this stage's share of the layers."""
     config, cluster, device, framework = ctx.config, ctx.cluster, ctx.device, ctx.framework
-    updated = psi_rank / ctx.d if (config.zero >= 1 and ctx.d > 1) else psi_rank
+    updated = psi_rank / config.shard_size if (config.zero >= 1 and config.shard_size > 1) else psi_rank
     if device is not None:   # memory-bound: the bytes Adam moves per parameter at the achieved bandwidth
         return optimizer_seconds(device, updated, config.precision, framework) if framework is not None \
             else optimizer_seconds(device, updated, config.precision)
@@ -947,8 +952,9 @@ def _closed_form_parts(ctx: _Step, slowest: dict, critical_messages: float) -> t
 def _data_parallel(ctx: _Step, psi_rank: float, slowest: dict, layer_s: float,
                    edges_s: float) -> tuple[float, float | None]:
     """``(dp seconds exposed, FSDP2's copies' compute or None)``: ZeRO-3's gathers and
-    reduce-scatters per micro-batch (:func:`_zero3_time`), or the gradients' buckets and, for
-    ZeRO-1/2, the parameters' all-gather (:func:`_bucketed_time`); then the loss's all-reduce.
+    reduce-scatters per micro-batch (:func:`_zero3_time`; under hybrid sharding inside the shard
+    group, each reduced shard then all-reduced across the replicas), or the gradients' buckets and,
+    for ZeRO-1/2, the parameters' all-gather (:func:`_bucketed_time`); then the loss's all-reduce.
 
     After a pipeline's schedule the stage that finishes last computes alone, its peers idle: its
     gradient reduction and the loss's all-reduce find the cores free, at a fraction
@@ -956,13 +962,22 @@ def _data_parallel(ctx: _Step, psi_rank: float, slowest: dict, layer_s: float,
     d, machine, topo = ctx.d, ctx.machine, ctx.topo["dp"]
     overlap, hides = _dp_overlap(ctx)
     sync = shared_cores.sync_price(ctx.contention, d) * ctx.end_oversubscription if ctx.contention else 0.0
+    # the state's collectives: over every data-parallel rank, or (hybrid sharding) over the shard group,
+    # each gradient shard then all-reduced across the replicas
+    hybrid = "shard" in ctx.topo
+    s = ctx.config.shard_size
+    group, group_topo = (s, ctx.topo["shard"]) if hybrid else (d, topo)
 
     def price(collective: str, nbytes: float) -> float:
-        return _price(collective, nbytes, d, machine, topo)
+        return _price(collective, nbytes, group, machine, group_topo)
+
+    def replicate(unit_bytes: float) -> float:
+        return _price("all_reduce", unit_bytes / s, d // s, machine, ctx.topo["replicate"])
 
     copies = None
     if ctx.config.zero == 3:
-        dp_total, copies = _zero3_time(ctx, psi_rank, layer_s, edges_s, hides, sync, price)
+        dp_total, copies = _zero3_time(ctx, psi_rank, layer_s, edges_s, hides, sync, price,
+                                       replicate if hybrid else None)
     else:                  # in buckets: DDP's and ZeRO-1/2's own bucket_cap_mb
         mb_compute = slowest["compute"] * ctx.oversubscription
         dp_total = _bucketed_time(ctx, psi_rank * ctx.e, overlap, mb_compute, sync, price)
@@ -986,19 +1001,18 @@ def _dp_overlap(ctx: _Step) -> tuple[float, float]:
 
 
 def _zero3_time(ctx: _Step, psi_rank: float, layer_s: float, edges_s: float, hides: float, sync: float,
-                price) -> tuple[float, float | None]:
+                price, replicate=None) -> tuple[float, float | None]:
     """ZeRO-3's exposed traffic over the ``m`` micro-batches (:func:`_zero3_exposed`; FSDP2 reduces in
     float32: its ``grad_reduce_bytes`` over ``e`` scales the reduce-scatters), at least its
     collectives' CPU where ranks share cores (:func:`shared_cores.zero3_cpu`); and FSDP2's copy-in and
-    copy-out around each unit's collectives, GPU compute (None off a framework)."""
+    copy-out around each unit's collectives, GPU compute (None off a framework). ``replicate``:
+    under hybrid sharding, the seconds of the replicas' all-reduce of a unit's gradient shard."""
     shape, config, e, m, o = ctx.shape, ctx.config, ctx.e, ctx.m, ctx.oversubscription
     framework = ctx.framework
-    if framework is not None and framework.grad_reduce_bytes:   # FSDP2's reduce_dtype float32
-        dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * o, edges_s * o, hides, sync, price,
-                                      framework.grad_reduce_bytes / e)
-    else:
-        dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * o, edges_s * o, hides, sync, price)
-    copies = m * fsdp_copy_seconds(ctx.device, psi_rank, ctx.d) if framework is not None else None
+    scale = framework.grad_reduce_bytes / e if framework is not None and framework.grad_reduce_bytes else 1.0
+    dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * o, edges_s * o, hides, sync, price, scale,
+                                  replicate)
+    copies = m * fsdp_copy_seconds(ctx.device, psi_rank, config.shard_size) if framework is not None else None
     if ctx.contention:
         dp_total = max(dp_total, m * shared_cores.zero3_cpu(ctx.contention, shape, config) * o)
     return dp_total, copies
@@ -1061,7 +1075,7 @@ def prefetch_wait(g: float, compute: float, hides: float, drift: float) -> float
 
 
 def _zero3_exposed(shape, config: Config, psi_rank: float, e: int, layer_c: float, edges_c: float,
-                   hides: float, sync: float, price, reduce_scale: float = 1.0) -> float:
+                   hides: float, sync: float, price, reduce_scale: float = 1.0, replicate=None) -> float:
     """Seconds of ZeRO-3 traffic one micro-batch waits for (:mod:`workbench.parallel.fsdp`).
 
     Units as FSDP wraps them: each layer of the stage (``layer_parameters`` x ``e`` bytes) and the
@@ -1077,7 +1091,8 @@ def _zero3_exposed(shape, config: Config, psi_rank: float, e: int, layer_c: floa
     drift price (``sync``) is paid by each wait that follows compute, in the share of the wait
     the compute is: ranks held up by a slow link are lined up by it, not by each other's cores.
     ``reduce_scale``: the reduce-scatters' bytes over the gathers' (2 where gradients are reduced in
-    float32 and parameters gathered in 16 bits)."""
+    float32 and parameters gathered in 16 bits). ``replicate`` (hybrid sharding): seconds of the
+    all-reduce across replicas that follows each reduce-scatter, given the unit's reduced bytes."""
     layers = max(stage_layers(shape.layers, config.pp))
     layer_b = shape.layer_parameters(config.tp) * e
     root_b = max(0.0, psi_rank * e - layers * layer_b)
@@ -1085,16 +1100,21 @@ def _zero3_exposed(shape, config: Config, psi_rank: float, e: int, layer_c: floa
     def size(kind: str, nbytes: float) -> float:
         return nbytes * reduce_scale if (kind == "reduce_scatter" and reduce_scale != 1.0) else nbytes
 
+    def cost(kind: str, nbytes: float) -> float:   # a reduce-scatter, then (hybrid) the replicas' all-reduce
+        seconds = price(kind, size(kind, nbytes))
+        if kind == "reduce_scatter" and replicate is not None:
+            seconds += replicate(size(kind, nbytes))
+        return seconds
+
     def wait(kinds, compute: float) -> float:
-        return prefetch_wait(sum(price(k, size(k, layer_b)) for k in kinds), compute, hides, sync)
+        return prefetch_wait(sum(cost(k, layer_b) for k in kinds), compute, hides, sync)
 
     gather, both = ("all_gather",), ("all_gather", "reduce_scatter")
     forward = price("all_gather", root_b) + price("all_gather", layer_b) + sync \
         + (layers - 1) * wait(gather, layer_c / 3)
     backward = price("all_gather", root_b) + wait(gather, edges_c * 2 / 3) \
         + (layers - 1) * wait(both, layer_c * 2 / 3) \
-        + price("reduce_scatter", size("reduce_scatter", layer_b)) \
-        + price("reduce_scatter", size("reduce_scatter", root_b)) + sync
+        + cost("reduce_scatter", layer_b) + cost("reduce_scatter", root_b) + sync
     return forward + backward
 
 
