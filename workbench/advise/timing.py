@@ -167,7 +167,6 @@ above) and the bubble.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
