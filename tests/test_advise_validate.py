@@ -318,6 +318,13 @@ def test_layer_costs_from_the_probes():
     costs = layer_costs(result, (1, 4, 8), layers=4)
     assert costs[(4, 1, False)] == pytest.approx({"layer": 0.022, "edges": 0.005})
     assert costs[(1, 1, False)] == {"layer": 0.010, "edges": 0.003}
+    # layers lost in the noise (the whole model no slower than the model without them): the block at
+    # t = 1, and the t = 1 layer over t for a tensor-parallel shape, never a zero-cost layer
+    result[_tp_key(4, 1, False, "all")] = 0.004
+    result[_tp_key(4, 2, True, "all")] = 0.009
+    costs = layer_costs(result, (1, 4, 8), layers=4)
+    assert costs[(4, 1, False)] == {"layer": 0.020, "edges": 0.005}
+    assert costs[(4, 2, True)]["layer"] == pytest.approx(0.010)
 
 
 def test_timed_layers_are_the_compute_the_timing_uses():
