@@ -300,12 +300,12 @@ def _tiny_all_reduce():
 
 def test_many_launches_in_a_row_never_hang_at_rendezvous():
     """With a TCPStore served from the parent, about one launch in a few hundred hung in gloo's
-    connection phase; the FileStore rendezvous must not. 30 world-3 launches (90 rendezvous), each
+    connection phase; the FileStore rendezvous must not. 12 world-3 launches (36 rendezvous), each
     with its own short timeout so a hang shows up as LaunchTimeout with the ranks' stacks."""
     start = time.monotonic()
-    for _ in range(30):
+    for _ in range(12):
         assert workbench.launch(_tiny_all_reduce, 3, timeout=30) == [3.0, 3.0, 3.0]
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 30
 
 
 def test_destroy_process_group_frees_gloo_after_an_optimizer_was_built(tmp_path):
