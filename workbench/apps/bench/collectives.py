@@ -43,7 +43,8 @@ fewer: ``docs/benchmarks/2026-11-27-figures-from-the-code-2vcpu.md``). Gloo's ne
 
 Predictions (``pred``, ``err%``)
 --------------------------------
-Unless ``--no-predict``, the cost model is fitted after the sweep (``workbench.measure.probes.fit``), and an
+Unless ``--no-predict``, the cost model is fitted after the sweep (``workbench.measure.probes.fit``, over its
+sizes up to the sweep's largest, 1 MiB at least), and an
 exchange and a one-way message of size/p and size bytes are timed *inside* each size's trials as
 extra candidates (``workbench.measure.probes.Probe``), so the model's curves come from the same moments as the
 collectives they predict. ``err%`` = predicted / measured in-place time - 1.
@@ -520,8 +521,11 @@ def _rank_main(config: dict) -> dict:
             # reductions and copies at their measured cost per size (a line fitted from 8 KiB up
             # prices an 8 MiB reduction at the speed of a cache-hot one)
             fitted["model"] = cost.with_curves(fitted["model"], reduction=fitted["reduction"], copy=fitted["copy"])
-        else:
-            fitted = probing.fit()
+        else:   # the model's sizes up to the sweep's largest (1 MiB at least, for the bandwidth term's range)
+            top = max(max(config["sizes"]), 1 << 20)
+            fitted = probing.fit(pingpong_sizes=[n for n in probing.DEFAULT_PINGPONG_SIZES if n <= top],
+                                 reduction_sizes=[n for n in probing.DEFAULT_REDUCTION_SIZES if n <= top],
+                                 exchange_sizes=[n for n in probing.DEFAULT_EXCHANGE_SIZES if n <= top])
         fitted["probes"] = probes
         out["cost"] = fitted
     return out
