@@ -44,13 +44,25 @@ class Kernel:
             elif kind == "error":
                 shown["error"] = (content["ename"], content["evalue"], "\n".join(content["traceback"]))
 
-        self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        reply = self.kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        shown["status"] = reply["content"]["status"]   # "aborted": the kernel dropped it unrun
         return shown
 
     def ok(self, code: str, timeout: float = 60) -> dict:
         shown = self.run(code, timeout)
-        assert shown["error"] is None, shown["error"]
+        assert shown["error"] is None and shown["status"] == "ok", (shown["status"], shown["error"])
         return shown
+
+    def wait_idle(self, msg_id: str, timeout: float = 30) -> None:
+        """Read the kernel's broadcasts until it is idle after request ``msg_id``. After a request that
+        failed, the kernel aborts the requests that reach it before then (ipykernel's stop_on_error):
+        the next one must be sent after it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"):
+                return
 
     def pids(self) -> list[int]:
         shown = self.ok("print(get_ipython()._workbench_ranks.group.pids)")
@@ -221,6 +233,7 @@ def test_kernel_interrupt_and_a_rank_killed_between_cells(kernel):
     reply = kernel.kc.get_shell_msg(timeout=30)
     assert reply["parent_header"]["msg_id"] == msg_id
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    kernel.wait_idle(msg_id)
     shown = kernel.ok("%%ranks\nt = torch.ones(1) * kept\ndist.all_reduce(t)\nt.item()")
     assert shown["stdout"].splitlines() == ["[rank 0] Out: 3.0", "[rank 1] Out: 3.0"]
     assert kernel.pids() == pids
