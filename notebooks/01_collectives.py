@@ -177,9 +177,10 @@ plt.show()
 # %%
 # NBVAL_IGNORE_OUTPUT
 SWEEP = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
-SMOKE = workbench.smoke_test()  # the test suite's quick run: one trial, sizes up to 256 KiB
+SMOKE = workbench.smoke_test()  # the test suite's quick run: one trial, sizes up to 256 KiB, a quick fit
 SIZES = [1 << k for k in range(10, 19 if SMOKE else 23, 2)]  # 1 KiB .. 4 MiB
 TRIALS = 1 if SMOKE else 3
+FIT = {"iterations": 10, "repeats": 3} if SMOKE else {}  # messages per timing, timings per size
 
 
 def measure_two_ranks():
@@ -189,7 +190,7 @@ def measure_two_ranks():
                        progress=False, probes=probed)
     fitted = probes.fit(pingpong_sizes=[8 << k for k in range(0, 21, 2)],  # 8 B .. 8 MiB
                         exchange_sizes=[8192 << k for k in range(0, 10)],  # 8 KiB .. 4 MiB
-                        reduction_sizes=[8192 << k for k in range(0, 10)])
+                        reduction_sizes=[8192 << k for k in range(0, 10)], **FIT)
     fitted["models"] = bench.models_for(fitted["model"], probed)
     return {"rows": rows, "fit": fitted}
 
@@ -387,7 +388,7 @@ def race_four_ranks():
                        iters=10, budget_bytes=8 << 20, progress=False)
     fitted = probes.fit(pingpong_sizes=[8 << k for k in range(0, 21, 2)],  # 8 B .. 8 MiB
                         exchange_sizes=[64 << k for k in range(0, 17, 2)],  # 64 B .. 4 MiB: every size a step sends
-                        reduction_sizes=[8192 << k for k in range(0, 10, 2)], all_pairs=True)
+                        reduction_sizes=[8192 << k for k in range(0, 10, 2)], all_pairs=True, **FIT)
     return {"rows": rows, "model": fitted["model"]}
 
 

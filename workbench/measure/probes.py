@@ -261,7 +261,8 @@ DEFAULT_EXCHANGE_SIZES = tuple(8192 << k for k in range(14))  # 8 KiB .. 64 MiB:
 def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
         reduction_sizes: Sequence[int] = DEFAULT_REDUCTION_SIZES,
         exchange_sizes: Sequence[int] | None = DEFAULT_EXCHANGE_SIZES, *, copies: bool = True,
-        curves: bool = True, all_pairs: bool = False, group=None) -> dict:
+        curves: bool = True, all_pairs: bool = False, group=None, iterations: int = 50,
+        repeats: int = 7) -> dict:
     """Fit alpha, beta, gamma (and alpha_duplex, beta_duplex, delta) on this machine; call on every rank.
 
     Returns ``{"model": CostModel, "pingpong": [(bytes, s)], "exchange": [(bytes, s)],
@@ -271,13 +272,14 @@ def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
     lines (no measured curves): all three give the textbook model. ``all_pairs``: the exchange
     and the stream are timed with every pair of ranks (2k, 2k+1) stepping at once (see
     :class:`Probe`), which is what a collective's step costs when the ranks outnumber the cores;
-    the ping-pong (alpha, beta) stays one pair's.
+    the ping-pong (alpha, beta) stays one pair's. ``iterations`` messages per timing and
+    ``repeats`` timings per size (their median); fewer give a quicker, noisier fit.
     """
     # as many calls per size as the benchmark makes (50 calls, 5+ trials), so the fit sees the
     # machine's occasional slow call as often as a collective does
-    pp = pingpong(pingpong_sizes, iterations=50, repeats=7, group=group)
+    pp = pingpong(pingpong_sizes, iterations=iterations, repeats=repeats, group=group)
     alpha, beta = fit_line(pp)
-    ex = (exchange(exchange_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs)
+    ex = (exchange(exchange_sizes, iterations=iterations, repeats=repeats, group=group, all_pairs=all_pairs)
           if exchange_sizes else [])
     alpha_duplex, beta_duplex = fit_line(ex) if ex else (None, None)
     root = dist.get_global_rank(group, 0) if group is not None else 0
@@ -288,13 +290,13 @@ def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
     delta = fit_line(big_copies if len(big_copies) >= 2 else cp)[1] if cp else None
     tables, st = None, []
     if curves:
-        st = stream(pingpong_sizes, iterations=50, repeats=7, group=group, all_pairs=all_pairs)
+        st = stream(pingpong_sizes, iterations=iterations, repeats=repeats, group=group, all_pairs=all_pairs)
         tables = {"one_way": st, "reduction": red}
         if ex:
             tables["exchange"] = ex
         if cp:
             tables["copy"] = cp
-    overheads = call_overheads(group=group) if curves else None
+    overheads = call_overheads(calls=2 * iterations, repeats=min(5, repeats), group=group) if curves else None
     overhead = statistics.median(overheads.values()) if overheads else None
     model = CostModel(alpha=alpha, beta=beta, gamma=gamma, alpha_duplex=alpha_duplex, beta_duplex=beta_duplex,
                       delta=delta, tables=tables, overhead=overhead, overheads=overheads)
