@@ -6,6 +6,9 @@
 #
 # TORCH is installed before the package: an open range ("torch") pulls a multi-GB CUDA build
 # on a CPU-only machine. Override it on a GPU box: make demo TORCH=torch
+# pip compiles the installed modules to bytecode one file after another; here it does not, and
+# compileall compiles them all on every core (a file that does not compile, such as a package's
+# test data, is skipped as pip skips it).
 
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
@@ -22,8 +25,9 @@ export MPLBACKEND ?= Agg
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[test]"
+	$(BIN)/python -m pip install --no-compile "$(TORCH)"
+	$(BIN)/python -m pip install --no-compile -e ".[test]"
+	$(BIN)/python -c "import compileall; compileall.compile_dir('$(VENV)/lib', quiet=2, workers=0)"
 	touch $@
 
 install: $(BIN)/.installed
