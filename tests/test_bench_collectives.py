@@ -236,6 +236,9 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert "pred(us)" in printed and "# cost model: alpha" in printed
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["config"]["sizes"] == [8, 128, 2048]
+    # the model is fitted up to the sweep's largest size, 1 MiB at least: not up to 64 MiB
+    assert max(n for n, _ in data["cost"]["pingpong"]) == 1 << 20
+    assert max(n for n, _ in data["cost"]["reduction"]) == 1 << 20
     assert {r["collective"] for r in data["rows"]} == {"all_reduce", "all_gather"}
     assert all(r[p]["wrong"] == 0 for r in data["rows"] for p in bc.PLACEMENTS)
     model = data["cost"]["model"]
@@ -415,6 +418,38 @@ def test_fit_on_ranks_and_compare():
                                  "world_size": 2, "time_s": 1e-3}])
     pred = model.predict("all_reduce", "ring", 1 << 20, 2)
     assert rows[0]["predicted_s"] == pred and rows[0]["error"] == pytest.approx(pred / 1e-3 - 1)
+
+
+def _fit_quick():
+    """probes.fit(iterations=3, repeats=2), recording what each probe it calls was asked for."""
+    seen, real = [], {n: getattr(probes, n) for n in ("pingpong", "exchange", "stream", "call_overheads")}
+
+    def recording(name, fn):
+        def probe(*args, **kwargs):
+            seen.append((name, kwargs.get("iterations", kwargs.get("calls")), kwargs["repeats"]))
+            return fn(*args, **kwargs)
+        return probe
+
+    for name, fn in real.items():
+        setattr(probes, name, recording(name, fn))
+    try:
+        fitted = probes.fit(pingpong_sizes=(8, 4096), reduction_sizes=(1 << 16, 1 << 18),
+                            exchange_sizes=(1 << 12, 1 << 16), iterations=3, repeats=2)
+    finally:
+        for name, fn in real.items():
+            setattr(probes, name, fn)
+    return seen, fitted["model"].beta
+
+
+def test_fit_takes_its_iterations_and_repeats():
+    """Every probe of a quick fit runs ``iterations`` messages (the call overheads twice as many
+    calls) ``repeats`` times; bad counts are refused before any message is sent."""
+    seen, beta = workbench.launch(_fit_quick, 2, timeout=120)[0]
+    assert seen == [("pingpong", 3, 2), ("exchange", 3, 2), ("stream", 3, 2), ("call_overheads", 6, 2)], seen
+    assert beta is not None
+    for bad in (dict(iterations=0), dict(repeats=-1), dict(iterations=2.5), dict(repeats=True)):
+        with pytest.raises(ValueError, match=f"fit\\({next(iter(bad))}="):
+            probes.fit(**bad)
 
 
 def test_measured_curves_price_each_step_at_the_size_it_sends():

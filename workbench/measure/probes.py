@@ -275,8 +275,12 @@ def fit(pingpong_sizes: Sequence[int] = DEFAULT_PINGPONG_SIZES,
     the ping-pong (alpha, beta) stays one pair's. ``iterations`` messages per timing and
     ``repeats`` timings per size (their median); fewer give a quicker, noisier fit.
     """
-    # as many calls per size as the benchmark makes (50 calls, 5+ trials), so the fit sees the
-    # machine's occasional slow call as often as a collective does
+    for name, value in (("iterations", iterations), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fit({name}={value!r}): pass a whole number >= 1 (the defaults: iterations=50, "
+                             "repeats=7)")
+    # by default as many calls per size as the benchmark makes (50 calls, 5+ trials), so the fit sees
+    # the machine's occasional slow call as often as a collective does
     pp = pingpong(pingpong_sizes, iterations=iterations, repeats=repeats, group=group)
     alpha, beta = fit_line(pp)
     ex = (exchange(exchange_sizes, iterations=iterations, repeats=repeats, group=group, all_pairs=all_pairs)
