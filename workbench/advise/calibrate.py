@@ -652,10 +652,12 @@ def layer_costs(result: dict[str, float], rows: tuple[int, ...], layers: int) ->
         edges = result.get(_tp_key(r, 1, False, "none"))
         if layer is not None and edges is not None:
             out[(r, 1, False)] = {"layer": layer, "edges": edges}
-    whole = [key for key in result if key.startswith("tp") and key.endswith("_all")]
-    for key in sorted(whole, key=lambda k: int(k[2:].split("_rows")[0].replace("sp", ""))):   # t = 1 first
-        head, r = key[:-len("_all")].split("_rows")
-        shape = (int(r), int(head[2:].replace("sp", "")), head.endswith("sp"))
+    whole = {}   # (rows, t, sequence_parallel) -> the whole model's probe
+    for key in result:
+        if key.startswith("tp") and key.endswith("_all"):
+            head, r = key[:-len("_all")].split("_rows")
+            whole[(int(r), int(head[2:].replace("sp", "")), head.endswith("sp"))] = key
+    for shape, key in sorted(whole.items(), key=lambda item: item[0][1]):   # t = 1 first
         none = result.get(_tp_key(*shape, "none"))
         if none is None:
             continue
