@@ -48,6 +48,7 @@ import atexit
 import ctypes
 import faulthandler
 import io
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -69,6 +70,8 @@ from workbench import runtime
 from workbench.runtime import gloo_threads
 from workbench.comm import emulation
 from workbench.comm.topology import Topology
+
+log = logging.getLogger("workbench.launch")
 
 
 
@@ -111,14 +114,17 @@ class LaunchResult(list):
     """The ranks' return values (index = rank), plus what the launch observed.
 
     ``records``: every ``workbench.report(...)`` record, in arrival order (dicts with ``rank``
-    and ``time``); ``output``: each rank's printed text; ``elapsed``: wall time in seconds.
+    and ``time``); ``output``: each rank's printed text; ``elapsed``: wall time in seconds;
+    ``restarts``: how many times the ranks were started again because gloo failed to connect them
+    while the process group was made (0 or 1; each is logged to the ``workbench.launch`` logger).
     """
 
-    def __init__(self, values=(), *, records=None, output=None, elapsed=0.0):
+    def __init__(self, values=(), *, records=None, output=None, elapsed=0.0, restarts=0):
         super().__init__(values)
         self.records: list[dict] = list(records or [])
         self.output: dict[int, str] = dict(output or {})
         self.elapsed = elapsed
+        self.restarts = restarts
 
     def records_of(self, rank: int = 0) -> list[dict]:
         """The records one rank sent."""
@@ -577,15 +583,23 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
     runtime.check_device(device, backend)
 
     ctx = mp.get_context(method)
+    restarted: list[str] = []
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         try:
-            return _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology, device,
-                                      retrying=attempt < RENDEZVOUS_RETRIES)
+            result = _start_and_monitor(ctx, fn, world_size, args, kwargs, backend, timeout, stream, topology,
+                                        device, retrying=attempt < RENDEZVOUS_RETRIES)
+            result.restarts = attempt
+            return result
         except RankFailed as failure:
-            if attempt == RENDEZVOUS_RETRIES or not _failed_to_connect(failure):
+            if not _failed_to_connect(failure):
                 raise
-            warnings.warn(f"rank {failure.rank} could not connect to its peers while joining the process group "
-                          f"({failure.exc_message.splitlines()[0][:200]}): starting the ranks again", stacklevel=2)
+            if attempt == RENDEZVOUS_RETRIES:
+                raise RankFailed(failure.rank, failure.exc_type,
+                                 f"{failure.exc_message} (the ranks were started again after the same failure: "
+                                 f"{restarted[0]})", failure.remote_traceback, exitcode=failure.exitcode) from None
+            restarted.append(failure.exc_message.splitlines()[0][:200])
+            log.info("rank %d could not connect to its peers while joining the process group (%s): "
+                     "starting the ranks again", failure.rank, restarted[0])
     raise AssertionError("unreachable")
 
 
@@ -593,7 +607,9 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwa
 # with far more busy processes than cores a connection is now and then closed during that handshake
 # (gloo itself retries connections since pytorch/gloo#413). No user code has run yet, so the launch
 # can start its ranks again from a fresh rendezvous, as torchrun restarts its workers
-# (--max-restarts); once, so a failure that repeats is reported.
+# (--max-restarts); once, so a failure that repeats is reported. The restart is logged (INFO, logger
+# "workbench.launch") and counted in LaunchResult.restarts rather than warned about: nothing the
+# user asked for failed, and a warning on a notebook's stderr would make its stored output differ.
 RENDEZVOUS_RETRIES = 1
 
 
