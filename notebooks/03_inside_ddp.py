@@ -114,7 +114,7 @@ STEP_NAMES = ["no communication", "1 after backward", "2 per-param hooks", "3 bu
               "DistributedDataParallel", "torch DDP"]
 
 
-def time_steps(trials=5, steps=3, cap=5):
+def time_steps(trials=3, steps=3, cap=5):
     torch.manual_seed(0)
     x = torch.randn(32, 1024)
     make = [lambda m: m, ddp_steps.AllReduceAfterBackward, ddp_steps.PerParameterHooks,
@@ -399,7 +399,7 @@ display(Markdown(
 CAPS = [0, 0.25, 1, 5, 25, 100]
 
 
-def sweep(trials=5, steps=3):
+def sweep(trials=3, steps=3):
     torch.manual_seed(0)
     base = MLP(width=1024, depth=8)
     x = torch.randn(32, 1024)
