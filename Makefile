@@ -6,9 +6,11 @@
 #
 # TORCH is installed before the package: an open range ("torch") pulls a multi-GB CUDA build
 # on a CPU-only machine. Override it on a GPU box: make demo TORCH=torch
-# pip compiles the installed modules to bytecode one file after another; here it does not, and
-# compileall compiles them all on every core (a file that does not compile, such as a package's
-# test data, is skipped as pip skips it).
+# pip would compile every installed module to bytecode, one file after another (torch alone has
+# thousands no lesson imports); here it does not, and Python writes a module's bytecode the first
+# time a process imports it, under $(VENV)/pycache (PYTHONPYCACHEPREFIX: the source tree stays
+# clean), so only what runs is compiled, once. An environment's PYTHONDONTWRITEBYTECODE would make
+# every process compile torch's modules again; make does not pass it on.
 
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
@@ -19,6 +21,8 @@ export JUPYTER_PATH := $(CURDIR)$(if $(JUPYTER_PATH),:$(JUPYTER_PATH))
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
+export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test docs lab notebooks notebook install clean
 
@@ -27,7 +31,6 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install --no-compile "$(TORCH)"
 	$(BIN)/python -m pip install --no-compile -e ".[test]"
-	$(BIN)/python -c "import compileall; compileall.compile_dir('$(VENV)/lib', quiet=2, workers=0)"
 	touch $@
 
 install: $(BIN)/.installed
