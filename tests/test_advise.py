@@ -25,6 +25,7 @@ from workbench.advise.cluster import GiB
 from workbench.advise import memory_model as advise_memory
 from workbench.advise import timing as advise_timing
 from workbench.advise.memory_model import activation_bytes_per_microbatch, memory_by_rank
+from workbench.advise.space import shard_groups
 from workbench.comm import Link, cost
 from workbench.comm.topology import Topology
 from workbench.measure.metrics import MemoryMeter, model_state_bytes
@@ -279,6 +280,34 @@ def test_hybrid_sharding_shards_over_its_group_and_all_reduces_across_replicas()
     for bad in (dict(shard_group=3), dict(zero=1, shard_group=4)):
         with pytest.raises(ValueError, match="shard_group"):
             predict(shape, slow, 32, dataclasses.replace(plain, **bad))
+
+
+def test_hybrid_sharding_is_searched_when_asked():
+    """``advise(..., hybrid=True)`` (``--hybrid-sharding``) also tries each ZeRO-3 configuration whose
+    data-parallel ranks span nodes sharded over the data-parallel ranks of one node, then 2, 4, ..
+    nodes (``shard_groups``); nothing else changes, and by default the space is as it was. Across a
+    slow network a hybrid plan beats plain ZeRO-3 of the same layout, and the search ranks it so."""
+    shape = ModelShape(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024, ffn=4096)
+    slow = Cluster(nodes=4, devices_per_node=4, memory_bytes=80e9, flops=100e12, intra=Link(2e-6, 200e9),
+                   inter=Link(30e-6, 1e9))
+    assert [shard_groups(slow, 16, 1), shard_groups(slow, 8, 2), shard_groups(slow, 4, 4), shard_groups(slow, 2, 8),
+            shard_groups(slow, 12, 1)] == [[4, 8], [2, 4], [1, 2], [], [4]]
+    plain = configurations(shape, slow, 32)
+    both = configurations(shape, slow, 32, hybrid=True)
+    added = [c for c in both if c.shard_group]
+    assert not any(c.shard_group for c in plain) and [c for c in both if not c.shard_group] == plain
+    assert added and all(c.zero == 3 and c.shard_size < c.dp and c.shard_size in shard_groups(slow, c.dp, c.tp)
+                         for c in added)
+    assert len(added) == sum(len(shard_groups(slow, c.dp, c.tp)) for c in plain if c.zero == 3)
+    narrow = dict(precisions=("bf16",), zero=(3,), schedules=("1f1b",), recompute=("none",), sequence_parallel=(False,))
+    ranked = [p for p in advise(shape, slow, 32, hybrid=True, **narrow) if p.feasible]
+    best_plain = next(p for p in ranked if p.config.dp == 16 and not p.config.shard_group)
+    best_hybrid = next(p for p in ranked if p.config.dp == 16 and p.config.shard_group)
+    assert best_hybrid.time["total"] < best_plain.time["total"]
+    assert ranked.index(best_hybrid) < ranked.index(best_plain)
+    assert best_hybrid.time == predict(shape, slow, 32, best_hybrid.config).time
+    with pytest.raises(ValueError, match="hybrid="):
+        configurations(shape, slow, 32, hybrid="yes")
 
 
 def test_interleaving_with_more_virtual_stages_shrinks_the_bubble_and_the_first_ranks_activations():
@@ -576,6 +605,11 @@ def test_cli_text_json_and_figure(tmp_path, capsys):
                     "--precision", "bf16", "--zero", "3", "--recompute", "full", "--schedule", "1f1b", "--json", "-")
     doc = json.loads(text)
     assert doc["model"]["layers"] == 4 and doc["cluster"]["inter"] == "15us@1GB/s"
+    assert not any("hsdp" in p["config"]["label"] for p in doc["plans"])
+    rc, text = _run(capsys, "--model", "llama-7b", "--cluster", "p4d-a100", "--nodes", "2", "--layers", "4",
+                    "--precision", "bf16", "--zero", "3", "--recompute", "full", "--schedule", "1f1b",
+                    "--hybrid-sharding", "--json", "-")
+    assert rc == 0 and any(" hsdp8 " in p["config"]["label"] for p in json.loads(text)["plans"])
 
 
 def test_cli_bad_input_is_one_line_naming_the_argument(capsys):

@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--schedule", nargs="+", default=None, choices=SCHEDULES, help="pipeline schedules to try")
     s.add_argument("--recompute", nargs="+", default=None, choices=("none", "selective", "full"))
     s.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to try")
+    s.add_argument("--hybrid-sharding", action="store_true",
+                   help="also try hybrid sharding (HSDP: ZeRO-3 inside a node or a few, replicated across them)")
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--json", default=None, metavar="FILE", help="write every plan as JSON ('-': standard output)")
@@ -135,7 +137,7 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Cluster]:
 
 def _space(args) -> dict:
     opts = {"precisions": args.precision, "zero": args.zero, "schedules": args.schedule,
-            "recompute": args.recompute, "max_tp": args.max_tp}
+            "recompute": args.recompute, "max_tp": args.max_tp, "hybrid": args.hybrid_sharding or None}
     return {k: v for k, v in opts.items() if v is not None}
 
 

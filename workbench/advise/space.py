@@ -19,6 +19,10 @@ sequence parallelism   off, on (with ``tp > 1``)                       ``sequenc
 precision              fp32, bf16 (bf16 compute, fp32 masters)               ``precisions=``
 recomputation          none, selective, full                                 ``recompute=``
 tensor-parallel size   powers of two up to ``max_tp`` (default: every divisor) ``max_tp=``
+hybrid sharding        off; with ``hybrid=True``, each ZeRO-3 configuration whose data-
+                       parallel ranks span nodes also sharded over the data-parallel ranks
+                       of one node and of 2, 4, .. nodes, replicated across the groups
+                       (HSDP, ``Config(shard_group=s)``)                         ``hybrid=``
 =====================  ===================================================================
 
 Infeasible (:func:`infeasible_reason` says which rule, with the numbers): the sizes do not fill
@@ -34,6 +38,7 @@ which the timing model prices (``tp_across_nodes=False`` leaves such configurati
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 
 from workbench.measure.memory_meter import format_bytes
@@ -45,8 +50,8 @@ from .memory_model import memory_per_device
 from .plan import PRECISIONS, SCHEDULES, Config, _whole, check_config
 from .shape import ModelShape
 
-__all__ = ["SCHEDULES", "PRECISIONS", "check_config", "configurations", "infeasible_reason", "structural_reason",
-           "memory_reason"]
+__all__ = ["SCHEDULES", "PRECISIONS", "check_config", "configurations", "shard_groups", "infeasible_reason",
+           "structural_reason", "memory_reason"]
 
 def _check_batch(global_batch) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -136,12 +141,14 @@ def _accumulation_counts(rows: int) -> tuple[int, ...]:
 def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2, 3), schedules=SCHEDULES,
                    microbatches=None, sequence_parallel=(False, True), precisions=("fp32", "bf16"),
                    recompute=POLICIES, max_tp: int | None = None, tp_across_nodes: bool = True,
-                   structural: bool = True) -> list[Config]:
+                   hybrid: bool = False, structural: bool = True) -> list[Config]:
     """Every configuration of the space on ``cluster`` (module docstring), in a stable order.
 
     ``structural=True`` (default) leaves out those that cannot run whatever the memory (sizes that do
     not divide, too few micro-batches); ``False`` keeps them, for :func:`infeasible_reason` to say why.
     Memory is not judged here. ``microbatches``: an iterable of counts to try instead of the default.
+    ``hybrid``: also try hybrid sharding (:func:`shard_groups`) where ZeRO-3 spans nodes; off by default,
+    which keeps the space (and its search time) as it was.
     """
     shape = ModelShape.coerce(shape, "shape")
     if not isinstance(cluster, Cluster):
@@ -154,6 +161,8 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
     recompute = _tuple(recompute, "recompute", POLICIES)
     if max_tp is not None:
         _whole(max_tp, "max_tp")
+    if not isinstance(hybrid, bool):
+        raise ValueError(f"configurations(hybrid={hybrid!r}): True (also try hybrid sharding, HSDP) or False")
     if microbatches is not None:
         microbatches = tuple(microbatches)
         for m in microbatches:
@@ -182,4 +191,21 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
                 if structural and structural_reason(shape, cluster, c, global_batch):
                     continue
                 out.append(c)
+                if hybrid and z == 3:
+                    out.extend(replace(c, shard_group=g) for g in shard_groups(cluster, dp, tp))
     return out
+
+
+def shard_groups(cluster: Cluster, dp: int, tp: int) -> list[int]:
+    """The hybrid-sharding group sizes tried for ``dp`` data-parallel ranks of ``tp`` devices each:
+    the data-parallel ranks of one node (``devices_per_node // tp``; ranks are laid out tensor-parallel
+    first, then data-parallel), then of 2, 4, .. nodes, each dividing ``dp`` and smaller than it (a
+    group of every rank is plain ZeRO-3). None where one node holds every data-parallel rank, or
+    where a tensor-parallel group spans nodes (no data-parallel group fits in a node)."""
+    per_node = cluster.devices_per_node // tp if tp <= cluster.devices_per_node else 0
+    sizes, g = [], per_node
+    while 1 <= g < dp:
+        if dp % g == 0:
+            sizes.append(g)
+        g *= 2
+    return sizes
