@@ -310,6 +310,45 @@ def test_hybrid_sharding_is_searched_when_asked():
         configurations(shape, slow, 32, hybrid="yes")
 
 
+def test_a_gpu_clusters_nccl_model_follows_its_links():
+    """``Cluster.with_(inter=...)`` (``workbench advise --inter``) on a GPU preset scales its NCCL model's
+    network bandwidth by the new link's over the old, ``intra=`` its NVLink figures, so a slower
+    network slows the collectives priced on it; ``nccl=`` given too wins. (Before, a preset's NCCL
+    model priced every collective and the new link changed nothing.)"""
+    base = Cluster.preset("dgx-h100", nodes=12)
+    quarter = base.with_(inter=Link(base.inter.latency_s, base.inter.bandwidth_Bps / 4))
+    assert quarter.nccl.network_Bps == pytest.approx(base.nccl.network_Bps / 4)
+    assert quarter.nccl.nvlink_busbw == base.nccl.nvlink_busbw and base.with_(nodes=2).nccl == base.nccl
+    half_nvlink = base.with_(intra=Link(base.intra.latency_s, base.intra.bandwidth_Bps / 2))
+    assert (half_nvlink.nccl.nvlink_busbw, half_nvlink.nccl.nvls_busbw, half_nvlink.nccl.p2p_Bps) == pytest.approx(
+        (base.nccl.nvlink_busbw / 2, base.nccl.nvls_busbw / 2, base.nccl.p2p_Bps / 2))
+    assert half_nvlink.nccl.network_Bps == base.nccl.network_Bps
+    kept = base.with_(inter=quarter.inter, nccl=base.nccl)
+    assert kept.nccl == base.nccl
+    config = Config(dp=96, zero=3, precision="bf16", recompute="selective")
+    fast, slow = (predict("llama-7b", c, 192, config).time for c in (base, quarter))
+    assert slow["dp"] > 2 * fast["dp"] and slow["compute"] == fast["compute"]
+    assert predict("llama-7b", kept, 192, config).time == fast
+    cpu = _cluster(4, nodes=2)    # no NCCL model: its collectives are priced on the links themselves
+    assert cpu.nccl is None and cpu.with_(inter=Link(1e-5, 1e8)).nccl is None
+
+
+def test_the_explanation_names_hybrid_sharding_and_no_zero_rival_without_data_parallelism():
+    """The ZeRO decision is compared only among plans with data parallelism (a plan with dp = 1 has no
+    ZeRO to choose: its rival is a tp or pp decision), and a hybrid plan is named as such."""
+    shape = ModelShape(layers=8, hidden=1024, heads=16, vocab=32000, seq=1024, ffn=4096)
+    slow = Cluster(nodes=4, devices_per_node=4, memory_bytes=80e9, flops=100e12, intra=Link(2e-6, 200e9),
+                   inter=Link(30e-6, 1e9))
+    narrow = dict(precisions=("bf16",), zero=(3,), schedules=("1f1b",), recompute=("none",), sequence_parallel=(False,))
+    for plans in (advise(shape, slow, 32, hybrid=True, **narrow), advise(shape, slow, 32, **narrow)):
+        text = plans[0].explain()
+        against_zero = [line for line in text.splitlines() if line.startswith("Against: ") and "rather than" in line
+                        and line.split(" rather than ")[0].endswith(("ZeRO-3", "replicated)"))]
+        assert all("ZeRO-0" not in line for line in against_zero), against_zero
+    best = next(p for p in advise(shape, slow, 32, hybrid=True, **narrow) if p.config.shard_group)
+    assert f"hybrid sharding (ZeRO-3 over groups of {best.config.shard_size} ranks" in best.explain()
+
+
 def test_interleaving_with_more_virtual_stages_shrinks_the_bubble_and_the_first_ranks_activations():
     """``Config.virtual_stages`` (Megatron's v): v chunks per rank, stage ``c p + r`` on rank ``r``.
     The replayed bubble is the closed form ``(p - 1) / (v m + p - 1)`` of the step with equal

@@ -352,7 +352,8 @@ def calibrate_cuda(base: str = "dgx-h100", path: str | None = None, measured: di
 
         largest = nccl[max(nccl, key=int)]
         changes["intra"] = Link(CLUSTERS[base].intra.latency_s, largest["bus_bandwidth"])
-    cluster = CLUSTERS[base].with_(**changes)
+    cluster = CLUSTERS[base].with_(nccl=CLUSTERS[base].nccl, **changes)   # the measured intra is a bus
+    # bandwidth, not a line rate: the NCCL model is not scaled by it
     if path:
         with open(path, "w") as f:
             json.dump(cluster.to_profile(measured=measured, base=base), f, indent=1)

@@ -75,7 +75,11 @@ published A100 runs at scale); ``None`` (a CPU cluster): none of its terms.
 ``nccl``: the GPU presets' collectives as NCCL runs them (:class:`workbench.advise.nccl.NcclModel`:
 ring, tree and NVLink SHARP, bus bandwidths from published nccl-tests results, the nodes a group
 spans); without it (a CPU cluster, or one built by hand) a collective is priced on ``intra`` and
-``inter`` by :func:`workbench.comm.cost.predict`.
+``inter`` by :func:`workbench.comm.cost.predict`. A cluster's links and its NCCL model change
+together: ``with_(inter=...)`` (``workbench advise --inter``) scales the model's network bandwidth
+by the new link's bandwidth over the old (what NCCL achieves stays the same share of a link's line
+rate), ``with_(intra=...)`` its NVLink figures alike, unless ``nccl=`` is given too. NCCL's
+latencies are its own (per algorithm and protocol) and do not follow the links' latencies.
 """
 from __future__ import annotations
 
@@ -183,7 +187,21 @@ class Cluster:
         bad = sorted(set(changes) - known)
         if bad:
             raise ValueError(f"Cluster.with_: unknown field(s) {bad}; fields are {sorted(known)}")
+        if self.nccl is not None and "nccl" not in changes:
+            changes["nccl"] = self._nccl_following(changes.get("intra"), changes.get("inter"))
         return replace(self, **changes)
+
+    def _nccl_following(self, intra, inter) -> NcclModel:
+        """The NCCL model with its bandwidths scaled as the links change (module docstring); a link
+        that is not a :class:`Link` is left for validation to refuse."""
+        scaled = {}
+        if isinstance(inter, Link) and inter.bandwidth_Bps != self.inter.bandwidth_Bps:
+            scaled["network_Bps"] = self.nccl.network_Bps * inter.bandwidth_Bps / self.inter.bandwidth_Bps
+        if isinstance(intra, Link) and intra.bandwidth_Bps != self.intra.bandwidth_Bps:
+            f = intra.bandwidth_Bps / self.intra.bandwidth_Bps
+            scaled.update(nvlink_busbw=self.nccl.nvlink_busbw * f, p2p_Bps=self.nccl.p2p_Bps * f,
+                          nvls_busbw=self.nccl.nvls_busbw * f)
+        return replace(self.nccl, **scaled) if scaled else self.nccl
 
     @classmethod
     def preset(cls, name: str, nodes: int | None = None, **changes) -> "Cluster":
@@ -246,8 +264,8 @@ class Cluster:
                    "communicator_bytes": float(doc.get("communicator_bytes", 0.0)),
                    "intra": Link(*doc["intra"]), "inter": Link(*doc["inter"]),
                    "device": Device.from_json(doc["device"]) if doc.get("device") else None}
-        if start is not None:
-            return start.with_(**changes)
+        if start is not None:   # a measured intra is a bus bandwidth already: the preset's NCCL model as it is
+            return start.with_(nccl=start.nccl, **changes)
         return cls(**changes)
 
 

@@ -169,7 +169,7 @@ class Plan:
 DECISIONS = {
     "tp": lambda c: c.tp,
     "pp": lambda c: c.pp,
-    "zero": lambda c: c.zero if c.dp > 1 else 0,
+    "zero": lambda c: (c.zero, c.shard_size if c.shard_size < c.dp else 0) if c.dp > 1 else (0, 0),
     "schedule": lambda c: (c.schedule if c.pp > 1 else "accumulate", c.microbatches),
     "sequence_parallel": lambda c: c.sequence_parallel,
     "precision": lambda c: c.precision,
@@ -212,6 +212,9 @@ def layout_facts(shape: ModelShape, cluster: Cluster, config: Config, plan: Plan
         link = f"across nodes ({link_text(cluster.inter)})" if crosses else f"inside a node ({link_text(cluster.intra)})"
         zero = {0: "DDP (ZeRO-0)", 1: "ZeRO-1 (optimizer state sharded)", 2: "ZeRO-2 (optimizer state and gradients "
                 "sharded)", 3: "ZeRO-3 (parameters sharded too)"}[config.zero]
+        if config.shard_size < d:
+            zero = (f"hybrid sharding (ZeRO-3 over groups of {config.shard_size} ranks, each gradient shard "
+                    f"all-reduced across the {d // config.shard_size} groups)")
         facts.append(f"DP {d} {link} with {zero}: {_seconds(time.get('dp', 0.0))} of gradient traffic left exposed")
     if memory:
         state = memory["parameters"] + memory["gradients"] + memory["optimizer"]
@@ -226,6 +229,8 @@ def _describe(decision: str, config: Config) -> str:
     if decision == "pp":
         return f"PP {config.pp}"
     if decision == "zero":
+        if config.dp > 1 and config.shard_size < config.dp:
+            return f"hybrid sharding over {config.shard_size} (ZeRO-3 in groups of {config.shard_size}, replicated)"
         return f"ZeRO-{config.zero if config.dp > 1 else 0}"
     if decision == "schedule":
         if config.pp > 1:
@@ -254,10 +259,11 @@ def _loss(rival: Plan, chosen: Plan) -> str:
 
 
 # the Config fields each decision sets (dp follows from tp and pp: every device is used)
-_FIELDS = {"tp": ("tp", "dp"), "pp": ("pp", "dp", "schedule", "microbatches"), "zero": ("zero",),
+_FIELDS = {"tp": ("tp", "dp"), "pp": ("pp", "dp", "schedule", "microbatches"), "zero": ("zero", "shard_group"),
            "schedule": ("schedule", "microbatches"), "sequence_parallel": ("sequence_parallel",),
            "precision": ("precision",), "recompute": ("recompute",)}
-_ALL = ("dp", "tp", "pp", "zero", "schedule", "microbatches", "sequence_parallel", "precision", "recompute")
+_ALL = ("dp", "tp", "pp", "zero", "shard_group", "schedule", "microbatches", "sequence_parallel", "precision",
+        "recompute")
 
 
 def _distance(a: Config, b: Config, free: tuple[str, ...]) -> int:
@@ -271,12 +277,16 @@ def _rivals(chosen: Plan, plans: list[Plan]) -> list[str]:
     out = []
     rank = {id(p): k for k, p in enumerate(plans)}
     for decision, read in DECISIONS.items():
+        if decision == "zero" and chosen.config.dp == 1:
+            continue   # one data-parallel rank: no ZeRO to choose
         mine = read(chosen.config)
         best: dict = {}
         for plan in plans:
             value = read(plan.config)
             if value == mine or (not plan.time and plan.feasible):
                 continue
+            if decision == "zero" and plan.config.dp == 1:
+                continue   # its ZeRO-0 is not a choice but its tp and pp's (they are rivals of those decisions)
             key = (_distance(plan.config, chosen.config, _FIELDS[decision]), rank[id(plan)])
             if value not in best or key < best[value][0]:
                 best[value] = (key, plan)
@@ -312,7 +322,9 @@ def _why(chosen: Plan, plans: list[Plan], cluster: Cluster, shape: ModelShape) -
         why.append(f"PP {cfg.pp} {'across nodes' if across else 'inside the node'}: one message per micro-batch "
                    f"per boundary, the least traffic of any split{' to put on the slow network' if across else ''}")
     if cfg.dp > 1:
-        why.append(f"DP {cfg.dp} with ZeRO-{cfg.zero} over the rest: data parallelism adds no work per device, "
+        zero = (f"ZeRO-3 in groups of {cfg.shard_size} (hybrid sharding)" if cfg.shard_size < cfg.dp
+                else f"ZeRO-{cfg.zero}")
+        why.append(f"DP {cfg.dp} with {zero} over the rest: data parallelism adds no work per device, "
                    f"and its gradient traffic leaves {_seconds(chosen.time['dp'])} exposed after overlapping backward")
     return why
 
