@@ -291,7 +291,7 @@ def test_hybrid_sharding_is_searched_when_asked():
     slow = Cluster(nodes=4, devices_per_node=4, memory_bytes=80e9, flops=100e12, intra=Link(2e-6, 200e9),
                    inter=Link(30e-6, 1e9))
     assert [shard_groups(slow, 16, 1), shard_groups(slow, 8, 2), shard_groups(slow, 4, 4), shard_groups(slow, 2, 8),
-            shard_groups(slow, 12, 1)] == [[4, 8], [2, 4], [1, 2], [], [4]]
+            shard_groups(slow, 12, 1), shard_groups(slow, 4, 3)] == [[4, 8], [2, 4], [1, 2], [], [4], []]
     plain = configurations(shape, slow, 32)
     both = configurations(shape, slow, 32, hybrid=True)
     added = [c for c in both if c.shard_group]

@@ -201,8 +201,9 @@ def shard_groups(cluster: Cluster, dp: int, tp: int) -> list[int]:
     the data-parallel ranks of one node (``devices_per_node // tp``; ranks are laid out tensor-parallel
     first, then data-parallel), then of 2, 4, .. nodes, each dividing ``dp`` and smaller than it (a
     group of every rank is plain ZeRO-3). None where one node holds every data-parallel rank, or
-    where a tensor-parallel group spans nodes (no data-parallel group fits in a node)."""
-    per_node = cluster.devices_per_node // tp if tp <= cluster.devices_per_node else 0
+    where tensor-parallel groups do not tile a node (one spans nodes, or ``tp`` does not divide the
+    devices per node): no group of data-parallel ranks is then a node's."""
+    per_node = cluster.devices_per_node // tp if cluster.devices_per_node % tp == 0 else 0
     sizes, g = [], per_node
     while 1 <= g < dp:
         if dp % g == 0:
