@@ -447,7 +447,8 @@ else:
 # presets price compute operator by operator on the GPU (`workbench/advise/device.py`: each matrix
 # multiply at the efficiency its shape allows, memory-bound kernels at the memory's bandwidth, a
 # launch cost per kernel), the framework's own kernels and overlaps (`framework.py`: eager PyTorch
-# as torchtitan runs it, Megatron-Core, Megatron-LM of 2022), every collective as NCCL runs it on
+# launching fused kernels, the `dgx-h100` preset's default, or unfused ones as torchtitan runs
+# it, Megatron-Core, Megatron-LM of 2022), every collective as NCCL runs it on
 # NVLink or the network (`nccl.py`), and the memory a real framework holds (`runtime_memory.py`).
 # `workbench advise --validate-published` predicts every public measurement the model was checked
 # against (`workbench/advise/published.py`: Megatron-LM's H100 scaling table, torchtitan's

@@ -12,7 +12,8 @@ import pytest
 from workbench.advise import Cluster, Config, ModelShape, predict
 from workbench.advise import device as dev
 from workbench.advise import published, space, timing
-from workbench.advise.framework import EAGER, FRAMEWORKS, MEGATRON, MEGATRON_2022, OPTIMIZER_BYTES, Framework
+from workbench.advise.framework import (EAGER, EAGER_FUSED, FRAMEWORKS, MEGATRON, MEGATRON_2022, OPTIMIZER_BYTES,
+                                        Framework)
 from workbench.advise.runtime_memory import op_checkpoint_bytes
 
 LLAMA = ModelShape.preset("llama3-8b")
@@ -24,7 +25,7 @@ def test_framework_is_validated_and_sets_one_attention_kernel():
                 dict(sm_share=1.0), dict(grad_reduce_bytes=3)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Framework("x", **bad)
-    assert Cluster.preset("dgx-h100").framework is EAGER
+    assert Cluster.preset("dgx-h100").framework is EAGER_FUSED
     assert {Cluster.preset(n).framework for n in ("dgx-a100", "p4d-a100", "a2-ultra-100g")} == {MEGATRON_2022}
     for fw in FRAMEWORKS.values():   # the compute and the memory model read the framework's kernel and policy
         c = Cluster.preset("dgx-a100").with_(framework=fw)
@@ -109,7 +110,7 @@ def test_fsdp_copies_foreach_adam_and_float32_reduction():
     assert dev.fsdp_copy_seconds(H100, 1e9, 8) == pytest.approx(1e9 * (2 * (4 + 6 / 8) + 6 + 12 / 8) / 3.0e12)
     assert OPTIMIZER_BYTES["foreach"]["bf16"] == 92 and OPTIMIZER_BYTES["fused"]["bf16"] == 34
     assert dev.optimizer_seconds(H100, 1e9, "bf16", EAGER) == pytest.approx(92e9 / 3.0e12)
-    cluster = Cluster.preset("dgx-h100", nodes=2)
+    cluster = Cluster.preset("dgx-h100", nodes=2).with_(framework=EAGER)
     c = Config(dp=16, zero=3, precision="bf16", recompute="selective")
     f32 = predict(LLAMA, cluster, 16, c).time
     f16 = predict(LLAMA, cluster.with_(framework=replace(EAGER, grad_reduce_bytes=0)), 16, c).time
@@ -172,6 +173,117 @@ def test_an_eager_layer_dispatches_its_host_operators_per_kernel():
         EAGER.host_ops_per_kernel * kernels * 1e-3)
     with pytest.raises(ValueError, match="host_ops_per_kernel=0.5"):
         Framework("x", host_ops_per_kernel=0.5)
+
+
+def test_eager_pytorch_launching_fused_kernels_dispatches_its_host_operators_per_kernel():
+    """``EAGER_FUSED.host_ops_per_kernel`` recounted: a Llama layer built from Megatron-style fused
+    kernels -- each one operator, as a Triton or CUDA extension registered with ``torch.library`` is
+    (a fused RMSNorm, rotary embedding and SwiGLU, forward and backward) -- one QKV and one gate-up
+    projection and SDPA, launched by eager PyTorch: forward and backward with gradients
+    accumulating dispatch that many ATen operators per kernel the device model counts for the same
+    layer with fused kernels (within 10%). Fewer kernels than eager's, about as many operators
+    around each multiply: so more operators per kernel, far fewer per layer."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from workbench.advise.calibrate_cuda import dispatched_operators
+
+    ops = _fused_kernels()
+    h, ffn, heads, kv, seq = 256, 688, 8, 2, 64
+    d = h // heads
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.Parameter(torch.ones(h)), nn.Parameter(torch.ones(h))
+            self.qkv, self.out = nn.Linear(h, h + 2 * kv * d, bias=False), nn.Linear(h, h, bias=False)
+            self.gate_up, self.down = nn.Linear(h, 2 * ffn, bias=False), nn.Linear(ffn, h, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(ops.rms_norm(x, self.norm1)).split([h, kv * d, kv * d], -1)
+            q, k = ops.rotary(q.reshape(b, s, heads, d)), ops.rotary(k.reshape(b, s, kv, d))
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.reshape(b, s, kv, d).transpose(1, 2), is_causal=True, enable_gqa=True)
+            x = x + self.out(a.transpose(1, 2).reshape(b, s, h))
+            return x + self.down(ops.swiglu(self.gate_up(ops.rms_norm(x, self.norm2))))
+
+    layer = Layer().to(torch.bfloat16)
+    x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        layer(x).float().sum().backward()
+
+    step()                                            # the gradients exist: the next step accumulates
+    dispatched = dispatched_operators(step)
+    shape = ModelShape(layers=1, hidden=h, heads=heads, kv_heads=kv, ffn=ffn, vocab=64, seq=seq, gated=True,
+                       positions="rope", norm="rmsnorm", bias=False)
+    kernels = sum(dev.kernels_per_layer(H100, shape, framework=EAGER_FUSED).values())
+    assert dispatched / kernels == pytest.approx(EAGER_FUSED.host_ops_per_kernel, rel=0.1), (dispatched, kernels)
+    eager_kernels = sum(dev.kernels_per_layer(H100, shape, framework=EAGER).values())
+    assert kernels < eager_kernels / 2
+    assert kernels * EAGER_FUSED.host_ops_per_kernel < 0.5 * eager_kernels * EAGER.host_ops_per_kernel
+    # the kernels and their bytes are Megatron's; what differs from Megatron-Core is the host's dispatch and
+    # the tensor-parallel collectives, waited for
+    assert dev.layer_operators(H100, LLAMA, 1, framework=EAGER_FUSED) == dev.layer_operators(H100, LLAMA, 1,
+                                                                                            framework=MEGATRON)
+    assert not EAGER_FUSED.tp_comm_overlap and MEGATRON.tp_comm_overlap
+    slow = H100.with_(kernel_overhead_s=1e-3)
+    tiny = shape.with_(seq=16)
+    assert dev.layer_seconds(slow, tiny, 1, framework=EAGER_FUSED)["total"] == pytest.approx(
+        EAGER_FUSED.host_ops_per_kernel * kernels * 1e-3)
+
+
+_FUSED = {}
+
+
+def _fused_kernels():
+    """Three fused kernels as one operator each (forward and backward), registered once per process
+    under ``workbench_test_fused``: what the dispatcher sees of a Triton or CUDA extension kernel.
+    Their arithmetic is a stand-in; only the count of dispatches is read."""
+    if _FUSED:
+        return _FUSED["ops"]
+    import types
+
+    import torch
+    from torch.library import custom_op
+
+    def pair(name, forward, backward, saves_input, schema, backward_schema):
+        # (schemas given: this module's annotations are strings, which custom_op cannot read)
+        fwd = custom_op(f"workbench_test_fused::{name}", forward, mutates_args=(), schema=schema)
+        bwd = custom_op(f"workbench_test_fused::{name}_backward", backward, mutates_args=(), schema=backward_schema)
+        fwd.register_autograd(lambda ctx, g: bwd(g, *ctx.saved),
+                              setup_context=lambda ctx, inputs, output: setattr(
+                                  ctx, "saved", inputs if saves_input else ()))
+        return fwd
+
+    def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return g * w, (g * x).sum(dim=(0, 1))
+
+    def rotary(q: torch.Tensor) -> torch.Tensor:
+        return q.clone()
+
+    def rotary_backward(g: torch.Tensor) -> torch.Tensor:
+        return g.clone()
+
+    def swiglu(x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, -1)
+        return a * b
+
+    def swiglu_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, -1)
+        return torch.cat([g * b, g * a], -1)
+
+    _FUSED["ops"] = types.SimpleNamespace(
+        rms_norm=pair("rms_norm", rms_norm, rms_norm_backward, True, "(Tensor x, Tensor w) -> Tensor",
+                      "(Tensor g, Tensor x, Tensor w) -> (Tensor, Tensor)"),
+        rotary=pair("rotary", rotary, rotary_backward, False, "(Tensor q) -> Tensor", "(Tensor g) -> Tensor"),
+        swiglu=pair("swiglu", swiglu, swiglu_backward, True, "(Tensor x) -> Tensor", "(Tensor g, Tensor x) -> Tensor"))
+    return _FUSED["ops"]
 
 
 def test_public_rows_hold_korthikanti_table_5_and_name_their_frameworks():

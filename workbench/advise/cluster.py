@@ -67,8 +67,8 @@ Megatron-LM's (``MEGATRON``); ``None`` (a CPU cluster) keeps the formulas exactl
 ``framework``: the training framework (:class:`workbench.advise.framework.Framework`: attention
 kernel, fused or eager elementwise kernels, tensor-parallel overlap, what selective recomputation
 keeps, the optimizer's passes, gradient buckets); it sets the attention kernel of the device and of
-the runtime memory, so both read the same. ``dgx-h100`` runs ``eager`` (PyTorch without
-``torch.compile``: most H100 users' frameworks, and the slower of the two: see
+the runtime memory, so both read the same. ``dgx-h100`` runs ``eager-fused`` (eager PyTorch
+launching Megatron-style fused kernels, every operator dispatched from Python: see
 :mod:`workbench.advise.framework`), the A100 presets ``megatron-2022`` (Megatron-LM as in the
 published A100 runs at scale); ``None`` (a CPU cluster): none of its terms.
 
@@ -94,7 +94,7 @@ from workbench.comm.topology import Link
 
 from .device import PROFILES as DEVICES
 from .device import Device
-from .framework import EAGER, FRAMEWORKS, MEGATRON_2022, Framework
+from .framework import EAGER_FUSED, FRAMEWORKS, MEGATRON_2022, Framework
 from .runtime_memory import MEGATRON, RuntimeMemory
 
 __all__ = ["Cluster", "PRESETS", "GiB", "link_text"]
@@ -153,7 +153,7 @@ class Cluster:
         if self.framework is not None:
             if not isinstance(self.framework, Framework):
                 raise ValueError(f"Cluster(framework={self.framework!r}): pass a workbench.advise.framework.Framework, "
-                                 f"e.g. FRAMEWORKS['eager'] (one of {sorted(FRAMEWORKS)}), or None")
+                                 f"e.g. FRAMEWORKS['eager-fused'] (one of {sorted(FRAMEWORKS)}), or None")
             # one attention kernel and one selective policy for the compute and the memory model
             fw = self.framework
             if self.device is not None and self.device.attention != fw.attention:
@@ -289,7 +289,7 @@ PRESETS: dict[str, Cluster] = {
                         TOPOLOGY_PRESETS["nvlink-3.2tbps"].intra, TOPOLOGY_PRESETS["nvlink-3.2tbps"].inter,
                         name="dgx-h100", source=_H100, fp32_flops=_H100_SXM.achieved("fp32"), device=_H100_SXM,
                         communicator_bytes=_NCCL_COMM, nccl=NCCL_PRESETS["dgx-h100"], runtime_memory=MEGATRON,
-                        framework=EAGER),
+                        framework=EAGER_FUSED),
     "p4d-a100": Cluster(1, 8, _A100_40.memory_bytes, _A100_40.achieved("bf16"),
                         TOPOLOGY_PRESETS["nvlink-400gbps"].intra, TOPOLOGY_PRESETS["nvlink-400gbps"].inter,
                         name="p4d-a100", source=_A100.format("AWS EC2 P4d (400 Gbps EFA)", "a100-sxm-40gb"),

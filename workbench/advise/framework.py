@@ -70,28 +70,54 @@ favours tensor parallelism more than one that launches every operator on its own
     2.25, counted (``torch.utils._python_dispatch.TorchDispatchMode``, on a CPU) over Hugging Face's
     ``LlamaDecoderLayer`` in bf16 with SDPA, forward and backward with gradients accumulating: 223
     ATen operators for the 99 kernels the model counts for that layer under eager accounting
-    (``tests/test_advise_framework.py`` recounts it). Megatron's fused modules: 1, an assumption
-    (TransformerEngine launches its kernels from C++, past the dispatcher).
+    (``tests/test_advise_framework.py`` recounts it). Eager PyTorch launching fused kernels
+    (``eager-fused``): 2.8, counted the same way (fewer kernels, the same views and transposes
+    around each multiply). Megatron's TransformerEngine modules: 1, an assumption (they launch their
+    kernels from C++, past the dispatcher).
 
 The per-operator and per-micro-batch host costs are the device profile's (a calibration measures
 them); how many operators a layer dispatches is the framework's.
 
-Presets (:data:`FRAMEWORKS`): ``"eager"`` (PyTorch without ``torch.compile``: torchtitan's FSDP2
-runs, nanotron, Hugging Face; flash attention through SDPA, separate elementwise kernels,
-per-operator selective checkpointing, foreach AdamW, torchtitan's float32 loss), ``"megatron"``
-(Megatron-Core with TransformerEngine, as in the Megatron-LM README's H100 table: flash attention,
-fused kernels, TP communication overlap, fused Adam) and ``"megatron-2022"`` (Megatron-LM as in
-Korthikanti et al. 2022 and Narayanan et al. 2021 on A100: fused kernels, math attention, no TP
-overlap). The ``dgx-h100`` preset defaults to ``eager``: most H100 users run PyTorch eager
-frameworks, and an eager step is the slower, so a plan predicted to fit and to run fast under it
-does so under Megatron too; the A100 presets default to ``megatron-2022``, the framework of the
-published A100 runs at scale. Change it with ``cluster.with_(framework=FRAMEWORKS["megatron"])``.
+Presets (:data:`FRAMEWORKS`):
+
+``"eager-fused"``
+    eager PyTorch launching Megatron-style fused kernels: what the issue that built this model asks
+    of a framework-dependent figure by default, and the ``dgx-h100`` preset's framework. Every
+    operator is dispatched from Python one at a time (no CUDA graphs, no ``torch.compile``, no
+    TransformerEngine launching from C++), each kernel with the views, transposes and gradient
+    accumulations around it: 2.8 dispatched operators per counted kernel, counted (with
+    ``torch.utils._python_dispatch.TorchDispatchMode``, on a CPU) over a Llama layer so written
+    -- a fused RMSNorm, one QKV and one gate-up projection, a fused rotary embedding and SwiGLU,
+    SDPA flash attention, a residual add -- forward and backward with gradients accumulating: 96
+    operators for the 34 kernels the device model counts for it (``tests/test_advise_framework.py``
+    recounts it). The kernels and the bookkeeping are Megatron's: flash attention, the fused
+    elementwise kernels, selective recomputation of the attention core (Korthikanti et al. 2022),
+    the in-place vocabulary-parallel float32 loss, fused Adam, float32 main gradients reduced in
+    float32, Megatron's buckets; no tensor-parallel communication overlap (that is
+    TransformerEngine's). Frameworks built this way: nanotron (``TritonRMSNorm``, ``qkv_proj`` and
+    ``gate_up_proj``, flash-attn's attention and rotary kernels, in ``src/nanotron/models/llama.py``),
+    Megatron-LM with its local (not TransformerEngine) layers, picotron with flash-attn.
+``"eager"``
+    PyTorch without ``torch.compile`` as torchtitan and Hugging Face's models write a layer: flash
+    attention through SDPA, separate elementwise kernels (RMSNorm in float32, rotary through complex
+    numbers, SwiGLU, GQA's ``repeat_kv``), separate q, k, v and gate, up projections, per-operator
+    selective checkpointing, foreach AdamW, torchtitan's ``cross_entropy(logits.float())``.
+``"megatron"``
+    Megatron-Core with TransformerEngine, as in the Megatron-LM README's H100 table: flash
+    attention, fused kernels, TP communication overlap, fused Adam.
+``"megatron-2022"``
+    Megatron-LM as in Korthikanti et al. 2022 and Narayanan et al. 2021 on A100: fused kernels,
+    math attention, no TP overlap.
+
+The ``dgx-h100`` preset defaults to ``eager-fused``; the A100 presets to ``megatron-2022``, the
+framework of the published A100 runs at scale. Change it with
+``cluster.with_(framework=FRAMEWORKS["eager"])`` (or ``workbench advise --framework eager``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Framework", "FRAMEWORKS", "EAGER", "MEGATRON", "MEGATRON_2022", "OPTIMIZER_BYTES"]
+__all__ = ["Framework", "FRAMEWORKS", "EAGER", "EAGER_FUSED", "MEGATRON", "MEGATRON_2022", "OPTIMIZER_BYTES"]
 
 # bytes Adam moves per parameter it updates, mixed precision (bf16/fp16 compute, float32 state):
 # fused: master weights, float32 gradient and two moments read (16), master and moments written (12),
@@ -165,6 +191,13 @@ EAGER = Framework(
     source="PyTorch eager without torch.compile, as torchtitan runs it (pytorch/torchtitan: models/llama3 "
            "RMSNorm, apply_rotary_emb, repeat_kv, F.silu(w1(x)) * w3(x); activation_checkpoint.mode selective, "
            "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach)")
+EAGER_FUSED = Framework(
+    "eager-fused", attention="flash", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
+    loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=4, host_ops_per_kernel=2.8,
+    source="eager PyTorch launching Megatron-style fused kernels (fused norm, one QKV and one gate-up projection, "
+           "fused rotary and SwiGLU, flash attention, vocabulary-parallel float32 loss, fused Adam, float32 main "
+           "gradients): nanotron's Llama (TritonRMSNorm, qkv_proj, gate_up_proj, flash-attn), Megatron-LM's local "
+           "layers; 2.8 operators dispatched per counted kernel, counted over such a layer")
 MEGATRON = Framework(
     "megatron", attention="flash", fused=True, tp_comm_overlap=True, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=0,
@@ -178,4 +211,4 @@ MEGATRON_2022 = Framework(
            "over materialised scores, fused bias-GeLU and bias-dropout-add, no TP overlap; its LocalDDP all-reduces "
            "the contiguous gradient buffer once the pipeline has flushed, megatron/model/distributed.py "
            "allreduce_gradients, before --overlap-grad-reduce existed)")
-FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (EAGER, MEGATRON, MEGATRON_2022)}
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (EAGER_FUSED, EAGER, MEGATRON, MEGATRON_2022)}
