@@ -60,6 +60,50 @@ def test_identical_gradients_and_activation_bytes_match_the_formulas(kernel, dty
     assert (none - sel) / none < 0.01 if kernel == "fused" else (none - sel) / none > 0.05
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recomputing_the_first_k_layers_keeps_what_the_formula_says(dtype):
+    """``recompute(model, "full", layers=k)``: the first k of L layers keep only their input, the
+    others everything; gradients identical to no recomputation, the kept activations and the peak
+    as ``activation_bytes(..., layers=k)`` says, strictly between none and full."""
+    torch.manual_seed(0)
+    config = GPTConfig.preset("tiny", n_embd=128, n_layer=4)
+    base = GPT(config).to(dtype)
+    batch = 4
+    x, y = (torch.randint(0, 65, (batch, config.block_size)) for _ in range(2))
+    reference = None
+    for layers in (None, 1, 3):
+        model = recompute(copy.deepcopy(base), "full", layers=layers) if layers else copy.deepcopy(base)
+        with MemoryMeter(model, x, y, device="cpu") as forward_only:
+            logits, loss = model(x, y)
+        kept = forward_only.current_by_category["activations"]
+        del logits, loss
+        with MemoryMeter(model, x, y, device="cpu") as step:
+            logits, loss = model(x, y)      # the caller holds the logits through backward, as the formula says
+            loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        reference = reference or grads
+        assert all(torch.equal(g, r) for g, r in zip(grads, reference)), layers
+        if layers is None:
+            continue
+        assert [getattr(b, "_recompute_policy", "none") for b in model.blocks] == ["full"] * layers + \
+            ["none"] * (4 - layers)
+        formula = activation_bytes(config, batch, policy="full", dtype=dtype, layers=layers)
+        assert 1.0 <= kept / formula["kept"] <= 1.10, (layers, kept, formula)
+        # the step's busiest moment in all (gradients included) is the end of forward or the first
+        # recomputation: with 3 of 4 layers recomputed, the recomputation (the gradients the last layer made
+        # outweigh what it kept), with 1 of 4 the end of forward; its activations as that moment's formula says
+        peak = step.peak_by_category["activations"]
+        moment = formula["first_recompute"] if layers == 3 else formula["kept"]
+        assert 1.0 <= peak / moment <= 1.06, (layers, peak, formula)
+        none, full = (activation_bytes(config, batch, policy=p, dtype=dtype)["kept"] for p in ("none", "full"))
+        assert full < formula["kept"] < none
+        assert formula["kept"] == pytest.approx(full + (4 - layers) / 4 * (none - full))
+    with pytest.raises(ValueError, match="layers=0"):
+        recompute(GPT(config), "full", layers=0)
+    with pytest.raises(ValueError, match="policy='selective'"):
+        recompute(GPT(config), "selective", layers=2)
+
+
 def _same_weights_with_and_without():
     torch.manual_seed(0)
     base = GPT(GPTConfig.preset("tiny", n_layer=2))

@@ -11,6 +11,9 @@ backward, to get the others back. Two policies (Korthikanti et al. 2022)::
     recompute(model, policy="selective")   each layer keeps everything except the attention
                                            core (scores, softmax, dropout, scores x V), which
                                            is large (a s^2 per sequence) but cheap to recompute
+    recompute(model, "full", layers=k)     only the first k layers recomputed whole, the others
+                                           keep everything: between the two, k / L of full's
+                                           extra forward for k / L of its saving
 
 Both use ``torch.utils.checkpoint`` (non-reentrant). ``full`` checkpoints each layer;
 ``selective`` checkpoints, inside each layer, every call of
@@ -58,6 +61,13 @@ dropout mask and dropout output in half precision).
   Both: ``16 sbh + 4 sb`` per layer. With the fused kernel on the CPU this saves almost
   nothing (``asb``); with the math kernel it saves the ``a s^2 b`` term.
 * ``full``: each layer keeps its input, ``sbh`` (the paper's ``2 sbh`` in half precision).
+* ``full`` on the first ``k`` layers only (Megatron-LM's ``--recompute-method block
+  --recompute-num-layers k``, per pipeline stage; torchtitan checkpoints every n-th layer and
+  fms-fsdp a fraction of them, the same count spread out): those keep their input, the other
+  ``L - k`` everything, ``k sbh + (L - k) layer(none)`` per micro-batch. Backward meets the
+  layers that kept everything first, and frees their tensors before it recomputes the first
+  checkpointed one; then the gradient flowing in and the one the layer above left on the residual
+  stream are both alive (two gradients, as with ``selective``).
 
 Around the layers: ``ln_f`` keeps its input and statistics (``sbh + 2 sb``), the head its
 input (``sbh``), the loss the log-softmax (``s b V``), and the caller holds the logits
@@ -75,6 +85,7 @@ tensors being freed by then::
 
     peak(none)      = kept
     peak(full)      = L sbh + layer(none) + sbh + sbV
+    peak(full, k)   = max(kept, k sbh + layer(none) + 2 sbh + sbV)    (k < L)
     peak(selective) = max(kept, L layer(selective) + core + 2 sbh + sbV)
 
 In 16 bits (mixed precision) every term halves except the attention kernels' float32 parts:
@@ -86,7 +97,8 @@ math layer is ``2 (13 sbh + 4 sb) + 4 (3 sbh + a s^2 b)`` bytes.
 ``workbench bench recompute`` compare them with :class:`~workbench.measure.metrics.MemoryMeter`.
 
 Cost: ``full`` runs every block's forward twice (about 4/3 of the step's compute, the paper's
-33%); ``selective`` re-runs only the attention core (a few percent).
+33%); ``full`` on ``k`` of ``L`` layers ``k / L`` of that; ``selective`` re-runs only the attention
+core (a few percent).
 """
 from __future__ import annotations
 
@@ -164,10 +176,13 @@ def _contexts(layer: nn.Module):
     return contextlib.nullcontext(), _RerunHooks(layer)
 
 
-def recompute(model: nn.Module, policy: str = "full") -> nn.Module:
+def recompute(model: nn.Module, policy: str = "full", layers: int | None = None) -> nn.Module:
     """Checkpoint every repeated layer of ``model`` (see :func:`find_layers`) with ``policy``:
     ``"full"`` (keep each layer's input, recompute the layer in backward), ``"selective"``
     (recompute only the attention core) or ``"none"`` (undo). In place; returns ``model``.
+    ``layers``: with ``"full"``, checkpoint only the first ``layers`` of them (a pipeline stage's
+    own, when ``model`` is a stage), the rest left as they are; more than there are: all. None:
+    all.
 
     Apply it to the bare model or to a wrapped one (DDP, FSDP, ZeRO) before or after
     wrapping: it replaces each layer's ``forward`` on the instance, so parameter names, state
@@ -179,18 +194,22 @@ def recompute(model: nn.Module, policy: str = "full") -> nn.Module:
                          "(recompute the attention core only) or 'none'")
     if not isinstance(model, nn.Module):
         raise TypeError(f"recompute(model={model!r}): pass an nn.Module")
-    layers = find_layers(model)
-    if not layers:
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1
+                               or policy != "full"):
+        raise ValueError(f"recompute(layers={layers!r}): the number of layers to recompute whole, a whole number "
+                         f">= 1, with policy='full' (got policy={policy!r}); None recomputes every layer")
+    found = find_layers(model)
+    if not found:
         raise ValueError(f"recompute: found no repeated layers in {type(model).__name__}: the model needs "
                          "model.blocks / model.layers, or an nn.ModuleList of layers of one class")
-    for layer in layers:
+    for k, layer in enumerate(found):
         original = layer.__dict__.pop("_recompute_original_forward", None)
         if original is not None:
             layer.forward = original
             if "forward" in layer.__dict__ and layer.__dict__["forward"] is original and \
                     getattr(original, "__self__", None) is layer:
                 del layer.__dict__["forward"]    # back to the class's forward
-        if policy == "none":
+        if policy == "none" or (layers is not None and k >= layers):
             continue
         forward = layer.forward
         layer._recompute_original_forward = forward
@@ -210,13 +229,19 @@ def recompute(model: nn.Module, policy: str = "full") -> nn.Module:
 
 
 def activation_bytes(config, batch: int, seq: int | None = None, policy: str = "none",
-                     kernel: str = "fused", dtype: torch.dtype = torch.float32) -> dict[str, int]:
+                     kernel: str = "fused", dtype: torch.dtype = torch.float32,
+                     layers: int | None = None) -> dict[str, int]:
     """The derived activation bytes of :class:`~workbench.models.GPT` (module docstring):
     ``{"per_layer", "kept", "peak"}`` for ``policy``, attention ``kernel`` ("fused" or "math")
     and compute ``dtype`` (float32, or bfloat16/float16 under mixed precision), ``batch``
     sequences of ``seq`` tokens (default ``config.block_size``), with the logits held by the
     caller. ``kept``: what forward leaves for backward; ``peak``: ``kept``, or with ``full``
-    the first recomputation (every layer's input plus one layer's working set).
+    the first recomputation (every layer's input plus one layer's working set). ``layers``: with
+    ``full``, the first ``layers`` layers recomputed, the others keeping everything; ``peak`` is
+    then the larger of ``kept`` and ``first_recompute`` (the activations at the first
+    recomputation), and a step's busiest moment in all is the one of the two with more memory,
+    gradients included: the recomputation, where the layers above have made theirs, when they
+    outweigh what those layers kept.
 
     In 16 bits every term halves except the attention kernels' float32 parts: the fused
     kernel's log-sum-exp, and the math kernel, which computes half-precision attention in
@@ -235,12 +260,17 @@ def activation_bytes(config, batch: int, seq: int | None = None, policy: str = "
     else:   # float32 q, k, v and softmax; 13 sbh in the compute dtype (the other rows of the table)
         full_layer = e * (13 * sbh + 4 * sb) + 4 * (3 * sbh + a * s * s * b)
     layer = {"none": full_layer, "selective": e * (16 * sbh + 4 * sb), "full": e * sbh}[policy]
-    kept = L * layer + e * (2 * sbh + 2 * sb + 2 * sb * V)
-    if policy == "full":
-        peak = L * e * sbh + full_layer + e * (sbh + sb * V)
+    k = L if layers is None else min(layers, L)     # layers recomputed whole (full)
+    kept = k * layer + (L - k) * full_layer + e * (2 * sbh + 2 * sb + 2 * sb * V)
+    first = kept            # activations at the first recomputation (full): its working set beside the inputs
+    if policy == "full" and k == L:   # every layer's input, one working set, a gradient
+        peak = first = L * e * sbh + full_layer + e * (sbh + sb * V)
+    elif policy == "full":   # after the layers that kept everything: two gradients (as with selective)
+        first = k * e * sbh + full_layer + e * (2 * sbh + sb * V)
+        peak = max(kept, first)
     elif policy == "selective":   # the last layer's attention recomputed, the head's tensors freed
         core = full_layer - layer + e * sbh
         peak = max(kept, L * layer + core + e * (2 * sbh + sb * V))
     else:
         peak = kept
-    return {"per_layer": layer, "kept": kept, "peak": peak}
+    return {"per_layer": layer, "kept": kept, "peak": peak, "first_recompute": first}
