@@ -102,6 +102,8 @@ def test_recomputing_the_first_k_layers_keeps_what_the_formula_says(dtype):
         recompute(GPT(config), "full", layers=0)
     with pytest.raises(ValueError, match="policy='selective'"):
         recompute(GPT(config), "selective", layers=2)
+    with pytest.raises(ValueError, match="layers=2.*policy='none'"):
+        activation_bytes(config, batch, policy="none", layers=2)
 
 
 def _same_weights_with_and_without():

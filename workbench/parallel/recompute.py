@@ -181,7 +181,7 @@ def recompute(model: nn.Module, policy: str = "full", layers: int | None = None)
     ``"full"`` (keep each layer's input, recompute the layer in backward), ``"selective"``
     (recompute only the attention core) or ``"none"`` (undo). In place; returns ``model``.
     ``layers``: with ``"full"``, checkpoint only the first ``layers`` of them (a pipeline stage's
-    own, when ``model`` is a stage), the rest left as they are; more than there are: all. None:
+    own, when ``model`` is a stage), the others not recomputed; more than there are: all. None:
     all.
 
     Apply it to the bare model or to a wrapped one (DDP, FSDP, ZeRO) before or after
@@ -232,7 +232,7 @@ def activation_bytes(config, batch: int, seq: int | None = None, policy: str = "
                      kernel: str = "fused", dtype: torch.dtype = torch.float32,
                      layers: int | None = None) -> dict[str, int]:
     """The derived activation bytes of :class:`~workbench.models.GPT` (module docstring):
-    ``{"per_layer", "kept", "peak"}`` for ``policy``, attention ``kernel`` ("fused" or "math")
+    ``{"per_layer", "kept", "peak", "first_recompute"}`` for ``policy``, attention ``kernel`` ("fused" or "math")
     and compute ``dtype`` (float32, or bfloat16/float16 under mixed precision), ``batch``
     sequences of ``seq`` tokens (default ``config.block_size``), with the logits held by the
     caller. ``kept``: what forward leaves for backward; ``peak``: ``kept``, or with ``full``
@@ -251,6 +251,10 @@ def activation_bytes(config, batch: int, seq: int | None = None, policy: str = "
         raise ValueError(f"activation_bytes(kernel={kernel!r}): use 'fused' or 'math'")
     if policy not in POLICIES:
         raise ValueError(f"activation_bytes(policy={policy!r}): use one of {POLICIES}")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1
+                               or policy != "full"):
+        raise ValueError(f"activation_bytes(layers={layers!r}): layers recomputed whole, a whole number >= 1, with "
+                         f"policy='full' (got policy={policy!r}); None: every layer")
     s, b, h, a = seq or config.block_size, batch, config.n_embd, config.n_head
     L, V = config.n_layer, config.vocab_size
     sbh, sb = s * b * h, s * b
