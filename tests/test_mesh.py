@@ -110,10 +110,12 @@ def _parity_rank(cases) -> list[str]:
             if list(theirs.get_coordinate()) != [mesh.coords[d] for d in names]:
                 bad.append(f"{tag}: coords {mesh.coords}, torch's {theirs.get_coordinate()}")
         trained = parallelize(model, mesh, lr=1e-2, **kwargs)
-        policies = {getattr(block, "_recompute_policy", "none") for block in trained._stage_module.blocks.values()} \
-            if pp > 1 else {getattr(block, "_recompute_policy", "none") for block in trained._stage_module.blocks}
-        if policies != {kwargs.get("recompute", "none")}:
-            bad.append(f"{tag}: this rank's blocks recompute {policies}")
+        blocks = list(trained._stage_module.blocks.values()) if pp > 1 else list(trained._stage_module.blocks)
+        k = min(kwargs.get("recompute_layers") or len(blocks), len(blocks))   # the first k of the stage's blocks
+        want = [kwargs.get("recompute", "none")] * k + ["none"] * (len(blocks) - k)
+        policies = [getattr(block, "_recompute_policy", "none") for block in blocks]
+        if policies != want:
+            bad.append(f"{tag}: this rank's blocks recompute {policies}, not {want}")
         for i, (x, y) in enumerate(batches):
             loss = float(trained.step(x, y))
             if abs(loss - want_losses[i]) > 1e-5:
@@ -139,7 +141,8 @@ def _check(results):
 def test_parity_pairs_4_ranks():
     """Each pair of dimensions on 4 ranks; ZeRO 0 (DDP), 1 (ShardedOptimizer) and 3 (FSDP) over
     dp; sequence parallelism and GPipe once each; the tied embedding across stages throughout;
-    activation recomputation (full and selective) against one process that keeps everything;
+    activation recomputation (full, full on the first block only, and selective) against one process
+    that keeps everything;
     ZB-H1 under DDP, ZeRO-1, ZeRO-3 and tensor parallelism (with sequence parallelism: the W calls
     re-gather inputs, so every rank must issue them in the same order)."""
     cases = [(2, 2, 1, dict(zero_stage=z)) for z in (0, 1, 3)]
@@ -149,6 +152,7 @@ def test_parity_pairs_4_ranks():
               (2, 2, 1, dict(zero_stage=2, sequence_parallel=True)),
               (2, 1, 2, dict(zero_stage=1, order=("dp", "pp", "tp"))), (2, 2, 1, dict(order=("tp", "dp", "pp")))]
     cases += [(2, 1, 2, dict(zero_stage=3, recompute="full")), (1, 2, 2, dict(recompute="full", schedule="gpipe")),
+              (2, 2, 1, dict(zero_stage=1, recompute="full", recompute_layers=1)),   # the first of 2 blocks
               (2, 2, 1, dict(zero_stage=1, sequence_parallel=True, recompute="selective"))]
     # zero-bubble H1: backward split into B and W, under DDP, ZeRO-1, ZeRO-3 and tensor parallelism
     cases += [(2, 1, 2, dict(zero_stage=z, schedule="zb-h1")) for z in (0, 1, 3)]
@@ -300,6 +304,8 @@ def _errors_rank() -> list[str]:
     expect(lambda: parallelize(model, mesh, sequence_parallel=True), "sequence_parallel=True", "tp > 1")
     expect(lambda: parallelize(model, mesh, zero_stage=2), "zero_stage=2", "tied")
     expect(lambda: parallelize(model, mesh, recompute="some"), "recompute='some'", "'full'")
+    expect(lambda: parallelize(model, mesh, recompute="selective", recompute_layers=1), "recompute_layers=1",
+           "recompute='full'")
     expect(lambda: parallelize(model, mesh, schedule="zb-h1", n_microbatches=1), "ZB-H1", "1 < 2")
     expect(lambda: parallelize(model, mesh, schedule="zb-h1", recompute="full"), "schedule='zb-h1'", "recompute='full'")
     expect(lambda: parallelize(model, Mesh(dp=4), n_microbatches=2), "n_microbatches=2", "pp > 1")

@@ -439,8 +439,8 @@ def _optimizer_factory(optimizer_cls, kwargs) -> Callable:
 
 def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: str = "1f1b",
                 n_microbatches: int | None = None, sequence_parallel: bool = False, recompute: str = "none",
-                cp_method: str = "ring", cp_layout: str = "zigzag", tp_plan=None, pp_split=None,
-                optimizer_cls=torch.optim.AdamW, **optimizer_kwargs) -> ParallelModel:
+                recompute_layers: int | None = None, cp_method: str = "ring", cp_layout: str = "zigzag",
+                tp_plan=None, pp_split=None, optimizer_cls=torch.optim.AdamW, **optimizer_kwargs) -> ParallelModel:
     """Compose tensor, pipeline, context and data parallelism (ZeRO ``zero_stage``) on ``model`` over ``mesh``.
 
     ``model``: a workbench GPT (``wte, wpe, blocks, ln_f, lm_head``) or a Hugging Face causal LM
@@ -469,7 +469,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     (sequence length a multiple of ``2 cp``, causal work balanced) or ``"contiguous"`` (a multiple
     of ``cp``). ``recompute``:
     ``"none"``, ``"full"`` (each block keeps its input and runs again in backward) or
-    ``"selective"`` (only the attention core runs again).
+    ``"selective"`` (only the attention core runs again); ``recompute_layers`` (with ``"full"``):
+    only the first that many blocks of each pipeline stage run again, the others keep everything
+    (Megatron-LM's ``--recompute-method block --recompute-num-layers``; None: every block).
     With ``mesh.size("ep") > 1`` the model's experts are sharded as the module docstring says
     (``zero_stage`` 0 or 1, tp = pp = cp = 1); a model with experts on a mesh with ``ep = 1`` is plain
     data parallelism, its load-balancing loss counted over every data-parallel rank's tokens.
@@ -478,8 +480,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     """
     # -- every check before any message
     setup = _validate(model, mesh, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
-                      sequence_parallel=sequence_parallel, recompute=recompute, cp_method=cp_method,
-                      cp_layout=cp_layout, tp_plan=tp_plan, pp_split=pp_split)
+                      sequence_parallel=sequence_parallel, recompute=recompute, recompute_layers=recompute_layers,
+                      cp_method=cp_method, cp_layout=cp_layout, tp_plan=tp_plan, pp_split=pp_split)
     make_optimizer = _optimizer_factory(optimizer_cls, optimizer_kwargs)
 
     model = model.to(runtime.device())
@@ -497,7 +499,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, zero_stage: int = 0, schedule: 
     if setup.cp > 1:
         context_parallel(stage_module, mesh.group("cp"), method=cp_method, layout=cp_layout)
     if recompute != "none":   # this rank's blocks, before data parallelism wraps them (its hooks rerun)
-        _recompute_blocks(model, stage_module, recompute, setup.ours)
+        _recompute_blocks(model, stage_module, recompute, setup.ours, recompute_layers)
     marks = {name: {a: getattr(p, a, None) for a in _TP_MARKS}
              for name, p in stage_module.named_parameters(remove_duplicate=False)}
     # the tied tensors, under this stage's name for them (the last stage calls wte.weight lm_head.weight)
@@ -539,7 +541,7 @@ class _Setup:
 
 
 def _validate(model: nn.Module, mesh: Mesh, *, zero_stage, schedule, n_microbatches, sequence_parallel,
-              recompute, cp_method, cp_layout, tp_plan, pp_split) -> _Setup:
+              recompute, cp_method, cp_layout, tp_plan, pp_split, recompute_layers=None) -> _Setup:
     """Every check of :func:`parallelize`'s arguments, in one fixed order, before any message.
 
     Each rank runs the same checks on the same arguments, so a bad call raises the same
@@ -560,7 +562,7 @@ def _validate(model: nn.Module, mesh: Mesh, *, zero_stage, schedule, n_microbatc
     dp, tp, pp, cp = mesh.size("dp"), mesh.size("tp"), mesh.size("pp"), mesh.size("cp")
     _check_context(model, ours, tp, cp, cp_method, cp_layout)
     n_microbatches = _check_microbatches(n_microbatches, schedule, pp)
-    _check_recompute_and_sequence_parallel(recompute, sequence_parallel, schedule, tp, pp)
+    _check_recompute_and_sequence_parallel(recompute, sequence_parallel, schedule, tp, pp, recompute_layers)
     if pp > 1:
         _check_split(model, pp, pp_split)
     tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
@@ -612,12 +614,18 @@ def _check_microbatches(n_microbatches, schedule: str, pp: int) -> int:
 
 
 def _check_recompute_and_sequence_parallel(recompute: str, sequence_parallel, schedule: str, tp: int,
-                                           pp: int) -> None:
-    """The activation-memory options: a known recomputation policy, sequence parallelism only
+                                           pp: int, recompute_layers=None) -> None:
+    """The activation-memory options: a known recomputation policy (some blocks only with ``full``),
+    sequence parallelism only
     over ``tp > 1`` ranks, and no recomputation under ZB-H1 (its deferred W would keep what B
     recomputed alive until W runs, undoing the saving)."""
     if recompute not in POLICIES:
         raise ValueError(f"parallelize: recompute={recompute!r} must be one of {POLICIES}")
+    if recompute_layers is not None and (isinstance(recompute_layers, bool) or not isinstance(recompute_layers, int)
+                                         or recompute_layers < 1 or recompute != "full"):
+        raise ValueError(f"parallelize: recompute_layers={recompute_layers!r} recomputes the first that many blocks "
+                         f"of each stage whole: a whole number >= 1 with recompute='full' (got recompute={recompute!r}); "
+                         "None recomputes every block")
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"parallelize: sequence_parallel={sequence_parallel!r} must be True or False")
     if sequence_parallel and tp == 1:
@@ -684,16 +692,17 @@ def _take_stage(model: nn.Module, mesh: Mesh, setup: _Setup, pp_split, tp_info, 
     return stage_module, owners
 
 
-def _recompute_blocks(model: nn.Module, stage_module: nn.Module, recompute: str, ours: bool) -> None:
-    """Activation recomputation on this rank's blocks, in place, before data parallelism wraps
-    them (so its hooks run again with the recomputed forward)."""
+def _recompute_blocks(model: nn.Module, stage_module: nn.Module, recompute: str, ours: bool,
+                      layers: int | None = None) -> None:
+    """Activation recomputation on this rank's blocks (the first ``layers`` of them, or all), in
+    place, before data parallelism wraps them (so its hooks run again with the recomputed forward)."""
     family = pipeline_split.detect(model)
     if ours or family is None:  # our GPT (or its stage) keeps them in .blocks; else recompute finds them
-        checkpoint_blocks(stage_module, recompute)
+        checkpoint_blocks(stage_module, recompute, layers)
     else:  # the split's block list: the model's ModuleList, or a stage's ModuleDict of its blocks
         blocks = stage_module.get_submodule(pipeline_split.SPLITS[family].blocks)
         blocks = blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
-        checkpoint_blocks(nn.ModuleList(blocks), recompute)  # the same block objects, changed in place
+        checkpoint_blocks(nn.ModuleList(blocks), recompute, layers)  # the same block objects, changed in place
 
 
 def _data_parallel(stage_module: nn.Module, mesh: Mesh, setup: _Setup, zero_stage: int,
