@@ -310,6 +310,68 @@ def test_hybrid_sharding_is_searched_when_asked():
         configurations(shape, slow, 32, hybrid="yes")
 
 
+def test_recomputing_the_first_layers_of_each_stage_is_priced_in_between():
+    """``Config(recompute="full", recompute_layers=k)``: each stage's first k layers recomputed, the
+    others keeping everything. Every cost of a stage is a sum over its layers, so the step's compute
+    is no recomputation's plus k / L of what full recomputation adds (on a GPU and on a CPU
+    cluster, with a pipeline per stage), the memory falls as k grows, and k at or beyond a stage's
+    layers is full recomputation; the field is checked and labelled."""
+    shape = ModelShape.preset("llama3-8b").with_(seq=4096)
+    gpu = Cluster.preset("dgx-h100", nodes=1)
+    cpu = Cluster(nodes=1, devices_per_node=8, memory_bytes=80e9, flops=100e12, intra=Link(2e-6, 200e9),
+                  inter=Link(2e-6, 200e9))
+    for cluster in (gpu, cpu):
+        for base, layers in ((Config(dp=8, zero=1, microbatches=4, precision="bf16"), 32),
+                             (Config(dp=2, pp=4, microbatches=8, precision="bf16"), 8)):
+            none = predict(shape, cluster, 32, base)
+            full = predict(shape, cluster, 32, dataclasses.replace(base, recompute="full"))
+            memory = [none.memory["total"]]
+            for k in (1, layers // 2, layers - 1):
+                part = predict(shape, cluster, 32, dataclasses.replace(base, recompute="full", recompute_layers=k))
+                share = k / layers
+                assert part.time["compute"] == pytest.approx(
+                    none.time["compute"] + share * (full.time["compute"] - none.time["compute"]), rel=1e-9)
+                assert none.time["total"] < part.time["total"] < full.time["total"]
+                memory.append(part.memory["total"])
+            memory.append(full.memory["total"])
+            assert memory == sorted(memory, reverse=True) and len(set(memory)) == len(memory), memory
+            for k in (layers, layers + 5):   # a stage's every layer: full recomputation
+                same = predict(shape, cluster, 32, dataclasses.replace(base, recompute="full", recompute_layers=k))
+                assert same.time == pytest.approx(full.time) and same.memory == full.memory
+    assert Config(dp=2, recompute="full", recompute_layers=3).label() == "dp2-tp1-pp1 zero0 fp32 full(3)"
+    for bad, match in ((dict(recompute="selective", recompute_layers=2), "recompute_layers=2.*recompute='full'"),
+                       (dict(recompute="full", recompute_layers=-1), "recompute_layers=-1")):
+        with pytest.raises(ValueError, match=match):
+            predict(shape, gpu, 32, Config(dp=8, precision="bf16", **bad))
+
+
+def test_the_least_recomputation_that_fits_is_searched_when_asked():
+    """``advise(..., partial_recompute=True)`` (``--partial-recompute``): where recomputing every layer
+    fits and none does not, the plan recomputing the fewest first layers of each stage that fits
+    (one fewer does not fit), faster than full recomputation; by default the space is as it was. Llama
+    3 8B, sequences of 8,192, on one DGX H100: such a plan is the fastest."""
+    shape = ModelShape.preset("llama3-8b")
+    one = Cluster.preset("dgx-h100", nodes=1)
+    narrow = dict(precisions=("bf16",), zero=(2,), schedules=("1f1b",), sequence_parallel=(False,))
+    plain = advise(shape, one, 32, **narrow)
+    plans = advise(shape, one, 32, partial_recompute=True, **narrow)
+    assert not any(p.config.recompute_layers for p in plain)
+    assert [p.config for p in plans if not p.config.recompute_layers] == [p.config for p in plain]
+    partial = [p for p in plans if p.config.recompute_layers]
+    assert partial and all(p.feasible for p in partial)
+    for p in partial:
+        c = p.config
+        assert not predict(shape, one, 32, dataclasses.replace(c, recompute="none", recompute_layers=0)).feasible
+        if c.recompute_layers > 1:
+            assert not predict(shape, one, 32, dataclasses.replace(c, recompute_layers=c.recompute_layers - 1)).feasible
+        assert p.time["total"] < predict(shape, one, 32, dataclasses.replace(c, recompute_layers=0)).time["total"]
+    best = plans[0]
+    assert best.config.recompute_layers and best.time["total"] < plain[0].time["total"], best.config.label()
+    assert "first" in best.explain() and f"full({best.config.recompute_layers})" in best.config.label()
+    with pytest.raises(ValueError, match="partial_recompute="):
+        advise(shape, one, 32, partial_recompute="yes")
+
+
 def test_a_gpu_clusters_nccl_model_follows_its_links():
     """``Cluster.with_(inter=...)`` (``workbench advise --inter``) on a GPU preset scales its NCCL model's
     network bandwidth by the new link's over the old, ``intra=`` its NVLink figures, so a slower

@@ -628,6 +628,27 @@ def test_memory_with_recomputation_pinned_to_measured():
     assert peak[configs[1].label()] < 0.5 * peak[configs[0].label()]   # full keeps far less than selective
 
 
+def test_memory_of_partial_recomputation_pinned_to_measured():
+    """Full recomputation of each stage's first k layers only (``Config.recompute_layers``,
+    ``parallelize(recompute_layers=)``): the other layers keep everything, backward meets them
+    first, and the first recomputation follows a layer that kept everything (its input gradient
+    alive beside the one flowing in). Under DDP, ZeRO-1, -2 and -3 and on a pipeline. ZeRO-1, whose
+    gradients become ``.grad`` as backward goes, peaks at the moment with the most activations less
+    the gradients still to come: in its step with 2 sequences per rank, at the last layer's
+    backward with 16. Left out, as for full recomputation: tensor parallelism, and ZeRO-3
+    recomputing all but the last layer (measured 2-9% above the prediction)."""
+    from workbench.advise.validate import measure_memory
+
+    configs = [Config(dp=4, recompute="full", recompute_layers=k) for k in (1, 3)]
+    configs += [Config(dp=4, zero=z, recompute="full", recompute_layers=2) for z in (1, 2)]
+    configs += [Config(dp=4, zero=3, recompute="full", recompute_layers=1),
+                Config(dp=2, pp=2, microbatches=2, recompute="full", recompute_layers=1),
+                Config(dp=2, pp=2, zero=1, microbatches=4, recompute="full", recompute_layers=1)]
+    _pin(measure_memory("tiny", configs, 8, world_size=4), configs, 8, 4)
+    big = [Config(dp=4, zero=1, recompute="full", recompute_layers=k) for k in (1, 2)]
+    _pin(measure_memory("tiny", big, 64, world_size=4), big, 64, 4)
+
+
 def test_memory_of_zero_bubble_pinned_to_measured():
     """ZB-H1 (``parallelize(schedule="zb-h1")``): a stage fed activations ends each split B holding
     everything it was given plus the output gradient of every deferred matrix product (its W's

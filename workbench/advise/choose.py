@@ -10,10 +10,16 @@ configuration of the space (:func:`workbench.advise.space.configurations`; the k
 narrow it), returns the feasible plans fastest first (ties: less memory first), then the
 infeasible ones (least memory first), each with its reason. The splits ``dp x tp x pp`` that no
 lever can make runnable (heads not divisible, too many stages...) appear once, with that reason.
+``partial_recompute=True`` also tries full recomputation of only the first ``k`` layers of each
+stage (``Config.recompute_layers``) where recomputing every layer fits and recomputing none does
+not: memory falls and time grows with ``k``, so the fastest such plan is the least ``k`` that fits,
+found by bisection (about ``log2`` of the stage's layers predictions of memory per configuration).
 
 Why the winner won: :meth:`Plan.explain` (:mod:`workbench.advise.plan`).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .cluster import Cluster
 from .memory_model import memory_per_device
@@ -23,6 +29,7 @@ from .space import check_config, configurations, memory_reason, structural_reaso
 from .timing import step_time
 
 __all__ = ["predict", "advise", "explain", "DECISIONS"]
+
 
 def _cluster(cluster) -> Cluster:
     if isinstance(cluster, str):
@@ -60,11 +67,16 @@ def predict(model, cluster, global_batch: int, config: Config, *, time_infeasibl
     return plan
 
 
-def advise(model, cluster, global_batch: int, **space_opts) -> list[Plan]:
+def advise(model, cluster, global_batch: int, *, partial_recompute: bool = False, **space_opts) -> list[Plan]:
     """Every configuration of the space predicted: feasible plans fastest first, then infeasible ones
     with their reasons. ``model``: a GPTConfig, a preset name ("small", "llama-7b") or a ModelShape;
     ``cluster``: a :class:`Cluster` or a preset name; ``space_opts``: see
-    :func:`workbench.advise.space.configurations` (``zero=``, ``schedules=``, ``precisions=``, ...)."""
+    :func:`workbench.advise.space.configurations` (``zero=``, ``schedules=``, ``precisions=``, ...);
+    ``partial_recompute``: also the least recomputation that fits (module docstring). Off by default,
+    which keeps the space as it was."""
+    if not isinstance(partial_recompute, bool):
+        raise ValueError(f"advise(partial_recompute={partial_recompute!r}): True (also recompute only the first layers "
+                         "of each stage where that fits) or False")
     shape = ModelShape.coerce(model, "model")
     cluster = _cluster(cluster)
     space_opts.pop("structural", None)
@@ -79,6 +91,8 @@ def advise(model, cluster, global_batch: int, **space_opts) -> list[Plan]:
             continue
         runnable_splits.add(split)
         plans.append(predict(shape, cluster, global_batch, config, time_infeasible=False))
+    if partial_recompute:
+        plans += _least_recompute(shape, cluster, global_batch, plans)
     feasible = sorted((p for p in plans if p.feasible), key=lambda p: (p.time["total"], p.memory["total"]))
     infeasible = sorted((p for p in plans if not p.feasible), key=lambda p: p.memory["total"])
     for split, (config, reason) in dead_splits.items():
@@ -90,3 +104,27 @@ def advise(model, cluster, global_batch: int, **space_opts) -> list[Plan]:
     for p in ranked:
         p._ranked = ranked
     return ranked
+
+
+def _least_recompute(shape: ModelShape, cluster: Cluster, global_batch: int, plans: list[Plan]) -> list[Plan]:
+    """For each plan that fits recomputing every layer (``recompute="full"``) whose twin recomputing
+    none does not fit: the plan recomputing the fewest first layers of each stage that fits
+    (``recompute_layers``, bisected: memory falls as it grows), where fewer than all do."""
+    by_config = {p.config: p for p in plans}
+    found = []
+    for plan in plans:
+        c = plan.config
+        plain = by_config.get(replace(c, recompute="none"))
+        if c.recompute != "full" or c.recompute_layers or not plan.feasible or plain is None or plain.feasible:
+            continue
+        low, high, best = 1, max(shape.layers_per_stage(c.pp * c.stages_per_rank)), None
+        while low < high:               # the least k in [1, high) that fits; high (every layer) fits
+            k = (low + high) // 2
+            trial = predict(shape, cluster, global_batch, replace(c, recompute_layers=k), time_infeasible=False)
+            if trial.feasible:
+                best, high = trial, k
+            else:
+                low = k + 1
+        if best is not None:
+            found.append(best)
+    return found

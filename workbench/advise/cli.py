@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to try")
     s.add_argument("--hybrid-sharding", action="store_true",
                    help="also try hybrid sharding (HSDP: ZeRO-3 inside a node or a few, replicated across them)")
+    s.add_argument("--partial-recompute", action="store_true",
+                   help="also try recomputing only the first layers of each stage, the fewest that fit, where "
+                        "recomputing every layer fits and none does not")
     o = parser.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     o.add_argument("--json", default=None, metavar="FILE", help="write every plan as JSON ('-': standard output)")
@@ -137,7 +140,8 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Cluster]:
 
 def _space(args) -> dict:
     opts = {"precisions": args.precision, "zero": args.zero, "schedules": args.schedule,
-            "recompute": args.recompute, "max_tp": args.max_tp, "hybrid": args.hybrid_sharding or None}
+            "recompute": args.recompute, "max_tp": args.max_tp, "hybrid": args.hybrid_sharding or None,
+            "partial_recompute": args.partial_recompute or None}
     return {k: v for k, v in opts.items() if v is not None}
 
 

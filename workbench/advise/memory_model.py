@@ -317,25 +317,60 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
     loss_saved = 4 * sb * vt + 9 * sb if vocab_parallel else logits
     head, edge = _edge_bytes(shape, e, t, sb, sbh, rep, loss_saved, first, last, piped)
     held = logits if (last and hold_logits) else 0.0   # the caller's logits, alive through backward
-    kept = n_layers * layer[policy] + edge + held
+    # full recomputation of the first k layers only (Config.recompute_layers): the others keep everything
+    k = min(config.recompute_layers, n_layers) if policy == "full" and config.recompute_layers else n_layers
+    partial = k < n_layers
+    kept = k * layer[policy] + (n_layers - k) * layer["none"] + edge + held
     grad_in = e * sbh / rep            # the gradient flowing into the stage's last layer
     # at a layer's MLP output projection: the gradient flowing in, (sequence parallel) its all-gathered
     # copy and the gradient of the ffn-wide input
     work = grad_in + (e * sbh if sp else 0.0) + e * sb * shape.ffn / t
     # a tied head's gradient, waiting in autograd's input buffer for the embedding's
     tied_grad = g * vt * shape.hidden if (shape.tied and first and last) else 0.0
-    peak = _recompute_peak(shape, layer, policy, transient_grads, n_layers, kept, edge, head, held, grad_in,
-                           work, g, t, tied_grad)
+    missing = 0.0   # (partial recomputation, gradients becoming .grad) gradient bytes not yet made at the peak
+    if partial and not transient_grads:
+        peak, missing = _partial_moment(shape, layer, k, n_layers, kept, edge, head, held, grad_in, work, g, t,
+                                        tied_grad)
+    elif partial:   # the recomputed layers' moments once backward has left the others (their tensors freed)
+        peak = max(kept, _recompute_peak(shape, layer, policy, transient_grads, k, kept - (n_layers - k) * layer["none"],
+                                         edge, head, held, grad_in, work, g, t, tied_grad, after_kept=True))
+    else:
+        peak = _recompute_peak(shape, layer, policy, transient_grads, n_layers, kept, edge, head, held, grad_in,
+                               work, g, t, tied_grad)
     if policy != "full" or transient_grads:
         # what the last layer's backward finds kept: everything, or with full recomputation the other
         # layers' inputs and the last layer recomputed whole
-        alive = kept if policy != "full" else kept - layer["full"] + layer["none"]
-        peak = _backward_start_peak(shape, config, layer[policy], n_layers, kept, alive, head, grad_in, work, g,
+        alive = kept if (policy != "full" or partial) else kept - layer["full"] + layer["none"]
+        per_layer = layer["none"] if partial else layer[policy]
+        peak = _backward_start_peak(shape, config, per_layer, n_layers, kept, alive, head, grad_in, work, g,
                                     tied_grad if transient_grads else 0.0, first, piped, transient_grads, unit, peak)
-    if last:
+    if last and partial and not transient_grads:   # the loss's backward too, by activations less gradients to come
+        loss = _loss_backward_peak(config, shape.hidden, sb, vt, logits, loss_saved, vocab_parallel, g,
+                                   transient_grads, rt, kept, 0.0)
+        if loss - n_layers * g * sum(shape.layer_tensors(t)) > peak - missing:
+            peak, missing = loss, n_layers * g * sum(shape.layer_tensors(t))
+    elif last:
         peak = _loss_backward_peak(config, shape.hidden, sb, vt, logits, loss_saved, vocab_parallel, g,
                                    transient_grads, rt, kept, peak)
-    return {"kept": kept, "peak": peak}
+    return {"kept": kept, "peak": peak, "missing": missing}
+
+
+def _partial_moment(shape: ModelShape, layer: dict[str, float], k: int, n_layers: int, kept: float, edge: float,
+                    head: float, held: float, grad_in: float, work: float, g: int, t: int,
+                    tied_grad: float) -> tuple[float, float]:
+    """``(activations, gradient bytes not yet made)`` at the busiest moment of a stage whose first
+    ``k`` of ``n_layers`` layers are recomputed whole, where the new gradients become ``.grad`` as
+    backward goes (model state made along the way): of the end of forward, the last layer's
+    backward beginning (it kept everything), the last recomputed layer's backward (the layers after
+    it freed, their gradients made, the gradient they left beside the one flowing in) and the first
+    layer's, the one with the most in all -- activations less the gradients still to come."""
+    g_layer = g * sum(shape.layer_tensors(t))
+    every = n_layers * g_layer
+    recomputed = layer["none"] + edge - head + held + work + tied_grad
+    moments = [(kept, every), (kept - head + work, every),
+               ((k - 1) * layer["full"] + recomputed + grad_in, k * g_layer),
+               (recomputed + (grad_in if k == 1 else 0.0), g_layer)]
+    return max(moments, key=lambda moment: moment[0] - moment[1])
 
 
 def _edge_bytes(shape: ModelShape, e: int, t: int, sb: float, sbh: float, rep: int, loss_saved: float,
@@ -356,7 +391,7 @@ def _edge_bytes(shape: ModelShape, e: int, t: int, sb: float, sbh: float, rep: i
 
 def _recompute_peak(shape: ModelShape, layer: dict[str, float], policy: str, transient_grads: bool, n_layers: int,
                     kept: float, edge: float, head: float, held: float, grad_in: float, work: float, g: int, t: int,
-                    tied_grad: float) -> float:
+                    tied_grad: float, after_kept: bool = False) -> float:
     """Backward's busiest moment where it recomputes (``kept`` where it does not). Full, gradients
     becoming ``.grad``: a recomputed layer's backward (its MLP's first product, ``work``) beside the
     other layers' inputs and a tied head's gradient waiting for the embedding's. New gradients become
@@ -364,13 +399,17 @@ def _recompute_peak(shape: ModelShape, layer: dict[str, float], policy: str, tra
     far are largest together: at the last layer if a layer's input outweighs its gradients (then every
     other input is still kept), else at the first (no other input left; the other layers' gradients
     made). Full, transient gradients: every layer's input, the first recomputed layer and the gradient
-    into it. Selective: the last layer's attention core recomputed beside the kept tensors."""
+    into it. Selective: the last layer's attention core recomputed beside the kept tensors.
+    ``after_kept`` (full recomputation of the first ``n_layers`` layers only, the layers after them
+    keeping everything): backward reaches the first recomputation from a layer that kept
+    everything, whose input gradient is then alive beside the one flowing in."""
+    extra = grad_in if after_kept else 0.0
     if policy == "full" and not transient_grads:
         g_layer = g * sum(shape.layer_tensors(t))
         others = (n_layers - 1) * layer["full"] if layer["full"] >= g_layer else 0.0
-        return max(kept, others + layer["none"] + edge - head + held + work + tied_grad)
+        return max(kept, others + layer["none"] + edge - head + held + work + tied_grad + extra)
     if policy == "full":
-        return max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held)
+        return max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held + extra)
     if policy == "selective":
         core = layer["none"] - layer["selective"] + grad_in
         return max(kept, kept - head + core + 2 * grad_in)
@@ -896,7 +935,9 @@ def memory_by_rank(shape, config: Config, global_batch: int, cluster: Cluster | 
             held = 0.0 if piped else e * shape.seq * microbatch_size(config, global_batch) \
                 * shape.padded_vocab(config.tp) / config.tp
             step = e * zero_elements
-            if held + step > activations + buffers - comms:
+            # (partial recomputation: less the gradients backward had not made at its peak, which the step has)
+            missing = per_stage[0].get("missing", 0.0) if not piped else 0.0
+            if held + step > activations + buffers - comms - missing:
                 activations, buffers = held, comms + step
         row = {"parameters": state["parameters"], "gradients": state["gradients"], "optimizer": state["optimizer"],
                "activations": float(activations), "buffers": float(buffers)}

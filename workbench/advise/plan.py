@@ -59,7 +59,13 @@ class Config:
     ``FullyShardedDataParallel(replicate_group=...)`` here): the state is sharded over groups of
     ``shard_group`` consecutive data-parallel ranks (a node, typically) and replicated across the
     ``dp / shard_group`` groups. Each unit's gathers and reduce-scatters stay inside the group;
-    each gradient shard is then all-reduced across the replicas. 0 (or ``dp``): plain ZeRO-3."""
+    each gradient shard is then all-reduced across the replicas. 0 (or ``dp``): plain ZeRO-3.
+
+    ``recompute_layers`` (with ``recompute="full"``): only the first that many layers of each
+    pipeline stage (of each model chunk, under the interleaved schedule) are recomputed, the
+    others keep everything (Megatron-LM's ``--recompute-method block --recompute-num-layers``;
+    :func:`workbench.parallel.recompute.recompute`'s ``layers``): ``k / L`` of full recomputation's
+    extra forward for ``k / L`` of its saving. 0: every layer."""
 
     dp: int = 1
     tp: int = 1
@@ -72,6 +78,7 @@ class Config:
     recompute: str = "none"          # "none", "selective", "full"
     virtual_stages: int = 2          # interleaved: stages (model chunks) per pipeline rank, Megatron's v
     shard_group: int = 0             # ZeRO-3 over groups of this many dp ranks, replicated across them (HSDP); 0: all
+    recompute_layers: int = 0        # recompute="full" on the first this many layers of each stage only; 0: all
 
     @property
     def devices(self) -> int:
@@ -105,7 +112,7 @@ class Config:
             parts.append("sp")
         parts.append(self.precision)
         if self.recompute != "none":
-            parts.append(self.recompute)
+            parts.append(self.recompute + (f"({self.recompute_layers})" if self.recompute_layers else ""))
         return " ".join(parts)
 
 
@@ -141,6 +148,11 @@ def check_config(config: Config) -> None:
         raise ValueError(f"Config.precision={config.precision!r}: use one of {PRECISIONS}")
     if config.recompute not in POLICIES:
         raise ValueError(f"Config.recompute={config.recompute!r}: use one of {POLICIES}")
+    _whole(config.recompute_layers, "recompute_layers", 0)
+    if config.recompute_layers and config.recompute != "full":
+        raise ValueError(f"Config.recompute_layers={config.recompute_layers}: recomputes the first that many layers of "
+                         f"each pipeline stage whole; use it with recompute='full' (got {config.recompute!r}), or "
+                         "recompute_layers=0")
 
 
 @dataclass
@@ -173,7 +185,7 @@ DECISIONS = {
     "schedule": lambda c: (c.schedule if c.pp > 1 else "accumulate", c.microbatches),
     "sequence_parallel": lambda c: c.sequence_parallel,
     "precision": lambda c: c.precision,
-    "recompute": lambda c: c.recompute,
+    "recompute": lambda c: (c.recompute, c.recompute_layers),
 }
 _PART_WORDS = {"compute": "compute", "tp": "tensor-parallel communication", "dp": "data-parallel communication",
                "pp": "pipeline messages", "bubble": "pipeline bubble"}
@@ -240,6 +252,8 @@ def _describe(decision: str, config: Config) -> str:
         return "sequence parallelism" if config.sequence_parallel else "no sequence parallelism"
     if decision == "precision":
         return config.precision
+    if config.recompute_layers:
+        return f"recompute full on the first {config.recompute_layers} layers of each stage"
     return f"recompute {config.recompute}"
 
 
@@ -261,9 +275,9 @@ def _loss(rival: Plan, chosen: Plan) -> str:
 # the Config fields each decision sets (dp follows from tp and pp: every device is used)
 _FIELDS = {"tp": ("tp", "dp"), "pp": ("pp", "dp", "schedule", "microbatches"), "zero": ("zero", "shard_group"),
            "schedule": ("schedule", "microbatches"), "sequence_parallel": ("sequence_parallel",),
-           "precision": ("precision",), "recompute": ("recompute",)}
+           "precision": ("precision",), "recompute": ("recompute", "recompute_layers")}
 _ALL = ("dp", "tp", "pp", "zero", "shard_group", "schedule", "microbatches", "sequence_parallel", "precision",
-        "recompute")
+        "recompute", "recompute_layers")
 
 
 def _distance(a: Config, b: Config, free: tuple[str, ...]) -> int:

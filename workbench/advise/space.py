@@ -17,7 +17,9 @@ micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` dividing the rows of each data-p
                        step)                                                 ``microbatches=``
 sequence parallelism   off, on (with ``tp > 1``)                       ``sequence_parallel=``
 precision              fp32, bf16 (bf16 compute, fp32 masters)               ``precisions=``
-recomputation          none, selective, full                                 ``recompute=``
+recomputation          none, selective, full; with ``advise(..., partial_recompute=True)``
+                       also full on each stage's first k layers, the fewest that fit
+                       (:mod:`workbench.advise.choose`)                         ``recompute=``
 tensor-parallel size   powers of two up to ``max_tp`` (default: every divisor) ``max_tp=``
 hybrid sharding        off; with ``hybrid=True``, each ZeRO-3 configuration whose data-
                        parallel ranks span nodes also sharded over the data-parallel ranks

@@ -628,16 +628,13 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     _check(shape, cluster, config, global_batch)
     ctx = _step(shape, cluster, config, global_batch)
     p, m = ctx.p, ctx.m
-    tp_layer = tp_edges = None
-    if ctx.device is not None:   # a GPU: the layer priced operator by operator (workbench.advise.device)
-        layer_s, head_s, edges_s = device_compute(ctx.device, shape, ctx.rows, config, ctx.framework)
-        step_over, tp_sync, timed = 0.0, 0.0, None
-    else:
-        layer_s, head_s, edges_s, step_over, tp_sync, timed, tp_layer, tp_edges = _cpu_compute(
-            shape, cluster, config, ctx.rows, _flops(cluster, config.precision), ctx.oversubscription, ctx.contention)
-
     num_stages, style = _placement(config, p)
-    per_stage = _stage_costs(ctx, num_stages, layer_s, head_s, edges_s, tp_sync, tp_layer, tp_edges)
+    if config.recompute == "full" and config.recompute_layers:
+        per_stage, (layer_s, head_s, edges_s, step_over, tp_sync, timed, tp_layer, tp_edges) = \
+            _partial_recompute_stages(ctx, num_stages)
+    else:
+        layer_s, head_s, edges_s, step_over, tp_sync, timed, tp_layer, tp_edges = _compute(ctx)
+        per_stage = _stage_costs(ctx, num_stages, layer_s, head_s, edges_s, tp_sync, tp_layer, tp_edges)
     slowest = _slowest_rank(per_stage, num_stages, style, p, ctx.oversubscription)
     psi_rank = _parameters_on_rank(shape, ctx.t, p)
     optimizer_s = _optimizer_time(ctx, psi_rank, step_over)
@@ -669,6 +666,38 @@ def step_time(shape, cluster, config: Config, global_batch: int, *, trace: list 
     out = {"compute": compute, "tp": tp_total, "dp": dp_total, "pp": pp_total, "bubble": bubble}
     out["total"] = sum(out[k] for k in TIME_PARTS)
     return out
+
+
+def _compute(ctx: _Step) -> tuple:
+    """A micro-batch's compute for ``ctx.config``: ``(layer_s, head_s, edges_s, step_overhead_s, tp_sync,
+    timed, tp_layer, tp_edges)`` (:func:`device_compute` on a GPU, :func:`_cpu_compute` elsewhere)."""
+    config = ctx.config
+    if ctx.device is not None:   # a GPU: the layer priced operator by operator (workbench.advise.device)
+        layer_s, head_s, edges_s = device_compute(ctx.device, ctx.shape, ctx.rows, config, ctx.framework)
+        return layer_s, head_s, edges_s, 0.0, 0.0, None, None, None
+    return _cpu_compute(ctx.shape, ctx.cluster, config, ctx.rows, _flops(ctx.cluster, config.precision),
+                        ctx.oversubscription, ctx.contention)
+
+
+def _partial_recompute_stages(ctx: _Step, num_stages: int) -> tuple[list[dict], tuple]:
+    """Each stage's costs (:func:`_stage_costs`) when only the first ``k = recompute_layers`` of its
+    ``n`` layers are recomputed: every cost of a stage is a sum over its layers, so it is the stage
+    without recomputation plus ``min(k, n) / n`` of what full recomputation adds to it (the compute
+    of the forwards run again, their tensor-parallel collectives). Returns the stages and
+    :func:`_compute`'s figures, ``layer_s`` the layer of the stage with the most layers at that
+    share (what data parallelism's overlap reads)."""
+    k, counts = ctx.config.recompute_layers, stage_layers(ctx.shape.layers, num_stages)
+    priced = []
+    for variant in (replace(ctx.config, recompute="none", recompute_layers=0), replace(ctx.config, recompute_layers=0)):
+        vctx = replace(ctx, config=variant)
+        parts = _compute(vctx)
+        layer_s, head_s, edges_s, _, tp_sync, _, tp_layer, tp_edges = parts
+        priced.append((parts, _stage_costs(vctx, num_stages, layer_s, head_s, edges_s, tp_sync, tp_layer, tp_edges)))
+    (plain, plain_stages), (full, full_stages) = priced
+    per_stage = [{key: a[key] + min(k, n) / n * (b[key] - a[key]) for key in a}
+                 for n, a, b in zip(counts, plain_stages, full_stages)]
+    share = min(k, max(counts)) / max(counts)
+    return per_stage, (plain[0] + share * (full[0] - plain[0]),) + tuple(full[1:])
 
 
 # -- each pipeline stage: one micro-batch's compute (full speed) and tensor-parallel communication

@@ -123,7 +123,7 @@ def _build(config, c: Config):
     torch.manual_seed(0)
     return parallelize(GPT(config), Mesh(dp=c.dp, tp=c.tp, pp=c.pp), zero_stage=c.zero, schedule=c.schedule,
                        n_microbatches=c.microbatches if c.pp > 1 else None, sequence_parallel=c.sequence_parallel,
-                       recompute=c.recompute, lr=1e-3)
+                       recompute=c.recompute, recompute_layers=c.recompute_layers or None, lr=1e-3)
 
 
 def _memory(trained, x, y) -> dict[str, int]:
