@@ -70,6 +70,8 @@ SENDRECV = "li-plus/playground cuda/nccl.md (sendrecv_perf, 8 A100): https://git
 IBM = ("PyTorch blog, 'Maximizing training throughput using PyTorch FSDP' (IBM and Meta, 2024), Table 1 (A100 80GB: "
        "128 GPUs, 400 Gbps; H100 80GB: 96 GPUs, 800 Gbps; batch 2 per GPU, sequences of 4,096): "
        "https://pytorch.org/blog/maximizing-training/")
+FMS_README = ("foundation-model-stack/fms-fsdp README, training throughput on 128 A100 (sharding strategy, activation "
+              "checkpointing and batch per GPU as listed): https://github.com/foundation-model-stack/fms-fsdp")
 
 
 @dataclass(frozen=True)
@@ -163,18 +165,23 @@ _LLAMA2_34B = ModelShape(layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016
                                 "layers, hidden 22016; Llama 2's vocabulary of 32,000")
 _IBM_NOTE = ("bf16 gradient reduction (framework 'eager (fms-fsdp)'); the network is the blog's figure, taken as per "
              "node")
+_FMS_README_NOTE = ("bf16 gradient reduction (framework 'eager (fms-fsdp)'); the README gives no network: the blog's "
+                    "400 Gb/s per node for its 128 A100 assumed")
 
 
-def _ibm(model: ModelShape, label: str, gpus: int, gpu: str, tokens: float, hsdp: bool = False) -> Published:
+def _ibm(model: ModelShape, label: str, gpus: int, gpu: str, tokens: float, hsdp: bool = False, batch: int = 2,
+         source: str = IBM) -> Published:
     cluster, gbps = ("dgx-a100", 400) if gpu == "A100" else ("dgx-h100", 800)
-    layout = ("HSDP (sharded inside each node, replicated across: fms-fsdp's 7B script), no activation checkpointing"
+    where = ": fms-fsdp's 7B script" if source == IBM else ", as the README lists"
+    layout = (f"HSDP (sharded inside each node, replicated across{where}), no activation checkpointing"
               if hsdp else "FSDP over every GPU (ZeRO-3), full activation checkpointing")
-    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch 2, {'HSDP' if hsdp else 'full AC'}", source=IBM,
-                     metric="tokens_per_gpu", value=tokens, cluster=cluster, nodes=gpus // 8, model=model,
-                     global_batch=2 * gpus,
+    note = _IBM_NOTE if source == IBM else _FMS_README_NOTE
+    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch {batch}, {'HSDP' if hsdp else 'full AC'}",
+                     source=source, metric="tokens_per_gpu", value=tokens, cluster=cluster, nodes=gpus // 8,
+                     model=model, global_batch=batch * gpus,
                      config=Config(dp=gpus, zero=3, precision="bf16", recompute="none" if hsdp else "full",
                                    shard_group=8 if hsdp else 0),
-                     framework=_FMS, network_gbps=gbps, note=f"{layout}, {_IBM_NOTE}")
+                     framework=_FMS, network_gbps=gbps, note=f"{layout}, {note}")
 
 
 _GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048)
@@ -242,6 +249,10 @@ ROWS: tuple[Published, ...] = (
     _ibm(SHAPES["llama-7b"], "Llama 2 7B", 96, "H100", 7500, hsdp=True),
     _ibm(_LLAMA2_34B, "Llama 2 34B", 96, "H100", 1550),
     _ibm(SHAPES["llama-70b"], "Llama 2 70B", 96, "H100", 800),
+    # -- fms-fsdp's README: tokens/s per GPU on 128 A100 in the layouts it lists (its 7b row is the blog's run)
+    _ibm(SHAPES["llama-13b"], "Llama 2 13B", 128, "A100", 1700, hsdp=True, batch=1, source=FMS_README),
+    _ibm(_LLAMA2_34B, "Llama 2 34B", 128, "A100", 772, batch=8, source=FMS_README),
+    _ibm(SHAPES["llama-70b"], "Llama 2 70B", 128, "A100", 380, batch=6, source=FMS_README),
     # -- Korthikanti et al. 2022: 530B on 2240 A100, MFU with sequence parallelism + selective recomputation,
     #    and with full recomputation
     Published("Korthikanti 530B, 2240 A100, SP + selective", KORTHIKANTI, "mfu", 54.2, "dgx-a100", 280,
