@@ -331,7 +331,12 @@ display(widgets.interactive(explore, {"manual": True, "manual_name": "advise"}, 
 # (interleaved trials, median), and predicts each with the machine's constants measured in the
 # same launch (its matmul rate, its links, its per-operator overheads). Here a small quick sample;
 # `workbench advise --validate` runs the full one, on this machine as it is and as an emulated
-# 2-node cluster whose network is at least 10x slower than its loopback. The band is +-15%.
+# 2-node cluster whose network is at least 10x slower than its loopback. Its band is +-15%, over
+# 70 configurations of 5 trials each. This sample's three configurations of three trials each
+# (their trials are listed under the table) spread from trial to trial on this machine's two
+# shared cores, and the whole sample moves from one launch to the next ([measured over 18
+# launches](../docs/benchmarks/2026-11-28-lesson-08-quick-sample.md)), so the check gives their
+# median error a band of +-25%.
 # Before and after the runs the lesson also reads how busy other work keeps the cores
 # (`workbench.runtime.busy`): the check asserts the step times only where the cores were free.
 
@@ -346,6 +351,8 @@ if FOUR:
     other_work.append(busy_fraction())
     for k, setting in enumerate(SAMPLE):
         print(validate.report([r for r in rows if r["setting"] == k], title=setting.label()), "\n")
+    for r in rows:
+        print(f"{r['config']}: trials " + ", ".join(f"{x * 1e3:.1f}" for x in r["samples_s"]) + " ms")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; other work kept the cores "
           + " and ".join("?" if b is None else f"{b:.0%}" for b in other_work) + " busy before and after the runs")
     validate.figure(rows)
@@ -510,8 +517,9 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
 #   pipeline run comes with its replay and its measured timeline, the same forwards and backwards
 #   in both. Where other work left the cores free around the runs (at most a quarter of their time
 #   busy, just before and just after: `workbench.runtime.busy`), also the step times: the median absolute
-#   error within 15%, and the configuration predicted fastest measured within 10% of the measured
-#   fastest (`validate`'s own bar is 5%; three trials here). On busy cores a rank waits for a core
+#   error within 25% (the full command's band is 15%, over 70 configurations of 5 trials), and the
+#   configuration predicted fastest measured within 10% of the measured fastest (`validate`'s own
+#   bar is 5%; three trials here). On busy cores a rank waits for a core
 #   after each message, time the model does not price, so the check says it did not assert them;
 # * on GPU clusters: at least 85% of the published rows within 15% (and predicted to fit where they ran),
 #   and the median error within 10%.
@@ -541,11 +549,11 @@ for r in rows:
 assert sum(r["within"] for r in checked) >= 0.85 * len(checked), [(r["row"].name, round(r["ratio"], 2)) for r in checked]
 assert median_error <= 0.10, median_error
 if rows and FREE_CORES:  # step times: only where other work left the cores free around the runs
-    assert median_time_error <= 0.15, [(r["config"], round(r["time_error"], 3)) for r in rows]
+    assert median_time_error <= 0.25, [(r["config"], round(r["time_error"], 3)) for r in rows]
     assert all(x <= 1.10 for x in best_ratios.values()), best_ratios
 print("check passed: TP inside nodes on the slow network, the choice explained, ZeRO-3's traffic per micro-batch, "
       "GPU predictions near published ones"
-      + (", the runs predicted (memory to the byte, step times within 15%, the best choice)" if rows
+      + (", the runs predicted (memory to the byte, step times within 25%, the best choice)" if rows
          else f" (runs skipped in a world of {WORLD})")
       + ("" if not rows or FREE_CORES else
          f" (step times and the best choice not asserted: other work kept the cores "
