@@ -18,7 +18,9 @@ Forward FLOPs per token: ``2 x`` the weights a token is multiplied by (each laye
 ``Q K^T`` and ``A V``: ``2 x 2 s h`` per layer, halved because a causal kernel skips the masked
 half. Backward costs twice the forward (the input and the weight gradients), so a step is the
 familiar ``6 x parameters x tokens`` plus attention. Recomputation adds forward work: ``full``
-one more forward of every layer, ``selective`` the attention core again. Tensor parallelism
+one more forward of every layer, ``selective`` the attention core again; ``full`` on each stage's
+first ``k`` layers only (``Config.recompute_layers``) ``k / L`` of what ``full`` adds to the stage
+(:func:`_partial_recompute_stages`: every cost of a stage is a sum over its layers). Tensor parallelism
 divides the layers' and the head's work by ``t``; pipeline parallelism gives each stage
 ``L/p`` layers (balanced as :func:`workbench.parallel.pipeline.partition` does), the last one
 the head too. A stage's work over ``b s`` tokens runs at the cluster's achieved FLOP/s
