@@ -352,8 +352,9 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
     if last and partial and not transient_grads:   # the loss's backward too, by activations less gradients to come
         loss = _loss_backward_peak(config, shape.hidden, sb, vt, logits, loss_saved, vocab_parallel, g,
                                    transient_grads, rt, kept, 0.0)
-        if loss - n_layers * g * sum(shape.layer_tensors(t)) > peak - missing:
-            peak, missing = loss, n_layers * g * sum(shape.layer_tensors(t))
+        every = n_layers * g * sum(shape.layer_tensors(t))   # no gradient made yet
+        if loss - every > peak - missing:
+            peak, missing = loss, every
     elif last:
         peak = _loss_backward_peak(config, shape.hidden, sb, vt, logits, loss_saved, vocab_parallel, g,
                                    transient_grads, rt, kept, peak)
