@@ -406,15 +406,16 @@ def _recompute_peak(shape: ModelShape, layer: dict[str, float], policy: str, tra
     other input is still kept), else at the first (no other input left; the other layers' gradients
     made). Full, transient gradients: every layer's input, the first recomputed layer and the gradient
     into it. Selective: the last layer's attention core recomputed beside the kept tensors.
-    ``after_kept`` (full recomputation of the first ``n_layers`` layers only, the layers after them
-    keeping everything): backward reaches the first recomputation from a layer that kept
-    everything, whose input gradient is then alive beside the one flowing in."""
-    extra = grad_in if after_kept else 0.0
+    ``after_kept`` (transient gradients, full recomputation of the first ``n_layers`` layers only,
+    the layers after them keeping everything): backward reaches the first recomputation from a
+    layer that kept everything, whose input gradient is then alive beside the one flowing in
+    (with gradients becoming ``.grad``, :func:`_partial_moment` weighs the moments instead)."""
     if policy == "full" and not transient_grads:
         g_layer = g * sum(shape.layer_tensors(t))
         others = (n_layers - 1) * layer["full"] if layer["full"] >= g_layer else 0.0
-        return max(kept, others + layer["none"] + edge - head + held + work + tied_grad + extra)
+        return max(kept, others + layer["none"] + edge - head + held + work + tied_grad)
     if policy == "full":
+        extra = grad_in if after_kept else 0.0
         return max(kept, n_layers * layer["full"] + layer["none"] + grad_in + edge - head + held + extra)
     if policy == "selective":
         core = layer["none"] - layer["selective"] + grad_in
