@@ -181,6 +181,27 @@ def test_calibrate_cuda_fits_a_device_from_measurements():
         measured["layers"][0]["predicted_forward_seconds"]
 
 
+def test_an_h200_is_calibrated_on_the_h100s_peaks_with_its_own_memory():
+    """An H200 is the H100's chip with more and faster memory: the calibration takes the H100's
+    datasheet peaks and measures the rest (docs/benchmarks/2026-11-28-h200-profile.json, measured on
+    one H200); a GPU the profiles do not know gets its best measured rate as its peak."""
+    import pathlib
+
+    from workbench.advise.calibrate_cuda import device_from_measurements, profile_for
+
+    assert profile_for("NVIDIA H200", 150e9) is dm.PROFILES["h100-sxm-80gb"]
+    assert profile_for("NVIDIA A100-SXM4-40GB", 42e9) is dm.PROFILES["a100-sxm-40gb"]
+    assert profile_for("NVIDIA L4", 24e9) is None
+    stored = json.loads((pathlib.Path(__file__).parents[1] / "docs/benchmarks/2026-11-28-h200-profile.json").read_text())
+    measured = stored["measured"]
+    fit = device_from_measurements(measured, profile_for(measured["name"], measured["memory_bytes"]))
+    assert fit.bf16_flops == 989e12 and fit.sms == 132 and fit.memory_bytes == measured["memory_bytes"] > 140e9
+    assert 3.5e12 < fit.memory_bandwidth < 4.8e12 and 0.7 < fit.gemm_ceiling < 0.85
+    # the attention probe calls SDPA as a layer does, and records every backend that accepts it
+    assert set(measured["attention"]["backends"]) >= {"FLASH_ATTENTION", "CUDNN_ATTENTION"}
+    assert fit.flash_efficiency == pytest.approx(measured["attention"]["flops"] / 989e12 * (4096 + 256) / 4096)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(runtime.gpu_count() == 0, reason="needs a CUDA device")
 def test_calibrate_cuda_on_a_gpu(tmp_path):

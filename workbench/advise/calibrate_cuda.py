@@ -74,9 +74,12 @@ HOST_STEPS = 50                   # forward + backward steps of a tiny block tim
 
 
 def profile_for(name: str, memory_bytes: float) -> Device | None:
-    """The published profile of a GPU named ``name`` (``torch.cuda.get_device_name``), or None."""
+    """The published profile of a GPU named ``name`` (``torch.cuda.get_device_name``), or None. An
+    H200 is the H100's GH100 chip (the same 132 SMs and 989 TFLOP/s dense bf16 peak, NVIDIA's H200
+    datasheet) with 141 GB of HBM3e at 4.8 TB/s: the H100's profile gives its peaks, and the memory
+    and bandwidth are measured."""
     upper = name.upper()
-    if "H100" in upper:
+    if "H100" in upper or "H200" in upper:
         return PROFILES["h100-sxm-80gb"]
     if "A100" in upper:
         return PROFILES["a100-sxm-80gb" if memory_bytes > 60e9 else "a100-sxm-40gb"]
@@ -214,16 +217,35 @@ def _host_per_operator(dtype, hidden: int = 64, heads: int = 4, seq: int = 64) -
 
 
 def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int = 128) -> dict:
-    """Causal ``scaled_dot_product_attention`` forward + backward: FLOPs (causal half, backward 2.5x)
-    over the time."""
-    q, k, v = (torch.randn(rows, heads, seq, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    """Causal ``scaled_dot_product_attention`` forward + backward as a layer calls it: FLOPs (causal
+    half, backward 2.5x) over the time. The query, key and value are views of ``(rows, seq, heads,
+    dim)`` projections transposed to ``(rows, heads, seq, dim)``, and the gradient a full tensor (SDPA
+    picks its kernel and its copies by the strides; a ``.sum().backward()`` gives it an expanded
+    gradient of stride 0, which no layer does). ``backends``: the same timed under each backend that
+    accepts it (``torch.nn.attention.sdpa_kernel``), for the record."""
+    q, k, v = (torch.randn(rows, seq, heads, dim, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(rows, seq, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
 
     def step():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    s = _timed(step)
     flops = 4 * rows * seq * seq * heads * dim * 0.5 * 3.5
-    return {"rows": rows, "heads": heads, "seq": seq, "dim": dim, "seconds": s, "flops": flops / s}
+    s = _timed(step)
+    out = {"rows": rows, "heads": heads, "seq": seq, "dim": dim, "seconds": s, "flops": flops / s, "backends": {}}
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return out
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        if not hasattr(SDPBackend, backend):
+            continue
+        try:
+            with sdpa_kernel([getattr(SDPBackend, backend)]):
+                out["backends"][backend] = flops / _timed(step)
+        except RuntimeError:   # this backend does not take these inputs on this GPU
+            continue
+    return out
 
 
 def _layers(dtype) -> list[dict]:
