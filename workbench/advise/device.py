@@ -343,6 +343,8 @@ class _LayerOps:
         self.n = rows * shape.seq                                   # tokens of the micro-batch
         self.rows_h = self.n // tp if sequence_parallel else self.n   # rows the norms and residual adds run on
         self.eager = framework is not None and not framework.fused
+        # the share of the copy bandwidth the framework's elementwise kernels reach
+        self.bandwidth_share = framework.elementwise_efficiency if framework is not None else 1.0
         self.ops: list[tuple[str, str, float, int, str]] = []
 
     def gemm(self, name: str, m: int, k: int, out: int) -> None:
@@ -354,7 +356,9 @@ class _LayerOps:
                          + gemm_seconds(device, k, out, m, precision), 2, "gemm"))
 
     def elementwise(self, name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None) -> None:
-        """A memory-bound operator moving ``nbytes`` forward and twice that backward."""
+        """A memory-bound operator moving ``nbytes`` forward and twice that backward, at the framework's
+        ``elementwise_efficiency`` of the device's bandwidth."""
+        nbytes = nbytes / self.bandwidth_share
         self.ops.append((name, "forward", memory_seconds(self.device, nbytes), kernels, "memory"))
         self.ops.append((name, "backward", memory_seconds(self.device, 2 * nbytes),
                          kernels if back_kernels is None else back_kernels, "memory"))
@@ -592,13 +596,21 @@ PROFILES: dict[str, Device] = {
         gemm_ceiling=0.75,
         # STREAM-like copy / BabelStream on H100 SXM5: about 3.0 of the 3.35 TB/s datasheet figure
         memory_bandwidth=3.0e12, memory_bytes=H100_80GB_BYTES,
-        # FlashAttention-2 (Dao 2023): up to 335 TFLOP/s forward + backward on H100 (bf16, head dim 128)
-        flash_efficiency=0.34,
+        # FlashAttention-2 as PyTorch's SDPA bundles it (and flash-attn 2 ships): 265 TFLOP/s forward +
+        # backward inside a Llama 7B layer (two sequences of 4,096, 32 heads of 128, causal) on an H200, the
+        # H100's chip (docs/benchmarks/2026-11-28-h200-layers.md): 0.268 of the peak, 0.285 before the
+        # sequence's s / (s + 256); the FlashAttention-3 paper (Shah et al. 2024) puts FA2 at 35% of an H100
+        # at best, forward. cuDNN's kernel (SDPA's default on Hopper from PyTorch 2.11, opt-in before; TE's
+        # fused attention) reached 441-491 TFLOP/s in the same layers: calibrate to price it
+        flash_efficiency=0.285,
         source=("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s bf16 dense, 67 fp32, 494 tf32, 3.35 TB/s, "
                 "132 SMs per the Hopper architecture white paper)",
                 "gemm_ceiling 0.75: public cuBLAS bf16 sweeps on H100 SXM (700-800 TFLOP/s on large shapes)",
                 "memory_bandwidth 3.0 TB/s: BabelStream/STREAM-like copy on H100 SXM (about 90% of the datasheet)",
-                "flash_efficiency 0.34: FlashAttention-2 paper, 335 TFLOP/s on H100",
+                "flash_efficiency 0.285: FlashAttention-2 as PyTorch's SDPA runs it, 265 TFLOP/s forward + backward in "
+                "a Llama 7B layer on an H200 (the H100's GH100: same SMs and clocks), "
+                "docs/benchmarks/2026-11-28-h200-layers.md; FA2 reaches at most 35% of an H100 (Shah et al. 2024, "
+                "FlashAttention-3)",
                 "attention 'flash': every H100 framework's (TransformerEngine, SDPA, flash-attn); a framework figure",
                 _LAUNCH, _MICRO)),
     # torchtitan's H100 benchmarks (docs/performance.md, Dec 2024) ran on Meta's Grand Teton hosts: "96GB HBM2e
@@ -613,7 +625,7 @@ PROFILES: dict[str, Device] = {
         name="H100 96 GB HBM2e at 500 W (Grand Teton)", bf16_flops=989e12, fp16_flops=989e12, fp32_flops=67e12,
         tf32_flops=494e12, sms=132, gemm_ceiling=round(0.75 * (430 / 630) ** (1 / 3), 3),
         memory_bandwidth=2.16e12, memory_bytes=round(96 * 2**30 * VISIBLE),
-        flash_efficiency=round(0.34 * (430 / 630) ** (1 / 3), 3),
+        flash_efficiency=round(0.285 * (430 / 630) ** (1 / 3), 3),
         source=("pytorch/torchtitan docs/performance.md: Grand Teton, H100 96GB HBM2e, 2.4 TB/s, 500 W power limit",
                 "gemm_ceiling and flash_efficiency: the H100 SXM's times ((500 - 70)/(700 - 70))^(1/3), the clock "
                 "a 500 W cap leaves a power-limited multiply (dynamic power ~ f V^2, V ~ f; 70 W idle)",

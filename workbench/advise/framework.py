@@ -62,6 +62,16 @@ favours tensor parallelism more than one that launches every operator on its own
     ``channels / SMs`` of the device it runs on (:meth:`Framework.sm_share_on`): 16 of 132 on an
     H100 SXM, 0.12; 16 of 108 on an A100, 0.15. ``sm_share`` set (not 0) overrides it.
 
+``elementwise_efficiency``
+    the bandwidth a layer's elementwise operators achieve, over the device's ``memory_bandwidth``
+    (a large copy's): the bytes :func:`workbench.advise.device.layer_operators` counts move at this
+    share of it. Eager: 0.8, measured -- torchtitan-style Llama layers on one H200 (7B, 34B and 70B
+    shapes, two sequences of 4,096 tokens, ``docs/benchmarks/2026-11-28-h200-layers.md``): their
+    elementwise kernels took 1.17-1.29x the counted bytes at the copy's bandwidth (0.78-0.85 of
+    it), as PyTorch's TensorIterator kernels run broadcasts (the RMSNorm's ``rsqrt`` column, the
+    ``* weight`` row), strided copies (``repeat_kv``, ``.contiguous()``, ``.float()`` of a view) and
+    complex multiplies (the rotary) without vectorized loads. Fused frameworks: 1, an assumption (a
+    fused kernel reads and writes each tensor once, contiguously, as the copy does).
 ``host_ops_per_kernel``
     operators the host dispatches for each kernel the device model counts
     (:func:`workbench.advise.device.layer_operators`), each at the device profile's
@@ -145,6 +155,7 @@ class Framework:
     grad_reduce_bytes: int = 4
     overlap_grad_reduce: bool = True
     host_ops_per_kernel: float = 1.0
+    elementwise_efficiency: float = 1.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -164,6 +175,10 @@ class Framework:
                 or self.host_ops_per_kernel < 1:
             raise ValueError(f"Framework(host_ops_per_kernel={self.host_ops_per_kernel!r}): operators the host "
                              "dispatches per counted kernel, a number >= 1 (eager PyTorch: about 2.25)")
+        v = self.elementwise_efficiency
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"Framework(elementwise_efficiency={v!r}): the share of the copy bandwidth its "
+                             "elementwise kernels reach, in (0, 1] (eager PyTorch: 0.8)")
         for name in ("dp_bucket_params", "sm_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name == "sm_share" and v >= 1):
@@ -187,10 +202,11 @@ class Framework:
 
 EAGER = Framework(
     "eager", attention="flash", fused=False, tp_comm_overlap=False, selective="op", optimizer="foreach",
-    loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=2.25,
+    loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=2.25, elementwise_efficiency=0.8,
     source="PyTorch eager without torch.compile, as torchtitan runs it (pytorch/torchtitan: models/llama3 "
            "RMSNorm, apply_rotary_emb, repeat_kv, F.silu(w1(x)) * w3(x); activation_checkpoint.mode selective, "
-           "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach)")
+           "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach); elementwise kernels at 0.8 of "
+           "the copy bandwidth, measured on an H200 (docs/benchmarks/2026-11-28-h200-layers.md)")
 EAGER_FUSED = Framework(
     "eager-fused", attention="flash", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=4, host_ops_per_kernel=2.8,
