@@ -103,6 +103,67 @@ def test_gloo_carries_cuda_tensors_between_ranks_sharing_a_gpu(world_size):
     _all_ok(workbench.launch(_every_collective, world_size, backend="gloo", device="cuda", timeout=120))
 
 
+def _context_and_experts_on_cuda() -> dict:
+    """Context parallelism's ring and Ulysses attention on CUDA tensors (float32, both layouts,
+    causal and not) against SDPA on the GPU: the output and q, k, v's gradients; and an
+    expert-parallel MoE GPT on the GPU: every all-to-all algorithm routes the same forward, and a
+    training step's loss, averaged over the ranks, is the one process's on the whole batch."""
+    import torch.nn.functional as F
+
+    from workbench.models.gpt import GPT, GPTConfig
+    from workbench.parallel import context as cp
+    from workbench.parallel.expert import expert_parallel
+
+    dev, p, r = runtime.device(), dist.get_world_size(), dist.get_rank()
+    out: dict = {}
+    for name, attend in (("ring", cp.ring_attention), ("ulysses", cp.ulysses_attention)):
+        for layout in cp.LAYOUTS:
+            for causal in (True, False):
+                g = torch.Generator().manual_seed(1)
+                q, k, v, w = (torch.randn(1, 4, 32, 16, generator=g).to(dev) for _ in range(4))
+                ref = [t.clone().requires_grad_() for t in (q, k, v)]
+                (F.scaled_dot_product_attention(*ref, is_causal=causal) * w).sum().backward()
+                o_ref = F.scaled_dot_product_attention(*(t.detach() for t in ref), is_causal=causal)
+
+                def shard(t, layout=layout):
+                    return cp.shard_sequence(t, layout=layout)
+
+                mine = [shard(t).requires_grad_() for t in (q, k, v)]
+                o = attend(*mine, is_causal=causal, layout=layout)
+                (o * shard(w)).sum().backward()
+                pairs = [(o, o_ref)] + [(m.grad, t.grad) for m, t in zip(mine, ref)]
+                worst = max((a.detach() - shard(b.detach())).abs().max().item() for a, b in pairs)
+                ok = o.device.type == "cuda" and worst <= 1e-4
+                out[f"context {name}/{layout}/{'causal' if causal else 'full'}"] = "ok" if ok else f"{o.device} {worst}"
+    cfg = GPTConfig.preset("tiny", n_experts=4, top_k=2)
+    torch.manual_seed(0)
+    whole = GPT(cfg).to(dev)
+    torch.manual_seed(0)
+    model = expert_parallel(GPT(cfg)).to(dev)
+    x = torch.randint(0, cfg.vocab_size, (2 * p, cfg.block_size), generator=torch.Generator().manual_seed(2)).to(dev)
+    mine = x[2 * r:2 * r + 2]
+    with torch.no_grad():
+        want = model(mine)[0]
+        for alg in ("pairwise", "bruck", "native"):
+            for block in model.blocks:
+                block.mlp.algorithm = alg
+            diff = (model(mine)[0] - want).abs().max().item()
+            out[f"experts {alg}"] = "ok" if want.device.type == "cuda" and diff < 1e-5 else f"{want.device} {diff}"
+    _, loss = model(mine, mine)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    with torch.no_grad():
+        _, ref_loss = whole(x, x)
+    diff = abs(total.item() / p - ref_loss.item())
+    out["experts loss"] = "ok" if diff < 1e-4 else f"{total.item() / p} vs {ref_loss.item()}"
+    return out
+
+
+def test_context_and_expert_parallelism_on_cuda_tensors():
+    _all_ok(workbench.launch(_context_and_experts_on_cuda, 2, backend="gloo", device="cuda", timeout=180))
+
+
 def _meter_one_step(batch: int = 4) -> dict:
     from workbench.measure.memory_meter import MemoryMeter
     from workbench.models.gpt import GPT, GPTConfig

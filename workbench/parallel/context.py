@@ -230,8 +230,11 @@ def _trim(q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool):
 
 
 def _scores(q32, k32, mask, scale) -> torch.Tensor:
+    """Scaled scores of one block, masked pairs at -inf. The mask is worked out on the host from
+    positions (:func:`_trim`: deciding what to skip must not wait for the GPU) and moved to the
+    scores' device here."""
     s = (q32 @ k32.transpose(-2, -1)) * scale  # (B, H, S/P, S/P), float32
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+    return s if mask is None else s.masked_fill(~mask.to(s.device, non_blocking=True), float("-inf"))
 
 
 def _attend_block(q32, k32, v32, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
