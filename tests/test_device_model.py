@@ -172,6 +172,12 @@ def test_calibrate_cuda_fits_a_device_from_measurements():
     # the host's cost per dispatched operator, where the probe counted the dispatches
     counted = dict(measured, host={"seconds": 2e-3, "dispatched": 100, "kernels": 30})
     assert device_from_measurements(counted, H100).kernel_overhead_s == pytest.approx(20e-6)
+    assert device_from_measurements(counted, H100).microbatch_overhead_s == H100.microbatch_overhead_s
+    # and where deep micro-batches were timed, the line through them: per operator and per micro-batch
+    line = [{"layers": n, "dispatched": 100 + 110 * n, "seconds": 4e-4 + 17e-6 * (100 + 110 * n)} for n in (2, 8, 16)]
+    fitted = device_from_measurements(dict(counted, host_fit={"points": line, "per_operator": 17e-6,
+                                                              "per_microbatch": 4e-4}), H100)
+    assert (fitted.kernel_overhead_s, fitted.microbatch_overhead_s) == (17e-6, 4e-4)
     measured["layers"] = [{"rows": 2, "hidden": 256, "heads": 4, "seq": 512, "seconds": 1e-3, "forward_seconds": 3e-4}]
     cl = calibrate_cuda("dgx-h100", measured=measured)
     assert cl.device == fit and cl.nccl == Cluster.preset("dgx-h100").nccl
@@ -355,3 +361,42 @@ def test_the_device_model_prices_measured_h200_layers():
                 flops = 4 * case["rows"] * case["seq"] ** 2 * case["hidden"] * 0.5 * 3.5 * case["layers"]
                 efficiency = flops / seconds / H100.bf16_flops * (case["seq"] + 256) / case["seq"]
                 assert H100.flash_efficiency == pytest.approx(efficiency, rel=0.02)
+
+
+def test_the_host_line_runs_on_any_device():
+    """The calibration's host probe on a CPU (no GPU needed to run it): deeper models dispatch more
+    operators, the same number per added layer, and the line has a positive slope."""
+    import torch
+
+    from workbench.advise.calibrate_cuda import HOST_DEPTHS, _host_fit
+
+    fit = _host_fit(torch.float32, device="cpu", steps=2)
+    counts = [p["dispatched"] for p in fit["points"]]
+    per_layer = {(b - a) / (lb - la) for (a, la), (b, lb) in zip(zip(counts, HOST_DEPTHS), zip(counts[1:], HOST_DEPTHS[1:]))}
+    assert len(per_layer) == 1 and per_layer.pop() > 50
+    assert fit["per_operator"] > 0
+
+
+def test_the_device_model_prices_measured_h200_training_steps():
+    """Whole training steps of our GPT on one H200 (bf16 weights, fused AdamW, one to sixteen
+    sequences per micro-batch; docs/benchmarks/2026-11-28-h200-steps.json) against ``predict`` on
+    that GPU's calibrated profile under ``eager-fused``: the GPU-bound ones (hidden 2,048 and 4,096)
+    within 6%, every one within 16%, the host-bound included (hidden 256 and 1,024 at one sequence
+    per micro-batch, priced by the host's line: per dispatched operator and per micro-batch)."""
+    import pathlib
+
+    from workbench.advise import predict
+    from workbench.advise.framework import EAGER_FUSED
+
+    root = pathlib.Path(__file__).parents[1] / "docs/benchmarks"
+    steps = json.loads((root / "2026-11-28-h200-steps.json").read_text())["steps"]
+    h200 = Cluster.from_profile(str(root / "2026-11-28-h200-profile.json")).with_(devices_per_node=1, nodes=1,
+                                                                                  framework=EAGER_FUSED)
+    assert h200.device.kernel_overhead_s < 20e-6 and h200.device.microbatch_overhead_s > 0
+    assert len(steps) == 12
+    for s in steps:
+        shape = ModelShape(layers=s["layers"], hidden=s["hidden"], heads=max(1, s["hidden"] // 128), vocab=32000,
+                           seq=s["seq"], ffn=4 * s["hidden"], name="gpt")
+        plan = predict(shape, h200, s["batch"], Config(dp=1, microbatches=s["batch"] // s["mbs"], precision="bf16"))
+        ratio = s["seconds"] / plan.time["total"]
+        assert ratio == pytest.approx(1, abs=0.06 if s["hidden"] >= 2048 else 0.16), (s, ratio)

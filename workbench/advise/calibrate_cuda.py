@@ -15,10 +15,12 @@ probe                       figure
 matrix multiplies over      ``gemm_ceiling`` and ``kernel_fixed_s``: the pair with which the tile,
 shapes (:data:`GEMM_SHAPES`) wave and epilogue model prices every shape best (:func:`fit_gemms`)
 a large copy                ``memory_bandwidth``: bytes read + written per second
-a tiny block's forward +    ``kernel_overhead_s``: the host's time per operator eager training
-backward, many times        dispatches (wall time over the steps and the ATen operators one step
-                            dispatches, :func:`dispatched_operators`; the GPU work is negligible);
-                            bare one-element adds kept as ``launch_s``
+tiny GPTs' micro-batches    ``kernel_overhead_s`` and ``microbatch_overhead_s``: the host's time per
+at three depths             ATen operator a training micro-batch dispatches and beyond them per
+                            micro-batch, a line through wall time against operators counted
+                            (:func:`_host_fit`, :func:`dispatched_operators`; the GPU idles); a
+                            tiny block's steps (:func:`_host_per_operator`) and bare one-element
+                            adds (``launch_s``) kept beside
 causal attention            ``flash_efficiency``: ``F.scaled_dot_product_attention``'s FLOPs over
 (``scaled_dot_product_      its time, over the peak, forward + backward
 attention``)
@@ -49,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import workbench
 from workbench.comm.topology import Link
-from workbench.models import GPTConfig
+from workbench.models import GPT, GPTConfig
 from workbench.models.gpt import Block
 
 from .cluster import Cluster
@@ -71,6 +73,7 @@ GEMM_INNER = 20                   # multiplies per CUDA graph timed (see _graphe
 # (hidden, heads, seq, rows): GPT blocks timed forward + backward beside the device model's price
 LAYER_SHAPES = ((2048, 16, 4096, 1), (4096, 32, 4096, 1), (4096, 32, 4096, 4), (8192, 64, 4096, 1))
 HOST_STEPS = 50                   # forward + backward steps of a tiny block timed for the host's cost
+HOST_DEPTHS = (2, 8, 16)          # layers of the tiny GPTs whose micro-batches fit the host's line
 
 
 def profile_for(name: str, memory_bytes: float) -> Device | None:
@@ -216,6 +219,49 @@ def _host_per_operator(dtype, hidden: int = 64, heads: int = 4, seq: int = 64) -
             "per_operator": seconds / dispatched}
 
 
+def _host_fit(dtype, device: str = "cuda", hidden: int = 64, heads: int = 4, seq: int = 64,
+              steps: int = 30) -> dict:
+    """The host's cost of a training micro-batch as a line: a :class:`workbench.models.GPT` so
+    small that the GPU idles (``hidden``, one sequence of ``seq``), at each depth of
+    :data:`HOST_DEPTHS`, one micro-batch (``model(x, y)``, its loss, ``backward()``) timed on the
+    wall clock over ``steps``, against the ATen operators one dispatches
+    (:func:`dispatched_operators`); least squares of seconds on operators gives the cost per
+    dispatched operator (``per_operator``: ``kernel_overhead_s``) and what a micro-batch costs
+    beyond them (``per_microbatch``: the loss, autograd's engine starting, the model's Python:
+    ``microbatch_overhead_s``). A deep model spreads its per-step costs over many operators, which
+    the one-block probe (:func:`_host_per_operator`) cannot. Any device (on a CPU the compute is
+    in the line too)."""
+    points = []
+    for layers in HOST_DEPTHS:
+        torch.manual_seed(0)
+        config = GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=256)
+        model = GPT(config).to(device=device, dtype=dtype)
+        x = torch.randint(0, 256, (1, seq), device=device)
+
+        def micro():
+            model(x, x)[1].backward()
+
+        for _ in range(5):
+            micro()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            micro()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        points.append({"layers": layers, "seconds": (time.perf_counter() - start) / steps,
+                       "dispatched": dispatched_operators(micro)})
+        del model
+    n = len(points)
+    mx = sum(q["dispatched"] for q in points) / n
+    my = sum(q["seconds"] for q in points) / n
+    slope = sum((q["dispatched"] - mx) * (q["seconds"] - my) for q in points) \
+        / sum((q["dispatched"] - mx) ** 2 for q in points)
+    return {"hidden": hidden, "seq": seq, "points": points, "per_operator": slope,
+            "per_microbatch": my - slope * mx}
+
+
 def _attention(dtype, rows: int = 2, heads: int = 16, seq: int = 4096, dim: int = 128) -> dict:
     """Causal ``scaled_dot_product_attention`` forward + backward as a layer calls it: FLOPs (causal
     half, backward 2.5x) over the time. The query, key and value are views of ``(rows, seq, heads,
@@ -294,7 +340,8 @@ def measure(dtype=torch.bfloat16, nccl: bool = True) -> dict:
            "memory_bytes": float(props.total_memory), "torch": torch.__version__,
            "cuda": torch.version.cuda, "dtype": str(dtype).replace("torch.", ""),
            "gemms": _gemms(dtype), "memory_bandwidth": _bandwidth(), "launch_s": _launch_overhead(),
-           "host": _host_per_operator(dtype), "attention": _attention(dtype), "layers": _layers(dtype)}
+           "host": _host_per_operator(dtype), "host_fit": _host_fit(dtype), "attention": _attention(dtype),
+           "layers": _layers(dtype)}
     out["kernel_overhead_s"] = out["host"]["per_operator"]
     if nccl and torch.cuda.device_count() >= 2:
         out["nccl"] = _nccl(min(8, torch.cuda.device_count()))
@@ -322,8 +369,9 @@ def fit_gemms(base: Device, gemms: list[dict], precision: str = "bf16") -> tuple
 def device_from_measurements(measured: dict, base: Device | None = None) -> Device:
     """The :class:`Device` the measurements describe (pure: no GPU needed). Peaks from ``base``
     (the published profile of the same GPU; None: the best rate measured, ceiling 1), the rest
-    measured: the GEMM ceiling and a kernel's fixed cost fitted over every shape, the bandwidth, the launch cost, flash
-    attention's efficiency; the per-micro-batch overhead is ``base``'s (a framework figure)."""
+    measured: the GEMM ceiling and a kernel's fixed cost fitted over every shape, the bandwidth, flash
+    attention's efficiency, the host's cost per dispatched operator and, where the deep micro-batches
+    were timed (``host_fit``), per micro-batch beyond them (else ``base``'s)."""
     dtype = measured.get("dtype", "bfloat16")
     key = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
     best = max(g["flops"] for g in measured["gemms"][:LARGE])
@@ -339,17 +387,23 @@ def device_from_measurements(measured: dict, base: Device | None = None) -> Devi
     flash = min(1.0, att["flops"] / peak * (att["seq"] + 256) / att["seq"]) if att else base.flash_efficiency
     when = time.strftime("%Y-%m-%d")
     host = measured.get("host", {})
-    # host seconds per dispatched operator; a profile measured before the dispatches were counted
-    # kept seconds per counted kernel only
+    # host seconds per dispatched operator: the line through deep micro-batches where measured (its
+    # intercept the cost per micro-batch), else the one-block probe's; a profile measured before the
+    # dispatches were counted kept seconds per counted kernel only
+    fit = measured.get("host_fit")
     overhead = host["seconds"] / host["dispatched"] if host.get("dispatched") else measured["kernel_overhead_s"]
+    micro = base.microbatch_overhead_s
+    if fit and fit["per_operator"] > 0:
+        overhead, micro = fit["per_operator"], max(0.0, fit["per_microbatch"])
     return base.with_(name=measured["name"], sms=sms, gemm_ceiling=ceiling, kernel_fixed_s=fixed, k_half=0.0,
                       memory_bandwidth=float(measured["memory_bandwidth"]),
                       memory_bytes=float(measured["memory_bytes"]), flash_efficiency=flash,
-                      kernel_overhead_s=float(overhead),
+                      kernel_overhead_s=float(overhead), microbatch_overhead_s=float(micro),
                       source=(f"measured {when} by workbench advise --calibrate --device cuda "
                               f"(torch {measured.get('torch')}, CUDA {measured.get('cuda')}): gemm_ceiling, "
-                              "kernel_fixed_s, memory_bandwidth, kernel_overhead_s, flash_efficiency, sms, memory_bytes",
-                              f"peaks and microbatch_overhead_s: {base.name}'s published profile"))
+                              "kernel_fixed_s, memory_bandwidth, kernel_overhead_s, flash_efficiency, sms, memory_bytes"
+                              + (", microbatch_overhead_s" if fit else ""),
+                              f"peaks{'' if fit else ' and microbatch_overhead_s'}: {base.name}'s published profile"))
 
 
 def calibrate_cuda(base: str = "dgx-h100", path: str | None = None, measured: dict | None = None) -> Cluster:

@@ -115,6 +115,13 @@ TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.9), (64, 128, 0.75))
 # GPU seconds a kernel costs beyond its work: fitted with the ceiling on the H100 calibration's twelve multiplies
 # (docs/benchmarks/2026-11-27-h100-calibration.md); the A100 profiles take the same figure
 KERNEL_FIXED_S = 2e-6
+# eager PyTorch's host time per dispatched ATen operator, and per micro-batch beyond them: the line
+# through tiny GPTs' micro-batches at several depths on two GPU hosts -- an H100's (two depths: 16.8 us
+# and 0.46 ms, docs/benchmarks/2026-11-27-h100-calibration.md) and an H200's (three: 15.3 us and 0.77 ms,
+# docs/benchmarks/2026-11-28-h200-layers.md) -- their means; a one-block probe gives 20-21 us, which
+# carries its own loop's per-step costs on few operators
+HOST_PER_OPERATOR_S = 16e-6
+MICROBATCH_S = 0.6e-3
 CAUSAL = 0.5          # a causal flash kernel skips about half the score matrix
 FLASH_SEQ_HALF = 256  # flash attention's efficiency at sequence s: flash_efficiency x s / (s + this)
 FLASH_BACKWARD = 2.5  # flash backward's FLOPs over forward's (it recomputes the scores: 5 products, not 2)
@@ -160,8 +167,8 @@ class Device:
     memory_bandwidth: float
     memory_bytes: float
     flash_efficiency: float
-    kernel_overhead_s: float = 20e-6
-    microbatch_overhead_s: float = 1e-3
+    kernel_overhead_s: float = HOST_PER_OPERATOR_S
+    microbatch_overhead_s: float = MICROBATCH_S
     tf32_flops: float = 0.0
     k_half: float = 0.0
     kernel_fixed_s: float = KERNEL_FIXED_S
@@ -573,12 +580,14 @@ def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int) -> float:
 # and the bandwidth are hardware figures measured through cuBLAS and a copy kernel, the two overheads
 # are eager PyTorch's (framework), flash efficiency FlashAttention-2's.
 
-_LAUNCH = ("kernel_overhead_s 20 us: eager PyTorch's host cost per dispatched operator (Python, dispatcher, "
-           "autograd), from a GPT block's forward + backward timed on an H100 host over the 106 ATen operators it "
-           "dispatched: 21 us (docs/benchmarks/2026-11-27-h100-calibration.md); the regime is Horace He's 'Making "
-           "Deep Learning Go Brrrr From First Principles' (2022); a framework figure")
-_MICRO = ("microbatch_overhead_s 1 ms: a training loop's Python per micro-batch (data slicing, the loss's scalar, "
-          "the schedule's bookkeeping), eager PyTorch; a framework figure")
+_LAUNCH = ("kernel_overhead_s 16 us: eager PyTorch's host cost per dispatched operator (Python, dispatcher, "
+           "autograd): the slope of micro-batch time against ATen operators dispatched, tiny GPTs at several depths "
+           "on an H100 host (16.8 us) and an H200 host (15.3 us), docs/benchmarks/2026-11-27-h100-calibration.md and "
+           "2026-11-28-h200-layers.md; the regime is Horace He's 'Making Deep Learning Go Brrrr From First "
+           "Principles' (2022); a framework figure")
+_MICRO = ("microbatch_overhead_s 0.6 ms: a training micro-batch's host time beyond its operators (the loss, "
+          "autograd's engine starting, the model's Python): the same lines' intercepts, 0.46 and 0.77 ms; eager "
+          "PyTorch, a framework figure")
 # The attention kernel is the framework's: the A100 profiles take Megatron-LM's of the A100's published runs
 # (Narayanan et al. 2021, Korthikanti et al. 2022: fused scale-mask-softmax over materialised scores, before
 # FlashAttention), the H100 profile FlashAttention's, which every H100 framework runs (Megatron-Core's
