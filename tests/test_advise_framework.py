@@ -65,6 +65,24 @@ def test_eager_operators_move_their_real_bytes_in_more_kernels():
     assert fused_head == pytest.approx(matmuls + (6 * e * n * h + (48 + 2 * e) * n * v) / H100.memory_bandwidth)
 
 
+def test_a_fused_norm_in_an_eager_framework_is_one_kernel_at_the_full_bandwidth():
+    """torchtitan's ``fused_rmsnorm``: the norms (the layer's two and the final one) move the fused
+    kernel's bytes in one kernel each way, the rest of the layer stays eager."""
+    from dataclasses import replace
+
+    fused_norm = replace(EAGER, name="eager, fused norm", fused_norm=True)
+    ops = {(n, p): (s, k) for n, p, s, k in dev.layer_operators(H100, LLAMA, 1, framework=fused_norm)}
+    eager = {(n, p): (s, k) for n, p, s, k in dev.layer_operators(H100, LLAMA, 1, framework=EAGER)}
+    tokens, h, e = LLAMA.seq, LLAMA.hidden, 2
+    assert ops["input norm", "forward"] == (pytest.approx(2 * e * tokens * h / H100.memory_bandwidth), 1)
+    assert ops["post-attention norm", "backward"][1] == 2
+    assert ops["rotary", "forward"] == eager["rotary", "forward"]          # everything else as eager
+    assert dev.layer_seconds(H100, LLAMA, 1, framework=fused_norm)["total"] < \
+        dev.layer_seconds(H100, LLAMA, 1, framework=EAGER)["total"]
+    head = dev.head_seconds(H100, LLAMA, 1, framework=fused_norm)["head"]
+    assert head < dev.head_seconds(H100, LLAMA, 1, framework=EAGER)["head"]
+
+
 def test_op_selective_recomputes_every_second_matmul_and_the_elementwise_operators():
     ops = dev._operators(H100, LLAMA, 2, 1, False, "bf16", EAGER)
     forward_gemms = [s for _, p, s, _, kind in ops if p == "forward" and kind == "gemm"]

@@ -350,6 +350,7 @@ class _LayerOps:
         self.n = rows * shape.seq                                   # tokens of the micro-batch
         self.rows_h = self.n // tp if sequence_parallel else self.n   # rows the norms and residual adds run on
         self.eager = framework is not None and not framework.fused
+        self.eager_norm = self.eager and not framework.fused_norm
         # the share of the copy bandwidth the framework's elementwise kernels reach
         self.bandwidth_share = framework.elementwise_efficiency if framework is not None else 1.0
         self.ops: list[tuple[str, str, float, int, str]] = []
@@ -362,10 +363,12 @@ class _LayerOps:
         self.ops.append((name, "backward", gemm_seconds(device, m, k, out, precision)
                          + gemm_seconds(device, k, out, m, precision), 2, "gemm"))
 
-    def elementwise(self, name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None) -> None:
+    def elementwise(self, name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None,
+                    fused: bool = False) -> None:
         """A memory-bound operator moving ``nbytes`` forward and twice that backward, at the framework's
-        ``elementwise_efficiency`` of the device's bandwidth."""
-        nbytes = nbytes / self.bandwidth_share
+        ``elementwise_efficiency`` of the device's bandwidth (``fused``: one fused kernel, at the full
+        bandwidth whatever the framework)."""
+        nbytes = nbytes / (1.0 if fused else self.bandwidth_share)
         self.ops.append((name, "forward", memory_seconds(self.device, nbytes), kernels, "memory"))
         self.ops.append((name, "backward", memory_seconds(self.device, 2 * nbytes),
                          kernels if back_kernels is None else back_kernels, "memory"))
@@ -374,11 +377,11 @@ class _LayerOps:
         """A LayerNorm or RMSNorm: fused, its input in and output out (backward ``dx`` and ``dgamma``);
         eager RMSNorm, float32 inside (:data:`EAGER_NORM`)."""
         e, rows_h, h = self.e, self.rows_h, self.h
-        if self.eager and getattr(self.shape, "norm", "layernorm") == "rmsnorm":
+        if self.eager_norm and getattr(self.shape, "norm", "layernorm") == "rmsnorm":
             fixed, per_e, k = EAGER_NORM
             self.elementwise(name, (fixed + per_e * e) * rows_h * h, k, 2 * k)
         else:
-            self.elementwise(name, 2 * rows_h * h * e, 1, 2)              # x in, y out; backward dx and dgamma
+            self.elementwise(name, 2 * rows_h * h * e, 1, 2, fused=True)  # x in, y out; backward dx and dgamma
 
     def residual(self) -> None:
         """The block's residual add (eager), or Megatron's fused bias-dropout-add with its dropout mask
@@ -536,7 +539,8 @@ def head_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_paralle
     vocab = -(-shape.vocab // tp)
     rows_h = n // tp if sequence_parallel else n
     if framework is not None and not framework.fused:
-        fixed, per_e, k = EAGER_NORM if getattr(shape, "norm", "layernorm") == "rmsnorm" else (0, 2, 1)
+        eager_norm = getattr(shape, "norm", "layernorm") == "rmsnorm" and not framework.fused_norm
+        fixed, per_e, k = EAGER_NORM if eager_norm else (0, 2, 1)
         forward = memory_seconds(device, (fixed + per_e * e) * rows_h * h + (20 + e) * n * vocab) \
             + gemm_seconds(device, n, vocab, h, precision)
         backward = memory_seconds(device, 2 * (fixed + per_e * e) * rows_h * h + (24 + e) * n * vocab) \

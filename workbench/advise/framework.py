@@ -19,6 +19,12 @@ favours tensor parallelism more than one that launches every operator on its own
     float32 is seven kernels and about 36 bytes per element, not 4; the rotary embedding three per
     tensor through complex float32; SwiGLU two; GQA's ``repeat_kv`` copies; the attention output
     made contiguous).
+``fused_norm``
+    the norm one fused kernel in a framework whose other elementwise operators are eager:
+    torchtitan's ``norm_type = "fused_rmsnorm"`` (a Triton RMSNorm: forward one kernel reading the
+    input and writing the output and the per-row statistic; backward one, the weight's gradient
+    reduced after), which its Llama 2 13B and Llama 3 8B configurations of April 2024 set
+    (``train_configs/llama2_13b.toml``, ``llama3_8b.toml``), and its 70B ones did not.
 ``tp_comm_overlap``
     tensor-parallel all-gathers and reduce-scatters overlapped with the matrix multiplies that
     consume or produce them (Megatron-Core's ``--tp-comm-overlap``, TransformerEngine's userbuffers,
@@ -145,6 +151,7 @@ class Framework:
     name: str
     attention: str = "flash"
     fused: bool = True
+    fused_norm: bool = False
     tp_comm_overlap: bool = False
     selective: str = "attention"
     optimizer: str = "fused"

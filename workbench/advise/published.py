@@ -142,12 +142,22 @@ _H100_NOTE = ("H100 96 GB HBM2e, 2.4 TB/s, at 500 W (device 'h100-sxm-96gb-500w'
               "per-op policy (its default)")
 
 
+# torchtitan's configurations when its A100 table was published (April 2024, pytorch/torchtitan 1ea476e9f):
+# train_configs/llama2_13b.toml and llama3_8b.toml set norm_type = "fused_rmsnorm" (a Triton RMSNorm),
+# llama2_70b.toml and llama3_70b.toml norm_type = "rmsnorm" (eager); compile = false in all four
+_TITAN_FUSED_NORM = replace(EAGER, name="eager (torchtitan, fused RMSNorm)", fused_norm=True,
+                            source="torchtitan April 2024: eager PyTorch with norm_type = 'fused_rmsnorm' (Triton)")
+_FUSED_NORM_NOTE = "; its configuration's norm_type = 'fused_rmsnorm' (a Triton kernel: framework 'eager' with fused_norm)"
+
+
 def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str) -> Published:
+    fused_norm = model in ("llama3-8b", "llama-13b")
     return Published(name=f"torchtitan {SHAPES[model].name} {label}, 64 A100", source=TITAN_A100,
                      metric="tokens_per_gpu", value=wps, cluster="dgx-a100", nodes=8, model=SHAPES[model],
                      global_batch=64 * lbs,
-                     config=Config(dp=64, zero=3, precision="bf16", recompute=recompute), note=_TITAN_NOTE,
-                     framework="eager")
+                     config=Config(dp=64, zero=3, precision="bf16", recompute=recompute),
+                     note=_TITAN_NOTE + (_FUSED_NORM_NOTE if fused_norm else ""),
+                     framework=_TITAN_FUSED_NORM if fused_norm else "eager")
 
 
 # fms-fsdp (IBM's Foundation Model Stack on FSDP): eager PyTorch (RMSNorm, rotary through complex numbers, SDPA
