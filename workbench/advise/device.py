@@ -116,10 +116,10 @@ TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.9), (64, 128, 0.75))
 # (docs/benchmarks/2026-11-27-h100-calibration.md); the A100 profiles take the same figure
 KERNEL_FIXED_S = 2e-6
 # eager PyTorch's host time per dispatched ATen operator, and per micro-batch beyond them: the line
-# through tiny GPTs' micro-batches at several depths on two GPU hosts -- an H100's (two depths: 16.8 us
-# and 0.46 ms, docs/benchmarks/2026-11-27-h100-calibration.md) and an H200's (three: 15.3 us and 0.77 ms,
-# docs/benchmarks/2026-11-28-h200-layers.md) -- their means; a one-block probe gives 20-21 us, which
-# carries its own loop's per-step costs on few operators
+# through micro-batches of different depths on two GPU hosts -- an H100's (two points: 16.8 us and
+# 0.46 ms) and an H200's (three tiny GPTs: 15.3 us and 0.77 ms), docs/benchmarks/2026-11-28-h200-layers.md
+# -- their means; a one-block probe gives 20-21 us, which carries its own loop's per-step costs on few
+# operators
 HOST_PER_OPERATOR_S = 16e-6
 MICROBATCH_S = 0.6e-3
 CAUSAL = 0.5          # a causal flash kernel skips about half the score matrix
@@ -585,9 +585,9 @@ def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int) -> float:
 # are eager PyTorch's (framework), flash efficiency FlashAttention-2's.
 
 _LAUNCH = ("kernel_overhead_s 16 us: eager PyTorch's host cost per dispatched operator (Python, dispatcher, "
-           "autograd): the slope of micro-batch time against ATen operators dispatched, tiny GPTs at several depths "
-           "on an H100 host (16.8 us) and an H200 host (15.3 us), docs/benchmarks/2026-11-27-h100-calibration.md and "
-           "2026-11-28-h200-layers.md; the regime is Horace He's 'Making Deep Learning Go Brrrr From First "
+           "autograd): the slope of micro-batch time against ATen operators dispatched, on an H100 host (16.8 us, "
+           "two points) and an H200 host (15.3 us, tiny GPTs at three depths), docs/benchmarks/2026-11-28-h200-layers.md; "
+           "the regime is Horace He's 'Making Deep Learning Go Brrrr From First "
            "Principles' (2022); a framework figure")
 _MICRO = ("microbatch_overhead_s 0.6 ms: a training micro-batch's host time beyond its operators (the loss, "
           "autograd's engine starting, the model's Python): the same lines' intercepts, 0.46 and 0.77 ms; eager "
