@@ -333,7 +333,8 @@ display(widgets.interactive(explore, {"manual": True, "manual_name": "advise"}, 
 # `workbench advise --validate` runs the full one, on this machine as it is and as an emulated
 # 2-node cluster whose network is at least 10x slower than its loopback. Its band is +-15%, over
 # 70 configurations of 5 trials each. This sample's three configurations of three trials each
-# (their trials are listed under the table) spread from trial to trial on this machine's two
+# (their trials are listed under the table; one each where other work keeps the cores busy before
+# the runs, when the step times are not asserted) spread from trial to trial on this machine's two
 # shared cores, and the whole sample moves from one launch to the next ([measured over 18
 # launches](../docs/benchmarks/2026-11-28-lesson-08-quick-sample.md)), so the check gives their
 # median error a band of +-25%.
@@ -347,7 +348,9 @@ SAMPLE = [validate.Setting("tiny", 16, None, QUICK)]
 other_work = []  # the cores' busy fraction from other work, before and after the runs (see the check)
 if FOUR:
     other_work.append(busy_fraction())
-    rows = validate.validate(SAMPLE, trials=3, progress=None)
+    # where other work already keeps the cores busy the step times cannot be asserted (see the check):
+    # one trial then shows the memory and the schedules, three where the cores are free
+    rows = validate.validate(SAMPLE, trials=3 if were_free(other_work) else 1, progress=None)
     other_work.append(busy_fraction())
     for k, setting in enumerate(SAMPLE):
         print(validate.report([r for r in rows if r["setting"] == k], title=setting.label()), "\n")
