@@ -195,10 +195,12 @@ def dispatched_operators(step) -> int:
 def _host_per_operator(dtype, hidden: int = 64, heads: int = 4, seq: int = 64) -> dict:
     """Host seconds per dispatched operator of an eager training step: a block so small that its
     kernels take next to no GPU time, ``HOST_STEPS`` forward + backward passes on the wall clock,
-    over the ATen operators one step dispatches (:func:`dispatched_operators`). This is the
-    ``kernel_overhead_s`` the model needs; a framework says how many operators it dispatches per
-    kernel the model counts (``Framework.host_ops_per_kernel``). ``kernels``: the model's count
-    for the block, kept beside."""
+    over the ATen operators one step dispatches (:func:`dispatched_operators`): the
+    ``kernel_overhead_s`` of a profile measured without the line through deep micro-batches
+    (:func:`_host_fit`, which also separates what a micro-batch costs beyond its operators and is
+    taken where measured); a framework says how many operators it dispatches per kernel the model
+    counts (``Framework.host_ops_per_kernel``). ``kernels``: the model's count for the block, kept
+    beside."""
     block, x = _block(dtype, hidden, heads, seq, 1)
 
     def step():
