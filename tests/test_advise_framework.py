@@ -22,7 +22,8 @@ H100 = dev.PROFILES["h100-sxm-80gb"].with_(kernel_fixed_s=0.0)   # each kernel's
 
 def test_framework_is_validated_and_sets_one_attention_kernel():
     for bad in (dict(attention="sdpa"), dict(selective="layer"), dict(optimizer="sgd"), dict(loss_float32_copies=0),
-                dict(sm_share=1.0), dict(grad_reduce_bytes=3)):
+                dict(sm_share=1.0), dict(grad_reduce_bytes=3), dict(elementwise_efficiency=0.0),
+                dict(elementwise_efficiency=1.5), dict(fused_norm="yes")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Framework("x", **bad)
     assert Cluster.preset("dgx-h100").framework is EAGER_FUSED

@@ -115,11 +115,10 @@ TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.9), (64, 128, 0.75))
 # GPU seconds a kernel costs beyond its work: fitted with the ceiling on the H100 calibration's twelve multiplies
 # (docs/benchmarks/2026-11-27-h100-calibration.md); the A100 profiles take the same figure
 KERNEL_FIXED_S = 2e-6
-# eager PyTorch's host time per dispatched ATen operator, and per micro-batch beyond them: the line
-# through micro-batches of different depths on two GPU hosts -- an H100's (two points: 16.8 us and
-# 0.46 ms) and an H200's (three tiny GPTs: 15.3 us and 0.77 ms), docs/benchmarks/2026-11-28-h200-layers.md
-# -- their means; a one-block probe gives 20-21 us, which carries its own loop's per-step costs on few
-# operators
+# eager PyTorch's host time per dispatched ATen operator, and per micro-batch beyond them: the slope
+# and intercept of micro-batch time against operators dispatched, the mean of two GPU hosts' lines
+# (docs/benchmarks/2026-11-28-h200-layers.md); a one-block probe reads higher, as it carries its own
+# loop's per-step costs on few operators
 HOST_PER_OPERATOR_S = 16e-6
 MICROBATCH_S = 0.6e-3
 CAUSAL = 0.5          # a causal flash kernel skips about half the score matrix
@@ -585,12 +584,12 @@ def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int) -> float:
 # are eager PyTorch's (framework), flash efficiency FlashAttention-2's.
 
 _LAUNCH = ("kernel_overhead_s 16 us: eager PyTorch's host cost per dispatched operator (Python, dispatcher, "
-           "autograd): the slope of micro-batch time against ATen operators dispatched, on an H100 host (16.8 us, "
-           "two points) and an H200 host (15.3 us, tiny GPTs at three depths), docs/benchmarks/2026-11-28-h200-layers.md; "
+           "autograd): the slope of micro-batch time against ATen operators dispatched, the mean of an H100 host's "
+           "and an H200 host's lines, docs/benchmarks/2026-11-28-h200-layers.md; "
            "the regime is Horace He's 'Making Deep Learning Go Brrrr From First "
            "Principles' (2022); a framework figure")
 _MICRO = ("microbatch_overhead_s 0.6 ms: a training micro-batch's host time beyond its operators (the loss, "
-          "autograd's engine starting, the model's Python): the same lines' intercepts, 0.46 and 0.77 ms; eager "
+          "autograd's engine starting, the model's Python): the same lines' intercepts, their mean; eager "
           "PyTorch, a framework figure")
 # The attention kernel is the framework's: the A100 profiles take Megatron-LM's of the A100's published runs
 # (Narayanan et al. 2021, Korthikanti et al. 2022: fused scale-mask-softmax over materialised scores, before
@@ -609,18 +608,17 @@ PROFILES: dict[str, Device] = {
         gemm_ceiling=0.75,
         # STREAM-like copy / BabelStream on H100 SXM5: about 3.0 of the 3.35 TB/s datasheet figure
         memory_bandwidth=3.0e12, memory_bytes=H100_80GB_BYTES,
-        # FlashAttention-2 as PyTorch's SDPA bundles it (and flash-attn 2 ships): 265 TFLOP/s forward +
-        # backward inside a Llama 7B layer (two sequences of 4,096, 32 heads of 128, causal) on an H200, the
-        # H100's chip (docs/benchmarks/2026-11-28-h200-layers.md): 0.268 of the peak, 0.285 before the
+        # FlashAttention-2 as PyTorch's SDPA bundles it (and flash-attn 2 ships), forward + backward inside a
+        # Llama 7B layer on an H200, the H100's chip (docs/benchmarks/2026-11-28-h200-layers.md), before the
         # sequence's s / (s + 256); the FlashAttention-3 paper (Shah et al. 2024) puts FA2 at 35% of an H100
         # at best, forward. cuDNN's kernel (SDPA's default on Hopper from PyTorch 2.11, opt-in before; TE's
-        # fused attention) reached 441-491 TFLOP/s in the same layers: calibrate to price it
+        # fused attention) runs faster: calibrate to price it
         flash_efficiency=0.285,
         source=("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s bf16 dense, 67 fp32, 494 tf32, 3.35 TB/s, "
                 "132 SMs per the Hopper architecture white paper)",
                 "gemm_ceiling 0.75: public cuBLAS bf16 sweeps on H100 SXM (700-800 TFLOP/s on large shapes)",
                 "memory_bandwidth 3.0 TB/s: BabelStream/STREAM-like copy on H100 SXM (about 90% of the datasheet)",
-                "flash_efficiency 0.285: FlashAttention-2 as PyTorch's SDPA runs it, 265 TFLOP/s forward + backward in "
+                "flash_efficiency 0.285: FlashAttention-2 as PyTorch's SDPA runs it, forward + backward in "
                 "a Llama 7B layer on an H200 (the H100's GH100: same SMs and clocks), "
                 "docs/benchmarks/2026-11-28-h200-layers.md; FA2 reaches at most 35% of an H100 (Shah et al. 2024, "
                 "FlashAttention-3)",

@@ -71,10 +71,9 @@ favours tensor parallelism more than one that launches every operator on its own
 ``elementwise_efficiency``
     the bandwidth a layer's elementwise operators achieve, over the device's ``memory_bandwidth``
     (a large copy's): the bytes :func:`workbench.advise.device.layer_operators` counts move at this
-    share of it. Eager: 0.8, measured -- torchtitan-style Llama layers on one H200 (7B, 34B and 70B
-    shapes, two sequences of 4,096 tokens, ``docs/benchmarks/2026-11-28-h200-layers.md``): their
-    elementwise kernels took 1.17-1.29x the counted bytes at the copy's bandwidth (0.78-0.85 of
-    it), as PyTorch's TensorIterator kernels run broadcasts (the RMSNorm's ``rsqrt`` column, the
+    share of it. Eager: 0.8, measured on torchtitan-style Llama layers kernel by kernel
+    (``docs/benchmarks/2026-11-28-h200-layers.md``): below the copy's rate, as PyTorch's
+    TensorIterator kernels run broadcasts (the RMSNorm's ``rsqrt`` column, the
     ``* weight`` row), strided copies (``repeat_kv``, ``.contiguous()``, ``.float()`` of a view) and
     complex multiplies (the rotary) without vectorized loads. Fused frameworks: 1, an assumption (a
     fused kernel reads and writes each tensor once, contiguously, as the copy does).
@@ -182,6 +181,9 @@ class Framework:
                 or self.host_ops_per_kernel < 1:
             raise ValueError(f"Framework(host_ops_per_kernel={self.host_ops_per_kernel!r}): operators the host "
                              "dispatches per counted kernel, a number >= 1 (eager PyTorch: about 2.25)")
+        if not isinstance(self.fused_norm, bool):
+            raise ValueError(f"Framework(fused_norm={self.fused_norm!r}): True (the norm one fused kernel, as "
+                             "torchtitan's 'fused_rmsnorm') or False")
         v = self.elementwise_efficiency
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
             raise ValueError(f"Framework(elementwise_efficiency={v!r}): the share of the copy bandwidth its "
