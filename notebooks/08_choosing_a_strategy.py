@@ -498,7 +498,7 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
 
 # %% [markdown]
 # What the misses say (the command's notes give each row's assumptions): every miss is an eager
-# FSDP run predicted fast -- four of torchtitan's A100 rows, on a cluster whose network is not
+# FSDP run predicted fast -- three of torchtitan's A100 rows, on a cluster whose network is not
 # published, and IBM's FSDP run of a 7B Llama on H100, where the blog itself finds a tenth of the
 # step lost to communication. The 7B layer, timed kernel by kernel on one H200 (the H100's chip),
 # costs what the model says within 3% (`docs/benchmarks/2026-11-28-h200-layers.md`): what these

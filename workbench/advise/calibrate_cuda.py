@@ -56,7 +56,7 @@ from workbench.models.gpt import Block
 
 from .cluster import Cluster
 from .cluster import PRESETS as CLUSTERS
-from .device import PROFILES, Device, gemm_seconds, kernels_per_layer, layer_seconds
+from .device import FLASH_SEQ_HALF, PROFILES, Device, gemm_seconds, kernels_per_layer, layer_seconds
 from .shape import ModelShape
 
 __all__ = ["GEMM_SHAPES", "measure", "device_from_measurements", "calibrate_cuda", "profile_for"]
@@ -386,7 +386,7 @@ def device_from_measurements(measured: dict, base: Device | None = None) -> Devi
     ceiling, fixed = fit_gemms(base.with_(sms=sms, memory_bandwidth=float(measured["memory_bandwidth"])),
                                measured["gemms"], key)
     att = measured.get("attention")
-    flash = min(1.0, att["flops"] / peak * (att["seq"] + 256) / att["seq"]) if att else base.flash_efficiency
+    flash = min(1.0, att["flops"] / peak * (att["seq"] + FLASH_SEQ_HALF) / att["seq"]) if att else base.flash_efficiency
     when = time.strftime("%Y-%m-%d")
     host = measured.get("host", {})
     # host seconds per dispatched operator: the line through deep micro-batches where measured (its

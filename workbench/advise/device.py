@@ -122,7 +122,11 @@ KERNEL_FIXED_S = 2e-6
 HOST_PER_OPERATOR_S = 16e-6
 MICROBATCH_S = 0.6e-3
 CAUSAL = 0.5          # a causal flash kernel skips about half the score matrix
-FLASH_SEQ_HALF = 256  # flash attention's efficiency at sequence s: flash_efficiency x s / (s + this)
+# flash attention's efficiency at sequence s: flash_efficiency x s / (s + FLASH_SEQ_HALF). The FlashAttention-2
+# release's forward + backward charts (Dao-AILab/flash-attention assets/flash2_a100_fwd_bwd_benchmark.png and
+# flash2_h100_fwd_bwd_benchmark.png, the paper's Figure 4; causal, head dim 128, 16k tokens a batch) follow this
+# curve with 530 (A100: 155, 173, 182, 189 TFLOP/s at 2k, 4k, 8k, 16k) and 580 (H100: 265, 294, 308, 328)
+FLASH_SEQ_HALF = 550
 FLASH_BACKWARD = 2.5  # flash backward's FLOPs over forward's (it recomputes the scores: 5 products, not 2)
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Device memory a process can use, not the name's "80 GB": an H100 SXM "80 GB" has 80 GiB of HBM3, of which
@@ -610,15 +614,15 @@ PROFILES: dict[str, Device] = {
         memory_bandwidth=3.0e12, memory_bytes=H100_80GB_BYTES,
         # FlashAttention-2 as PyTorch's SDPA bundles it (and flash-attn 2 ships), forward + backward inside a
         # Llama 7B layer on an H200, the H100's chip (docs/benchmarks/2026-11-28-h200-layers.md), before the
-        # sequence's s / (s + 256); the FlashAttention-3 paper (Shah et al. 2024) puts FA2 at 35% of an H100
-        # at best, forward. cuDNN's kernel (SDPA's default on Hopper from PyTorch 2.11, opt-in before; TE's
-        # fused attention) runs faster: calibrate to price it
-        flash_efficiency=0.285,
+        # sequence's s / (s + FLASH_SEQ_HALF), below FA2's own chart (0.338 on that curve, the FlashAttention-3
+        # paper's "35%"). cuDNN's kernel (SDPA's default on Hopper from PyTorch 2.11,
+        # opt-in before; TE's fused attention) runs faster: calibrate to price it
+        flash_efficiency=0.304,
         source=("NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s bf16 dense, 67 fp32, 494 tf32, 3.35 TB/s, "
                 "132 SMs per the Hopper architecture white paper)",
                 "gemm_ceiling 0.75: public cuBLAS bf16 sweeps on H100 SXM (700-800 TFLOP/s on large shapes)",
                 "memory_bandwidth 3.0 TB/s: BabelStream/STREAM-like copy on H100 SXM (about 90% of the datasheet)",
-                "flash_efficiency 0.285: FlashAttention-2 as PyTorch's SDPA runs it, forward + backward in "
+                "flash_efficiency 0.304: FlashAttention-2 as PyTorch's SDPA runs it, forward + backward in "
                 "a Llama 7B layer on an H200 (the H100's GH100: same SMs and clocks), "
                 "docs/benchmarks/2026-11-28-h200-layers.md; FA2 reaches at most 35% of an H100 (Shah et al. 2024, "
                 "FlashAttention-3)",
@@ -636,7 +640,7 @@ PROFILES: dict[str, Device] = {
         name="H100 96 GB HBM2e at 500 W (Grand Teton)", bf16_flops=989e12, fp16_flops=989e12, fp32_flops=67e12,
         tf32_flops=494e12, sms=132, gemm_ceiling=round(0.75 * (430 / 630) ** (1 / 3), 3),
         memory_bandwidth=2.16e12, memory_bytes=round(96 * 2**30 * VISIBLE),
-        flash_efficiency=round(0.285 * (430 / 630) ** (1 / 3), 3),
+        flash_efficiency=round(0.304 * (430 / 630) ** (1 / 3), 3),
         source=("pytorch/torchtitan docs/performance.md: Grand Teton, H100 96GB HBM2e, 2.4 TB/s, 500 W power limit",
                 "gemm_ceiling and flash_efficiency: the H100 SXM's times ((500 - 70)/(700 - 70))^(1/3), the clock "
                 "a 500 W cap leaves a power-limited multiply (dynamic power ~ f V^2, V ~ f; 70 W idle)",
@@ -647,21 +651,27 @@ PROFILES: dict[str, Device] = {
         # guide's GEMM plots; Korthikanti et al. 2022 reach 57% hardware FLOP utilisation end to end)
         gemm_ceiling=0.88,
         memory_bandwidth=1.8e12, memory_bytes=A100_80GB_BYTES,      # BabelStream on A100 80 GB: ~1.8 of 2.04 TB/s
-        flash_efficiency=0.65,                            # FlashAttention-2: up to 225 TFLOP/s (72%) fwd + bwd
+        # FlashAttention-2's own forward + backward chart on A100 80 GB SXM4 (causal, head dim 128: 155, 173, 182,
+        # 189 TFLOP/s at 2k-16k), on the FLASH_SEQ_HALF curve; not the paper's "225 TFLOP/s (72%)", which is
+        # whole GPT models' training rate. Inside a layer SDPA may run below its chart, as it did on the H100
+        # (docs/benchmarks/2026-11-28-h200-layers.md); no A100 was at hand to measure it
+        flash_efficiency=0.627,
         attention="math",
         source=("NVIDIA A100 Tensor Core GPU datasheet (80 GB SXM: 312 TFLOP/s bf16 dense, 19.5 fp32, 156 tf32, "
                 "2,039 GB/s; 108 SMs per the Ampere architecture white paper)",
                 "gemm_ceiling 0.88: NVIDIA Deep Learning Performance guide, cuBLAS GEMMs near 280 TFLOP/s",
                 "memory_bandwidth 1.8 TB/s: BabelStream on A100 80 GB (about 88% of the datasheet)",
-                "flash_efficiency 0.65: FlashAttention-2 paper, 225 TFLOP/s fwd + bwd on A100 at long sequences",
+                "flash_efficiency 0.627: FlashAttention-2's forward + backward chart on A100 80 GB (Dao 2023, Figure 4; "
+                "Dao-AILab/flash-attention assets/flash2_a100_fwd_bwd_benchmark.png): causal, head dim 128, 155-189 "
+                "TFLOP/s at 2k-16k tokens",
                 _MATH_A100, _LAUNCH, _MICRO)),
     "a100-sxm-40gb": Device(
         name="A100 SXM 40 GB", bf16_flops=312e12, fp16_flops=312e12, fp32_flops=19.5e12, tf32_flops=156e12, sms=108,
         gemm_ceiling=0.88, memory_bytes=round(40 * 2**30 * VISIBLE),
         memory_bandwidth=1.4e12,   # BabelStream: ~1.4 of 1.555 TB/s
-        flash_efficiency=0.65, attention="math",
+        flash_efficiency=0.627, attention="math",
         source=("NVIDIA A100 Tensor Core GPU datasheet (40 GB SXM: 1,555 GB/s; peaks as the 80 GB)",
-                "gemm_ceiling 0.88 and flash_efficiency 0.65 as the A100 80 GB (same SMs and clocks)",
+                "gemm_ceiling 0.88 and flash_efficiency 0.627 as the A100 80 GB (same SMs and clocks)",
                 "memory_bandwidth 1.4 TB/s: BabelStream on A100 40 GB (about 90% of the datasheet)",
                 _MATH_A100, _LAUNCH, _MICRO)),
 }
