@@ -497,12 +497,13 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
       f"= {median_error:.2f}; largest ratio {ratios[-1]:.2f}, smallest {ratios[0]:.2f}")
 
 # %% [markdown]
-# What the misses say (the command's notes give each row's assumptions): every miss is an eager
-# FSDP run predicted fast -- three of torchtitan's A100 rows, on a cluster whose network is not
-# published, and IBM's FSDP run of a 7B Llama on H100, where the blog itself finds a tenth of the
+# What the misses say (the command's notes give each row's assumptions): the one miss is IBM's
+# eager FSDP run of a 7B Llama on H100, predicted fast, where the blog itself finds a tenth of the
 # step lost to communication. The 7B layer, timed kernel by kernel on one H200 (the H100's chip),
-# costs what the model says within 3% (`docs/benchmarks/2026-11-28-h200-layers.md`): what these
-# runs lost is beyond one GPU, and the model does not yet say what. The Megatron README
+# costs what the model says within 3% (`docs/benchmarks/2026-11-28-h200-layers.md`): what that run
+# lost is beyond one GPU, and the model does not yet say what. torchtitan's A100 rows are priced on
+# the network its launcher of the time names (AWS EFA, 400 Gb/s per node); the one of them whose
+# collectives outlast its compute sits at the band's lower edge. The Megatron README
 # does not say which pipeline schedule its runs used; they are priced with 1F1B, its default, since
 # two of its layouts have an odd number of layers per rank, which Megatron cannot interleave in two
 # chunks. The GPU figures are public measurements, not runs of this workbench:

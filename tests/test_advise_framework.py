@@ -325,6 +325,21 @@ def test_public_rows_hold_korthikanti_table_5_and_name_their_frameworks():
     assert slower < published.predicted(ibm)["value"]   # a quarter of the network: FSDP's traffic shows
 
 
+
+def test_torchtitan_s_a100_rows_run_on_the_aws_efa_network_its_launcher_names():
+    """torchtitan's A100 table (April 2024) names no network; its launcher of the time is for AWS
+    with EFA, whose 8 x A100 80 GB instance has 400 Gb/s per node: every torchtitan A100 row, the
+    out-of-memory one included, is priced on dgx-a100's GPUs with that network, and the
+    communication-bound 70B row is slower on it than on a DGX's 8 x 200 Gb/s."""
+    rows = [r for r in published.ROWS if r.source == published.TITAN_A100]
+    assert len(rows) == 7 and {r.network_gbps for r in rows} == {published.TITAN_A100_GBPS} == {400}
+    for row in rows:
+        cluster = published.row_cluster(row)
+        assert cluster.device.name.startswith("A100 SXM 80") and cluster.nodes == 8
+        assert cluster.inter.bandwidth_Bps == pytest.approx(400e9 / 8 / 8)
+    bound = next(r for r in rows if r.model.layers == 80 and r.config.recompute == "selective" and r.metric != "fits")
+    assert published.predicted(bound)["value"] < published.predicted(replace(bound, network_gbps=1600))["value"]
+
 def test_megatron_2022_reduces_gradients_after_the_flush():
     shape = ModelShape(layers=8, hidden=4096, heads=32, vocab=32768, seq=2048, ffn=16384)
     c = Config(dp=16, tp=1, microbatches=2, precision="bf16")

@@ -135,12 +135,21 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
 
 
 _TITAN_NOTE = ("FSDP2 = ZeRO-3 over 64 GPUs on 8 nodes, eager PyTorch (framework 'eager': SDPA flash attention, "
-               "unfused norms and rotary, per-op selective AC); the cluster's network is not published (dgx-a100's "
-               "8 x 200 Gb/s assumed)")
+               "unfused norms and rotary, per-op selective AC); the table names no network: torchtitan's multi-node "
+               "launcher at that commit is 'optimized for AWS with EFA' (FI_PROVIDER=efa, 'Enable for A100'), and "
+               "AWS's 8 x A100 80 GB instance (p4de.24xlarge) has 400 Gb/s of EFA per node: dgx-a100's GPUs and "
+               "NVSwitch with 400 Gb/s per node")
 _H100_NOTE = ("H100 96 GB HBM2e, 2.4 TB/s, at 500 W (device 'h100-sxm-96gb-500w'), 400 Gb/s per GPU; FSDP = ZeRO-3, "
               "no torch.compile, no Float8 (framework 'eager'); selective activation checkpointing is torchtitan's "
               "per-op policy (its default)")
 
+
+# torchtitan's A100 cluster: its multinode_trainer.slurm when the table was published (pytorch/torchtitan 20f10b5f1,
+# 2024-04-16, the commit that added docs/performance.md) opens "This script is optimized for AWS with EFA" and sets
+# FI_PROVIDER="efa" under "# Enable for A100" (NCCL_IB_DISABLE=1); AWS's instance of 8 A100 80 GB is the
+# p4de.24xlarge, 4 x 100 Gb/s EFA (AWS, "Amazon EC2 P4 instances"); a user says as much in torchtitan#394 ("your
+# AWS cluster brings 400 ... with EFA"). Before this was found the rows assumed dgx-a100's 8 x 200 Gb/s
+TITAN_A100_GBPS = 400
 
 # torchtitan's configurations when its A100 table was published (April 2024, pytorch/torchtitan 1ea476e9f):
 # train_configs/llama2_13b.toml and llama3_8b.toml set norm_type = "fused_rmsnorm" (a Triton RMSNorm),
@@ -157,7 +166,7 @@ def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str) ->
                      global_batch=64 * lbs,
                      config=Config(dp=64, zero=3, precision="bf16", recompute=recompute),
                      note=_TITAN_NOTE + (_FUSED_NORM_NOTE if fused_norm else ""),
-                     framework=_TITAN_FUSED_NORM if fused_norm else "eager")
+                     framework=_TITAN_FUSED_NORM if fused_norm else "eager", network_gbps=TITAN_A100_GBPS)
 
 
 # fms-fsdp (IBM's Foundation Model Stack on FSDP): eager PyTorch (RMSNorm, rotary through complex numbers, SDPA
@@ -236,7 +245,7 @@ ROWS: tuple[Published, ...] = (
     Published("torchtitan llama-70b local batch 2, selective op AC, 64 A100 (out of memory)", TITAN_A100, "fits", 0,
               "dgx-a100", 8, SHAPES["llama-70b"], 128, Config(dp=64, zero=3, precision="bf16", recompute="selective"),
               note=_TITAN_NOTE + "; the table's footnote: local batch 2 with selective checkpointing ran out of memory",
-              framework="eager"),
+              framework="eager", network_gbps=TITAN_A100_GBPS),
     # -- torchtitan on H100 (Grand Teton): TPS per GPU and peak memory, FSDP without compile or Float8
     Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2", TITAN_H100.format(1), "tokens_per_gpu", 5762,
               "dgx-h100", 1, SHAPES["llama3-8b"], 16, Config(dp=8, zero=3, precision="bf16", recompute="selective"),
