@@ -464,8 +464,8 @@ else:
 # against (`workbench/advise/published.py`: Megatron-LM's H100 scaling table, torchtitan's
 # benchmarks, IBM and Meta's FSDP blog, Korthikanti et al. 2022, nccl-tests), each with its source
 # and the layout it ran, using the presets' own figures. Rows marked *calibrated* gave the model a figure; the others gave
-# it nothing. A run that ran counts only where it is also predicted to fit, and one row is a run
-# that ran out of memory (torchtitan's footnote): it counts where the advisor says it does not fit.
+# it nothing. A run that ran counts only where it is also predicted to fit, and two rows are runs
+# that ran out of memory (torchtitan's footnote): each counts where the advisor says it does not fit.
 # The table below is that command's, computed here (no GPU needed).
 
 # %%

@@ -332,11 +332,16 @@ def test_torchtitan_s_a100_rows_run_on_the_aws_efa_network_its_launcher_names():
     out-of-memory one included, is priced on dgx-a100's GPUs with that network, and the
     communication-bound 70B row is slower on it than on a DGX's 8 x 200 Gb/s."""
     rows = [r for r in published.ROWS if r.source == published.TITAN_A100]
-    assert len(rows) == 7 and {r.network_gbps for r in rows} == {published.TITAN_A100_GBPS} == {400}
+    assert len(rows) == 10 and {r.network_gbps for r in rows} == {published.TITAN_A100_GBPS} == {400}
     for row in rows:
         cluster = published.row_cluster(row)
         assert cluster.device.name.startswith("A100 SXM 80") and cluster.nodes == 8
         assert cluster.inter.bandwidth_Bps == pytest.approx(400e9 / 8 / 8)
+    # "selective layer" checkpointing: torchtitan's default then, every other block checkpointed whole
+    layer_ac = [r for r in rows if "selective layer" in r.name]
+    assert len(layer_ac) == 3 and all(r.config.recompute == "full" and r.config.recompute_layers == r.model.layers // 2
+                                      for r in layer_ac)
+    assert all(not published.predicted(r)["feasible"] for r in rows if r.metric == "fits")
     bound = next(r for r in rows if r.model.layers == 80 and r.config.recompute == "selective" and r.metric != "fits")
     assert published.predicted(bound)["value"] < published.predicted(replace(bound, network_gbps=1600))["value"]
 

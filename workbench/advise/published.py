@@ -159,13 +159,21 @@ _TITAN_FUSED_NORM = replace(EAGER, name="eager (torchtitan, fused RMSNorm)", fus
 _FUSED_NORM_NOTE = "; its configuration's norm_type = 'fused_rmsnorm' (a Triton kernel: framework 'eager' with fused_norm)"
 
 
-def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str) -> Published:
+# torchtitan's "selective layer" checkpointing then: selective_ac_option = "2" by default ("2 = checkpoint every
+# other layer", torchtitan/config_manager.py at 20f10b5f1; parallelize_llama.py wraps every 2nd block in a whole
+# checkpoint): half the blocks recomputed in full, Config(recompute="full", recompute_layers=layers // 2)
+_LAYER_AC_NOTE = ("; 'selective layer' AC: torchtitan's default selective_ac_option '2' then, every other block "
+                  "checkpointed whole (recompute='full' on half the layers)")
+
+
+def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str, every_other: bool = False) -> Published:
     fused_norm = model in ("llama3-8b", "llama-13b")
+    layers = SHAPES[model].layers // 2 if every_other else 0
     return Published(name=f"torchtitan {SHAPES[model].name} {label}, 64 A100", source=TITAN_A100,
                      metric="tokens_per_gpu", value=wps, cluster="dgx-a100", nodes=8, model=SHAPES[model],
                      global_batch=64 * lbs,
-                     config=Config(dp=64, zero=3, precision="bf16", recompute=recompute),
-                     note=_TITAN_NOTE + (_FUSED_NORM_NOTE if fused_norm else ""),
+                     config=Config(dp=64, zero=3, precision="bf16", recompute=recompute, recompute_layers=layers),
+                     note=_TITAN_NOTE + (_FUSED_NORM_NOTE if fused_norm else "") + (_LAYER_AC_NOTE if layers else ""),
                      framework=_TITAN_FUSED_NORM if fused_norm else "eager", network_gbps=TITAN_A100_GBPS)
 
 
@@ -236,15 +244,23 @@ ROWS: tuple[Published, ...] = (
     _megatron("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
     _megatron("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
     # -- torchtitan on 64 A100 80 GB (FSDP2): WPS per GPU
+    _titan_a100("llama3-8b", 1, "full", 2904, "local batch 1, selective layer AC", every_other=True),
     _titan_a100("llama3-8b", 1, "selective", 2973, "local batch 1, selective op AC"),
     _titan_a100("llama3-70b", 1, "full", 331, "local batch 1, full AC"),
     _titan_a100("llama-13b", 2, "none", 2162, "local batch 2, no AC"),
+    _titan_a100("llama-13b", 2, "full", 1914, "local batch 2, selective layer AC", every_other=True),
     _titan_a100("llama-13b", 2, "selective", 1904, "local batch 2, selective op AC"),
     _titan_a100("llama-70b", 1, "selective", 355, "local batch 1, selective op AC"),
     _titan_a100("llama-70b", 2, "full", 353, "local batch 2, full AC"),
     Published("torchtitan llama-70b local batch 2, selective op AC, 64 A100 (out of memory)", TITAN_A100, "fits", 0,
               "dgx-a100", 8, SHAPES["llama-70b"], 128, Config(dp=64, zero=3, precision="bf16", recompute="selective"),
               note=_TITAN_NOTE + "; the table's footnote: local batch 2 with selective checkpointing ran out of memory",
+              framework="eager", network_gbps=TITAN_A100_GBPS),
+    Published("torchtitan llama-70b local batch 2, selective layer AC, 64 A100 (out of memory)", TITAN_A100, "fits",
+              0, "dgx-a100", 8, SHAPES["llama-70b"], 128,
+              Config(dp=64, zero=3, precision="bf16", recompute="full", recompute_layers=40),
+              note=_TITAN_NOTE + "; the table's footnote: local batch 2 with selective checkpointing ran out of memory "
+                                 "(the table's first version lists this row as OOM)" + _LAYER_AC_NOTE,
               framework="eager", network_gbps=TITAN_A100_GBPS),
     # -- torchtitan on H100 (Grand Teton): TPS per GPU and peak memory, FSDP without compile or Float8
     Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2", TITAN_H100.format(1), "tokens_per_gpu", 5762,
