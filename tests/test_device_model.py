@@ -205,7 +205,8 @@ def test_an_h200_is_calibrated_on_the_h100s_peaks_with_its_own_memory():
     assert 3.5e12 < fit.memory_bandwidth < 4.8e12 and 0.7 < fit.gemm_ceiling < 0.85
     # the attention probe calls SDPA as a layer does, and records every backend that accepts it
     assert set(measured["attention"]["backends"]) >= {"FLASH_ATTENTION", "CUDNN_ATTENTION"}
-    assert fit.flash_efficiency == pytest.approx(measured["attention"]["flops"] / 989e12 * (4096 + dm.FLASH_SEQ_HALF) / 4096)
+    assert fit.flash_efficiency == pytest.approx(
+        measured["attention"]["flops"] / 989e12 * (4096 + dm.FLASH_SEQ_HALF) / 4096)
 
 
 @pytest.mark.cuda
@@ -411,8 +412,8 @@ def test_the_device_model_prices_measured_h200_training_steps():
     that GPU's calibrated profile under ``eager-fused``: the GPU-bound ones (hidden 2,048 and 4,096)
     within 6%, every one within 17%, the host-bound included (hidden 256 and 1,024 at one sequence
     per micro-batch, priced by the host's line: per dispatched operator and per micro-batch; the
-    hidden-1,024 steps at sequence 2,048 come out 0.84 since attention's sequence curve is FA2's
-    published one, ``FLASH_SEQ_HALF``, where they ran cuDNN's kernel)."""
+    hidden-1,024 steps at sequence 2,048 are the farthest, priced on FA2's published sequence curve,
+    ``FLASH_SEQ_HALF``, where they ran cuDNN's kernel)."""
     import pathlib
 
     from workbench.advise import predict

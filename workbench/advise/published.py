@@ -258,7 +258,8 @@ ROWS: tuple[Published, ...] = (
               framework="eager", network_gbps=TITAN_A100_GBPS),
     Published("torchtitan llama-70b local batch 2, selective layer AC, 64 A100 (out of memory)", TITAN_A100, "fits",
               0, "dgx-a100", 8, SHAPES["llama-70b"], 128,
-              Config(dp=64, zero=3, precision="bf16", recompute="full", recompute_layers=40),
+              Config(dp=64, zero=3, precision="bf16", recompute="full",
+                     recompute_layers=SHAPES["llama-70b"].layers // 2),
               note=_TITAN_NOTE + "; the table's footnote: local batch 2 with selective checkpointing ran out of memory "
                                  "(the table's first version lists this row as OOM)" + _LAYER_AC_NOTE,
               framework="eager", network_gbps=TITAN_A100_GBPS),
