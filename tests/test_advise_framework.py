@@ -12,8 +12,8 @@ import pytest
 from workbench.advise import Cluster, Config, ModelShape, predict
 from workbench.advise import device as dev
 from workbench.advise import published, space, timing
-from workbench.advise.framework import (EAGER, EAGER_FUSED, FRAMEWORKS, MEGATRON, MEGATRON_2022, OPTIMIZER_BYTES,
-                                        Framework)
+from workbench.advise.framework import (COMPILED, EAGER, EAGER_FUSED, FRAMEWORKS, MEGATRON, MEGATRON_2022,
+                                        OPTIMIZER_BYTES, Framework)
 from workbench.advise.runtime_memory import op_checkpoint_bytes
 
 LLAMA = ModelShape.preset("llama3-8b")
@@ -23,7 +23,8 @@ H100 = dev.PROFILES["h100-sxm-80gb"].with_(kernel_fixed_s=0.0)   # each kernel's
 def test_framework_is_validated_and_sets_one_attention_kernel():
     for bad in (dict(attention="sdpa"), dict(selective="layer"), dict(optimizer="sgd"), dict(loss_float32_copies=0),
                 dict(sm_share=1.0), dict(grad_reduce_bytes=3), dict(elementwise_efficiency=0.0),
-                dict(elementwise_efficiency=1.5), dict(fused_norm="yes")):
+                dict(elementwise_efficiency=1.5), dict(fused_norm="yes"), dict(compiled=1),
+                dict(complex_rotary="no"), dict(compiled=True, fused=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Framework("x", **bad)
     assert Cluster.preset("dgx-h100").framework is EAGER_FUSED
@@ -82,6 +83,35 @@ def test_a_fused_norm_in_an_eager_framework_is_one_kernel_at_the_full_bandwidth(
         dev.layer_seconds(H100, LLAMA, 1, framework=EAGER)["total"]
     head = dev.head_seconds(H100, LLAMA, 1, framework=fused_norm)["head"]
     assert head < dev.head_seconds(H100, LLAMA, 1, framework=EAGER)["head"]
+
+
+def test_torch_compile_fuses_eager_s_elementwise_operators_but_not_a_complex_rotary():
+    """``compiled``: the same multiplies as eager (separate q, k, v and gate, up), each elementwise
+    operator one generated kernel each way at the copy's bandwidth (a norm one pass, SwiGLU reading
+    both halves once), the complex rotary left to ATen's kernels at eager's cost; a real-valued
+    rotary compiles into one kernel per tensor. The host dispatches one operator per kernel and the
+    model's edges stay eager."""
+    tokens, h, f, kv, e = LLAMA.seq, LLAMA.hidden, LLAMA.ffn, LLAMA.kv_dim, 2
+    eager = {(n, p): (s, k) for n, p, s, k in dev.layer_operators(H100, LLAMA, 1, framework=EAGER)}
+    comp = {(n, p): (s, k) for n, p, s, k in dev.layer_operators(H100, LLAMA, 1, framework=COMPILED)}
+    real = replace(COMPILED, name="compiled, real rotary", complex_rotary=False)
+    rope = {(n, p): (s, k) for n, p, s, k in dev.layer_operators(H100, LLAMA, 1, framework=real)}
+    assert comp.keys() == eager.keys()
+    for name, phase, seconds, kernels, kind in dev._operators(H100, LLAMA, 1, 1, False, "bf16", EAGER):
+        if kind != "memory":
+            assert comp[name, phase] == (seconds, kernels)                     # multiplies and attention as eager
+    assert comp["input norm", "forward"] == (pytest.approx(2 * e * tokens * h / H100.memory_bandwidth), 1)
+    assert comp["silu, mul", "forward"] == (pytest.approx(3 * e * tokens * f / H100.memory_bandwidth), 1)
+    assert comp["residual add", "backward"][1] == 1 < eager["input norm", "backward"][1]
+    assert comp["rotary", "forward"] == eager["rotary", "forward"]             # Inductor falls back to ATen
+    assert rope["rotary", "forward"] == (pytest.approx(2 * e * tokens * (h + kv) / H100.memory_bandwidth), 2)
+    k_comp, k_eager = (dev.kernels_per_layer(H100, LLAMA, framework=fw) for fw in (COMPILED, EAGER))
+    assert k_comp["forward"] < k_eager["forward"] - 10 and COMPILED.host_ops_per_kernel == 1.0
+    times = [dev.layer_seconds(H100, LLAMA, 1, recompute="selective", framework=fw)["total"]
+             for fw in (EAGER, COMPILED, real)]
+    assert times[0] > times[1] > times[2]
+    assert dev.head_seconds(H100, LLAMA, 1, framework=COMPILED) == dev.head_seconds(H100, LLAMA, 1, framework=EAGER)
+    assert FRAMEWORKS["compiled"] is COMPILED
 
 
 def test_op_selective_recomputes_every_second_matmul_and_the_elementwise_operators():

@@ -353,7 +353,10 @@ class _LayerOps:
         self.n = rows * shape.seq                                   # tokens of the micro-batch
         self.rows_h = self.n // tp if sequence_parallel else self.n   # rows the norms and residual adds run on
         self.eager = framework is not None and not framework.fused
-        self.eager_norm = self.eager and not framework.fused_norm
+        # torch.compile: eager's operators, its elementwise ones fused by Inductor (the complex rotary excepted)
+        self.compiled = self.eager and framework.compiled
+        self.eager_norm = self.eager and not framework.fused_norm and not self.compiled
+        self.eager_rotary = self.eager and (not self.compiled or framework.complex_rotary)
         # the share of the copy bandwidth the framework's elementwise kernels reach
         self.bandwidth_share = framework.elementwise_efficiency if framework is not None else 1.0
         self.ops: list[tuple[str, str, float, int, str]] = []
@@ -367,10 +370,14 @@ class _LayerOps:
                          + gemm_seconds(device, k, out, m, precision), 2, "gemm"))
 
     def elementwise(self, name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None,
-                    fused: bool = False) -> None:
+                    fused: bool = False, aten: bool = False) -> None:
         """A memory-bound operator moving ``nbytes`` forward and twice that backward, at the framework's
         ``elementwise_efficiency`` of the device's bandwidth (``fused``: one fused kernel, at the full
-        bandwidth whatever the framework)."""
+        bandwidth whatever the framework). Under ``compiled`` an eager operator is one generated kernel
+        each way, at the full bandwidth (``nbytes`` then its one pass), unless ``aten``: one Inductor
+        leaves to ATen's kernels (a complex rotary)."""
+        if self.compiled and not fused and not aten:
+            kernels, back_kernels, fused = 1, 1, True
         nbytes = nbytes / (1.0 if fused else self.bandwidth_share)
         self.ops.append((name, "forward", memory_seconds(self.device, nbytes), kernels, "memory"))
         self.ops.append((name, "backward", memory_seconds(self.device, 2 * nbytes),
@@ -408,11 +415,11 @@ class _LayerOps:
         else:
             self.gemm("qkv", n, h, (h + 2 * kv) // t)
         if getattr(shape, "positions", "learned") == "rope":
-            if eager:
+            if self.eager_rotary:   # eager's, or under compile a complex rotary Inductor leaves to ATen
                 fixed, per_e, k = EAGER_ROTARY
-                self.elementwise("rotary", (fixed + per_e * e) * n * (h + kv) // t, 2 * k, 4 * k)
+                self.elementwise("rotary", (fixed + per_e * e) * n * (h + kv) // t, 2 * k, 4 * k, aten=True)
             else:
-                self.elementwise("rotary", 2 * n * (h + kv) // t * e, 2)           # q and k rotated
+                self.elementwise("rotary", 2 * n * (h + kv) // t * e, 2, fused=True)  # q and k rotated
         if eager and kv < h:   # repeat_kv: k and v copied out to every query head
             self.elementwise("repeat_kv", 2 * n * (kv + h) // t * e, 2)
         self.attention_core()
@@ -457,7 +464,8 @@ class _LayerOps:
         if self.eager and shape.gated:
             self.gemm("mlp gate (w1)", n, h, f // t)
             self.gemm("mlp up (w3)", n, h, f // t)
-            self.elementwise("silu, mul", 5 * n * (f // t) * e, 2)
+            # eager: silu (r e w e), mul (r 2e w e); compiled: one kernel reading both, writing the product
+            self.elementwise("silu, mul", (3 if self.compiled else 5) * n * (f // t) * e, 2)
         else:
             self.gemm("mlp up" + (" (gate, up)" if shape.gated else ""), n, h, (2 if shape.gated else 1) * f // t)
             act = (3 if shape.gated else 2) * n * (f // t) * e                   # SwiGLU reads two halves

@@ -25,6 +25,28 @@ favours tensor parallelism more than one that launches every operator on its own
     input and writing the output and the per-row statistic; backward one, the weight's gradient
     reduced after), which its Llama 2 13B and Llama 3 8B configurations of April 2024 set
     (``train_configs/llama2_13b.toml``, ``llama3_8b.toml``), and its 70B ones did not.
+``compiled``
+    ``torch.compile`` (TorchInductor) over each transformer block, on eager PyTorch's operators
+    (``fused`` False): the matrix multiplies stay cuBLAS calls and the attention its SDPA kernel
+    (Inductor calls them as extern kernels), and the elementwise operators around them -- the
+    norms, the SwiGLU, the residual adds, the copies -- become generated kernels that read each
+    input once and write each output once, at the copy's bandwidth, as a fused kernel does
+    (:func:`workbench.advise.device.layer_operators`); a compiled block's wrapper calls each kernel
+    once, with no views or autograd node per operator around it (``host_ops_per_kernel`` 1). The
+    model's edges (embedding, final norm, output, loss) stay eager: torchtitan compiles each
+    ``TransformerBlock`` (``apply_compile``) and leaves its loss uncompiled (``train.py``, December
+    2024: ``torch.compile(loss_fn)`` commented out), and fms-fsdp computes its loss outside the
+    compiled model. Activation memory is priced as eager's: the partitioner's choice of what
+    backward keeps is not modelled.
+``complex_rotary``
+    the model's rotary embedding multiplies complex numbers (Meta's Llama and torchtitan's
+    ``apply_rotary_emb``: ``torch.view_as_complex``, the default). Under ``compiled`` it stays
+    eager's kernels: Inductor generates no code for complex operators and falls back to ATen's
+    (``torch/_inductor/lowering.py``: "Torchinductor does not support code generation for complex
+    operators. Performance may be worse than eager."). False: a real-valued rotary, which
+    compiles into one kernel per tensor (fms's ``RotaryEmbedding``, which "avoids complex numbers,
+    and so can be used with torch.compile"; IBM and Meta's PyTorch blog 'Maximizing Training
+    Throughput Using PyTorch FSDP and Torch.compile', 2024: "We implemented RoPE using einops").
 ``tp_comm_overlap``
     tensor-parallel all-gathers and reduce-scatters overlapped with the matrix multiplies that
     consume or produce them (Megatron-Core's ``--tp-comm-overlap``, TransformerEngine's userbuffers,
@@ -117,6 +139,9 @@ Presets (:data:`FRAMEWORKS`):
     attention through SDPA, separate elementwise kernels (RMSNorm in float32, rotary through complex
     numbers, SwiGLU, GQA's ``repeat_kv``), separate q, k, v and gate, up projections, per-operator
     selective checkpointing, foreach AdamW, torchtitan's ``cross_entropy(logits.float())``.
+``"compiled"``
+    ``"eager"`` under ``torch.compile`` as torchtitan compiles it (each block, ``fullgraph=True``;
+    the rotary through complex numbers left to ATen's kernels; the loss uncompiled).
 ``"megatron"``
     Megatron-Core with TransformerEngine, as in the Megatron-LM README's H100 table: flash
     attention, fused kernels, TP communication overlap, fused Adam.
@@ -132,7 +157,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Framework", "FRAMEWORKS", "EAGER", "EAGER_FUSED", "MEGATRON", "MEGATRON_2022", "OPTIMIZER_BYTES"]
+__all__ = ["Framework", "FRAMEWORKS", "EAGER", "EAGER_FUSED", "COMPILED", "MEGATRON", "MEGATRON_2022", "OPTIMIZER_BYTES"]
 
 # bytes Adam moves per parameter it updates, mixed precision (bf16/fp16 compute, float32 state):
 # fused: master weights, float32 gradient and two moments read (16), master and moments written (12),
@@ -151,6 +176,8 @@ class Framework:
     attention: str = "flash"
     fused: bool = True
     fused_norm: bool = False
+    compiled: bool = False
+    complex_rotary: bool = True
     tp_comm_overlap: bool = False
     selective: str = "attention"
     optimizer: str = "fused"
@@ -184,6 +211,13 @@ class Framework:
         if not isinstance(self.fused_norm, bool):
             raise ValueError(f"Framework(fused_norm={self.fused_norm!r}): True (the norm one fused kernel, as "
                              "torchtitan's 'fused_rmsnorm') or False")
+        for name in ("compiled", "complex_rotary"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Framework({name}={getattr(self, name)!r}): True or False")
+        if self.compiled and self.fused:
+            raise ValueError("Framework(compiled=True, fused=True): compiled prices torch.compile over eager "
+                             "PyTorch's operators; fused already means Megatron's fused kernels. Set fused=False "
+                             "with compiled=True, or compiled=False")
         v = self.elementwise_efficiency
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
             raise ValueError(f"Framework(elementwise_efficiency={v!r}): the share of the copy bandwidth its "
@@ -223,6 +257,14 @@ EAGER_FUSED = Framework(
            "fused rotary and SwiGLU, flash attention, vocabulary-parallel float32 loss, fused Adam, float32 main "
            "gradients): nanotron's Llama (TritonRMSNorm, qkv_proj, gate_up_proj, flash-attn), Megatron-LM's local "
            "layers; 2.8 operators dispatched per counted kernel, counted over such a layer")
+COMPILED = Framework(
+    "compiled", attention="flash", fused=False, compiled=True, tp_comm_overlap=False, selective="op",
+    optimizer="foreach", loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=1.0,
+    elementwise_efficiency=0.8,
+    source="PyTorch with torch.compile over each TransformerBlock, as torchtitan runs it (pytorch/torchtitan "
+           "parallelize_llama.py apply_compile: torch.compile(transformer_block, fullgraph=True)): eager's layer with "
+           "its elementwise operators fused by Inductor, the complex rotary left to ATen, the loss uncompiled; "
+           "elementwise_efficiency 0.8 is eager's, for the kernels Inductor leaves to ATen")
 MEGATRON = Framework(
     "megatron", attention="flash", fused=True, tp_comm_overlap=True, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=0,
@@ -236,4 +278,4 @@ MEGATRON_2022 = Framework(
            "over materialised scores, fused bias-GeLU and bias-dropout-add, no TP overlap; its LocalDDP all-reduces "
            "the contiguous gradient buffer once the pipeline has flushed, megatron/model/distributed.py "
            "allreduce_gradients, before --overlap-grad-reduce existed)")
-FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (EAGER_FUSED, EAGER, MEGATRON, MEGATRON_2022)}
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (EAGER_FUSED, EAGER, COMPILED, MEGATRON, MEGATRON_2022)}
