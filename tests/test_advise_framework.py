@@ -114,6 +114,28 @@ def test_torch_compile_fuses_eager_s_elementwise_operators_but_not_a_complex_rot
     assert FRAMEWORKS["compiled"] is COMPILED
 
 
+def test_published_torch_compile_gains_are_predicted_within_a_tenth():
+    """The four published runs measured with and without ``torch.compile`` (torchtitan's Llama 3.1
+    8B on 8 and 128 H100; fms-fsdp's Llama 2 7B on 128 A100 and 96 H100): each compiled run is
+    priced under a compiled framework, and the speed-up compile brought is predicted within 10% of
+    the published one."""
+    def key(r):
+        return r.model.name, r.cluster, r.nodes, r.metric
+
+    compiled = [r for r in published.ROWS if "torch.compile" in r.name and r.metric == "tokens_per_gpu"]
+    assert len(compiled) == 4
+    eager_rows = {key(r): r for r in published.ROWS if "torch.compile" not in r.name and r.metric == "tokens_per_gpu"
+                  and r.source in (published.IBM, published.TITAN_H100.format(1), published.TITAN_H100.format(3))}
+    for row in compiled:
+        framework = published.row_cluster(row).framework
+        assert framework.compiled and not framework.fused
+        assert framework.complex_rotary == (row.source != published.FMS_COMPILE)   # fms-fsdp's rotary is real
+        base = eager_rows[key(row)]
+        assert not published.row_cluster(base).framework.compiled
+        gain = published.predicted(row)["value"] / published.predicted(base)["value"]
+        assert gain == pytest.approx(row.value / base.value, rel=0.10), row.name
+
+
 def test_op_selective_recomputes_every_second_matmul_and_the_elementwise_operators():
     ops = dev._operators(H100, LLAMA, 2, 1, False, "bf16", EAGER)
     forward_gemms = [s for _, p, s, _, kind in ops if p == "forward" and kind == "gemm"]

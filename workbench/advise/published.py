@@ -42,7 +42,7 @@ from workbench.comm.topology import Link
 from .choose import predict
 from .cluster import GiB, Cluster
 from .device import PROFILES
-from .framework import EAGER, FRAMEWORKS, Framework
+from .framework import COMPILED, EAGER, FRAMEWORKS, Framework
 from .nccl import NcclModel
 from .nccl import PRESETS as NCCL_PRESETS
 from .plan import Config
@@ -70,6 +70,9 @@ SENDRECV = "li-plus/playground cuda/nccl.md (sendrecv_perf, 8 A100): https://git
 IBM = ("PyTorch blog, 'Maximizing training throughput using PyTorch FSDP' (IBM and Meta, 2024), Table 1 (A100 80GB: "
        "128 GPUs, 400 Gbps; H100 80GB: 96 GPUs, 800 Gbps; batch 2 per GPU, sequences of 4,096): "
        "https://pytorch.org/blog/maximizing-training/")
+FMS_COMPILE = ("foundation-model-stack/fms-fsdp README at ed74fd5 (2024-05-09, 'numbers are updated with "
+               "torch.compile'): 7b, HSDP, compile, no AC, batch 2 per GPU; A100 80G, 128 GPUs with 400Gbps; H100, 96 "
+               "GPUs with 800 Gbps: https://github.com/foundation-model-stack/fms-fsdp")
 FMS_README = ("foundation-model-stack/fms-fsdp README, training throughput on 128 A100 (sharding strategy, activation "
               "checkpointing and batch per GPU as listed): https://github.com/foundation-model-stack/fms-fsdp")
 
@@ -142,6 +145,10 @@ _TITAN_NOTE = ("FSDP2 = ZeRO-3 over 64 GPUs on 8 nodes, eager PyTorch (framework
 _H100_NOTE = ("H100 96 GB HBM2e, 2.4 TB/s, at 500 W (device 'h100-sxm-96gb-500w'), 400 Gb/s per GPU; FSDP = ZeRO-3, "
               "no torch.compile, no Float8 (framework 'eager'); selective activation checkpointing is torchtitan's "
               "per-op policy (its default)")
+_H100_COMPILE_NOTE = ("H100 96 GB HBM2e, 2.4 TB/s, at 500 W (device 'h100-sxm-96gb-500w'), 400 Gb/s per GPU; FSDP = "
+                      "ZeRO-3 with torch.compile over each block, no Float8 (framework 'compiled': the complex rotary "
+                      "left to ATen, the loss uncompiled, activation memory priced as eager's); torchtitan's per-op "
+                      "selective activation checkpointing")
 
 
 # torchtitan's A100 cluster: its multinode_trainer.slurm when the table was published (pytorch/torchtitan 20f10b5f1,
@@ -190,6 +197,17 @@ _LLAMA2_34B = ModelShape(layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016
                          tied=False, bias=False, positions="rope", norm="rmsnorm", name="llama2-34b (fms-fsdp)",
                          source="fms-fsdp get_model_config('llama2_34b'): emb 8192, 64 heads, 8 kv heads, 48 "
                                 "layers, hidden 22016; Llama 2's vocabulary of 32,000")
+# fms-fsdp with torch.compile (its README from 2024-05-09): torch.compile(model) over the FSDP-wrapped model, the loss
+# computed outside it (main_training.py, fms_fsdp/utils/train_utils.py), and a rotary embedding without complex numbers
+# (IBM and Meta's blog 'Maximizing Training Throughput Using PyTorch FSDP and Torch.compile': "We implemented RoPE
+# using einops"). Its 13B, 34B and 70B rows checkpoint a fraction of the blocks that is not published: left out
+_FMS_COMPILED = replace(_FMS, name="compiled (fms-fsdp)", compiled=True, complex_rotary=False,
+                        host_ops_per_kernel=COMPILED.host_ops_per_kernel,
+                        source="fms-fsdp with torch.compile: eager's layer under Inductor, a real-valued rotary, "
+                               "FSDP MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
+_FMS_COMPILE_NOTE = ("torch.compile over the model, its rotary real-valued (framework 'compiled (fms-fsdp)': "
+                     "elementwise operators fused, bf16 gradient reduction, the loss uncompiled); the network is the "
+                     "README's figure, taken as per node")
 _IBM_NOTE = ("bf16 gradient reduction (framework 'eager (fms-fsdp)'); the network is the blog's figure, taken as per "
              "node")
 _FMS_README_NOTE = ("bf16 gradient reduction (framework 'eager (fms-fsdp)'); the README gives no network: the blog's "
@@ -202,13 +220,15 @@ def _ibm(model: ModelShape, label: str, gpus: int, gpu: str, tokens: float, hsdp
     where = ": fms-fsdp's 7B script" if source == IBM else ", as the README lists"
     layout = (f"HSDP (sharded inside each node, replicated across{where}), no activation checkpointing"
               if hsdp else "FSDP over every GPU (ZeRO-3), full activation checkpointing")
-    note = _IBM_NOTE if source == IBM else _FMS_README_NOTE
-    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch {batch}, {'HSDP' if hsdp else 'full AC'}",
+    note = {IBM: _IBM_NOTE, FMS_COMPILE: _FMS_COMPILE_NOTE}.get(source, _FMS_README_NOTE)
+    compiled = source == FMS_COMPILE
+    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch {batch}, {'HSDP' if hsdp else 'full AC'}"
+                          + (", torch.compile" if compiled else ""),
                      source=source, metric="tokens_per_gpu", value=tokens, cluster=cluster, nodes=gpus // 8,
                      model=model, global_batch=batch * gpus,
                      config=Config(dp=gpus, zero=3, precision="bf16", recompute="none" if hsdp else "full",
                                    shard_group=8 if hsdp else 0),
-                     framework=_FMS, network_gbps=gbps, note=f"{layout}, {note}")
+                     framework=_FMS_COMPILED if compiled else _FMS, network_gbps=gbps, note=f"{layout}, {note}")
 
 
 _GPT_530B = _gpt("gpt-530b", 105, 20480, 128, 51200, 2048)
@@ -278,6 +298,22 @@ ROWS: tuple[Published, ...] = (
               "dgx-h100", 16, SHAPES["llama3-8b"], 256,
               Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_NOTE, framework="eager",
               device="h100-sxm-96gb-500w"),
+    # -- the same tables' "FSDP + torch.compile" rows (framework 'compiled')
+    Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2, torch.compile", TITAN_H100.format(1), "tokens_per_gpu",
+              6667, "dgx-h100", 1, SHAPES["llama3-8b"], 16,
+              Config(dp=8, zero=3, precision="bf16", recompute="selective"), note=_H100_COMPILE_NOTE,
+              framework="compiled", device="h100-sxm-96gb-500w"),
+    Published("torchtitan Llama 3.1 8B, 8 H100, local batch 2, torch.compile", TITAN_H100.format(1), "memory_gib", 77.0,
+              "dgx-h100", 1, SHAPES["llama3-8b"], 16, Config(dp=8, zero=3, precision="bf16", recompute="selective"),
+              note=_H100_COMPILE_NOTE, framework="compiled", device="h100-sxm-96gb-500w"),
+    Published("torchtitan Llama 3.1 8B, 128 H100, local batch 2, torch.compile", TITAN_H100.format(3),
+              "tokens_per_gpu", 6514, "dgx-h100", 16, SHAPES["llama3-8b"], 256,
+              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_COMPILE_NOTE,
+              framework="compiled", device="h100-sxm-96gb-500w"),
+    Published("torchtitan Llama 3.1 8B, 128 H100, local batch 2, torch.compile", TITAN_H100.format(3), "memory_gib",
+              62.0, "dgx-h100", 16, SHAPES["llama3-8b"], 256,
+              Config(dp=128, zero=3, precision="bf16", recompute="selective"), note=_H100_COMPILE_NOTE,
+              framework="compiled", device="h100-sxm-96gb-500w"),
     # -- IBM and Meta's FSDP blog, Table 1: tokens/s per GPU, FSDP with full activation checkpointing
     _ibm(SHAPES["llama-7b"], "Llama 2 7B", 128, "A100", 3700, hsdp=True),
     _ibm(_LLAMA2_34B, "Llama 2 34B", 128, "A100", 700),
@@ -289,6 +325,9 @@ ROWS: tuple[Published, ...] = (
     _ibm(SHAPES["llama-13b"], "Llama 2 13B", 128, "A100", 1700, hsdp=True, batch=1, source=FMS_README),
     _ibm(_LLAMA2_34B, "Llama 2 34B", 128, "A100", 772, batch=8, source=FMS_README),
     _ibm(SHAPES["llama-70b"], "Llama 2 70B", 128, "A100", 380, batch=6, source=FMS_README),
+    # -- fms-fsdp's README with torch.compile: its 7b row on both clusters (the blog's layout)
+    _ibm(SHAPES["llama-7b"], "Llama 2 7B", 128, "A100", 4550, hsdp=True, source=FMS_COMPILE),
+    _ibm(SHAPES["llama-7b"], "Llama 2 7B", 96, "H100", 9600, hsdp=True, source=FMS_COMPILE),
     # -- Korthikanti et al. 2022: 530B on 2240 A100, MFU with sequence parallelism + selective recomputation,
     #    and with full recomputation
     Published("Korthikanti 530B, 2240 A100, SP + selective", KORTHIKANTI, "mfu", 54.2, "dgx-a100", 280,
@@ -416,6 +455,11 @@ _UNITS = {"step_s": "s/step", "tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU %", "
           "memory_gib": "GiB/GPU", "busbw_GBps": "busbw GB/s", "fits": "fits (1) or not (0)"}
 
 
+def _figure(value: float) -> str:
+    """A figure as the table prints it: four significant digits, whole numbers from 10,000 up."""
+    return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+
+
 def report(results: list[dict]) -> str:
     """The document ``docs/advisor-evidence.md`` is: how it was made, the table, the summary, the sources
     and each row's assumptions."""
@@ -430,7 +474,8 @@ def report(results: list[dict]) -> str:
              "*role*: `calibrated` rows gave the model a figure (their ratio only shows it reproduces its "
              "input), `checked` rows gave nothing. A row runs on its preset with the framework it was measured "
              "with (`workbench.advise.framework`: `megatron` for the Megatron-LM README's H100 table, `eager` for "
-             "torchtitan, `eager` with bf16 gradient reduction for IBM's fms-fsdp, the A100 presets' "
+             "torchtitan (`compiled` for its torch.compile rows), `eager` with bf16 gradient reduction for IBM's "
+             "fms-fsdp (compiled, with a real-valued rotary, for its torch.compile rows), the A100 presets' "
              "`megatron-2022` for Korthikanti et al.) and, where it names them, its own GPU (torchtitan's H100 "
              "rows: `h100-sxm-96gb-500w`) and network (fms-fsdp's), as its assumptions below say.", "",
              "| # | run | layout | metric | published | predicted | ratio | within | role | source |",
@@ -442,8 +487,8 @@ def report(results: list[dict]) -> str:
         layout = row.config.label() if row.config else f"{row.ranks} ranks, {row.per_node} per node"
         if row.config and not r["feasible"] and row.metric != "fits":
             layout += " (predicted not to fit)"
-        lines.append(f"| {i} | {row.name} | {layout} | {_UNITS[row.metric]} | {row.value:.4g} | "
-                     f"{r['predicted']:.4g} | {r['ratio']:.2f} | {'yes' if r['within'] else '**no**'} | {row.role} | "
+        lines.append(f"| {i} | {row.name} | {layout} | {_UNITS[row.metric]} | {_figure(row.value)} | "
+                     f"{_figure(r['predicted'])} | {r['ratio']:.2f} | {'yes' if r['within'] else '**no**'} | {row.role} | "
                      f"[{ref}] |")
     lines += ["", f"**{summary(results)}.**", "", "## Sources", ""]
     lines += [f"{n}. {s}" for s, n in sources.items()]
