@@ -458,11 +458,11 @@ else:
 # multiply at the efficiency its shape allows, memory-bound kernels at the memory's bandwidth, a
 # launch cost per kernel), the framework's own kernels and overlaps (`framework.py`: eager PyTorch
 # launching fused kernels, the `dgx-h100` preset's default, or unfused ones as torchtitan runs
-# it, Megatron-Core, Megatron-LM of 2022), every collective as NCCL runs it on
+# it, with or without `torch.compile`, Megatron-Core, Megatron-LM of 2022), every collective as NCCL runs it on
 # NVLink or the network (`nccl.py`), and the memory a real framework holds (`runtime_memory.py`).
 # `workbench advise --validate-published` predicts every public measurement the model was checked
 # against (`workbench/advise/published.py`: Megatron-LM's H100 scaling table, torchtitan's
-# benchmarks, IBM and Meta's FSDP blog, Korthikanti et al. 2022, nccl-tests), each with its source
+# benchmarks, IBM and Meta's FSDP blog and fms-fsdp's README, Korthikanti et al. 2022, nccl-tests), each with its source
 # and the layout it ran, using the presets' own figures. Rows marked *calibrated* gave the model a figure; the others gave
 # it nothing. A run that ran counts only where it is also predicted to fit, and two rows are runs
 # that ran out of memory (torchtitan's footnote): each counts where the advisor says it does not fit.
