@@ -53,7 +53,10 @@ with their real passes (:data:`EAGER_NORM`, :data:`EAGER_ROTARY`: an RMSNorm in 
 about nine times a fused one's bytes in seven kernels), the gated MLP's and the attention's inputs
 as separate multiplies, GQA's ``repeat_kv`` copies, and the attention output made contiguous; the
 framework's ``selective`` policy says what selective recomputation runs again
-(:func:`layer_seconds`).
+(:func:`layer_seconds`). Under ``torch.compile`` (a framework's ``compiled``) the operators are
+eager's, but each elementwise one becomes a single generated kernel each way, one pass over its
+bytes at the full bandwidth; a rotary through complex numbers stays ATen's kernels, which
+Inductor does not generate (``complex_rotary``).
 
 Attention by kernel
 -------------------
@@ -342,7 +345,10 @@ class _LayerOps:
     seconds, kernels, kind)``: each multiply priced by its shape (:func:`gemm_seconds`), each
     elementwise operator by its bytes (:func:`memory_seconds`), the attention core by its kernel.
     ``eager`` (a framework that is not ``fused``): eager PyTorch's operators as torchtitan's Llama
-    writes them (:data:`EAGER_NORM`, :data:`EAGER_ROTARY`); else Megatron's fused kernels."""
+    writes them (:data:`EAGER_NORM`, :data:`EAGER_ROTARY`); else Megatron's fused kernels.
+    ``compiled`` (an eager framework under ``torch.compile``): eager's operators, each elementwise
+    one a single generated kernel each way (:meth:`elementwise`), the norm one pass, the complex
+    rotary eager's."""
 
     def __init__(self, device: Device, shape, rows: int, tp: int, sequence_parallel: bool, precision: str,
                  framework):
