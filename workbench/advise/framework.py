@@ -36,7 +36,8 @@ favours tensor parallelism more than one that launches every operator on its own
     model's edges (embedding, final norm, output, loss) stay eager: torchtitan compiles each
     ``TransformerBlock`` (``apply_compile``) and leaves its loss uncompiled (``train.py``, December
     2024: ``torch.compile(loss_fn)`` commented out), and fms-fsdp computes its loss outside the
-    compiled model. Activation memory is priced as eager's: the partitioner's choice of what
+    compiled model (it compiles the rest whole: its final norm, priced eager here, is one norm of
+    the model's). Activation memory is priced as eager's: the partitioner's choice of what
     backward keeps is not modelled.
 ``complex_rotary``
     the model's rotary embedding multiplies complex numbers (Meta's Llama and torchtitan's
