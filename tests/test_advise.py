@@ -460,6 +460,58 @@ def test_infeasibility_reasons_name_the_rule_and_the_numbers():
     assert reason.startswith("needs") and "has 39.61 GiB" in reason   # 0.99 of 40 GiB usable
 
 
+_LLAMA_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096, gated=True,
+                       tied=False, bias=False, positions="rope", norm="rmsnorm")
+
+
+def test_a_gpu_framework_s_1f1b_takes_fewer_micro_batches_than_stages_as_a_fill_and_drain():
+    """Megatron-LM's and nanotron's 1F1B run with m < p (each rank's warm-up is min(p - r - 1, m)
+    forwards): on a GPU cluster whose framework runs that pipeline it is priced, with GPipe's step
+    time (a fill and a drain) and no more activations than GPipe's; torch's pipelining (torchtitan,
+    framework 'eager') and the workbench's own runtime refuse it, naming the rule."""
+    from workbench.advise import FRAMEWORKS
+    h100 = Cluster.preset("dgx-h100")
+    for m in (1, 2, 3):
+        one_f, gpipe = (predict(_LLAMA_8B, h100, 2 * m, Config(dp=2, tp=1, pp=4, zero=1, schedule=s, microbatches=m,
+                                                               precision="bf16", recompute="selective"))
+                        for s in ("1f1b", "gpipe"))
+        assert one_f.feasible and gpipe.feasible, (one_f.reason, gpipe.reason)
+        assert one_f.time["total"] == pytest.approx(gpipe.time["total"], rel=1e-9)
+        assert one_f.memory["activations"] <= gpipe.memory["activations"] * (1 + 1e-9)
+    config = Config(dp=2, pp=4, zero=1, microbatches=2, precision="bf16", recompute="selective")
+    torch_pipe = predict(_LLAMA_8B, h100.with_(framework=FRAMEWORKS["eager"]), 4, config)
+    assert not torch_pipe.feasible and "1f1b needs at least 4 micro-batches for 4 stages, got m = 2" in torch_pipe.reason
+    assert "1f1b needs at least 4 micro-batches" in infeasible_reason("small", _cluster(8), config, 16)
+    assert any(c.schedule == "1f1b" and c.microbatches < c.pp for c in
+               configurations(_LLAMA_8B, h100, 16, precisions=("bf16",), recompute=("selective",)))
+
+
+def test_zero_over_one_data_parallel_rank_runs_on_a_gpu_framework_and_shards_nothing():
+    """Megatron's distributed optimizer, nanotron's ZeRO-1 and FSDP run with one data-parallel rank:
+    on a GPU cluster such a configuration is priced exactly as ZeRO-0 (nothing to shard, nothing to
+    reduce); the workbench's runtime refuses it, as before."""
+    for nodes, tp, pp in ((1, 8, 1), (1, 4, 2), (2, 8, 2)):
+        h100 = Cluster.preset("dgx-h100", nodes=nodes)
+        plain, zero1 = (predict(_LLAMA_8B, h100, 16, Config(dp=1, tp=tp, pp=pp, zero=z, microbatches=16,
+                                                            sequence_parallel=True, precision="bf16",
+                                                            recompute="selective")) for z in (0, 1))
+        assert zero1.feasible and zero1.memory == plain.memory and zero1.time == plain.time
+    assert "dp = 1 has nothing to shard" in infeasible_reason("small", _cluster(4), Config(dp=1, tp=4, zero=1), 20)
+
+
+def test_a_configuration_that_cannot_run_has_infinite_memory_and_time():
+    """Where the sizes leave nothing to price (``tp`` does not divide the key/value heads, the
+    layout does not fill the cluster), every part of the plan's memory and time is infinite, so a
+    caller reading ``memory["total"]`` and ``time["total"]`` of any configuration ranks it last."""
+    import math
+    h100 = Cluster.preset("dgx-h100", nodes=2)
+    for config in (Config(dp=1, tp=16, precision="bf16"), Config(dp=8, tp=1, precision="bf16")):
+        plan = predict(_LLAMA_8B, h100, 16, config)
+        assert not plan.feasible and plan.reason
+        assert set(plan.memory) >= {"total", "activations"} and set(plan.time) >= {"total", "compute"}
+        assert all(math.isinf(v) for v in (*plan.memory.values(), *plan.time.values()))
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("schedule", "1f2b", "schedule='1f2b'"), ("zero", 4, "zero=4"), ("precision", "fp8", "precision='fp8'"),
     ("recompute", "some", "recompute='some'"), ("dp", 0, "dp=0")])

@@ -19,11 +19,12 @@ Why the winner won: :meth:`Plan.explain` (:mod:`workbench.advise.plan`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from .cluster import Cluster
 from .memory_model import memory_per_device
-from .plan import DECISIONS, Config, Plan, explain, layout_facts
+from .plan import DECISIONS, MEMORY_CATEGORIES, TIME_PARTS, Config, Plan, explain, layout_facts
 from .shape import ModelShape
 from .space import check_config, configurations, memory_reason, structural_reason
 from .timing import step_time
@@ -44,7 +45,12 @@ def predict(model, cluster, global_batch: int, config: Config, *, time_infeasibl
     """Memory and time of ``config`` for ``model`` (GPTConfig, preset name or ModelShape) on
     ``cluster`` with ``global_batch`` sequences per step, as a :class:`Plan`. A configuration that
     cannot run has ``feasible=False`` and the ``reason``; its memory (and, unless
-    ``time_infeasible=False``, its time) is still predicted when the sizes allow."""
+    ``time_infeasible=False``, its time) is still predicted when the sizes allow. When they do not
+    (a rule of :func:`~workbench.advise.space.structural_reason`: heads that ``tp`` does not divide,
+    more stages than layers, too few micro-batches for the schedule...), every part of its memory
+    and time is infinite: it needs more than any device holds and never finishes a step, so a
+    caller reading ``plan.memory["total"]`` and ``plan.time["total"]`` of any configuration ranks it
+    last."""
     shape = ModelShape.coerce(model, "model")
     cluster = _cluster(cluster)
     check_config(config)
@@ -55,6 +61,8 @@ def predict(model, cluster, global_batch: int, config: Config, *, time_infeasibl
     reason = structural_reason(shape, cluster, config, global_batch)
     if reason:
         plan.feasible, plan.reason = False, reason
+        plan.memory = dict.fromkeys((*MEMORY_CATEGORIES, "total"), math.inf)
+        plan.time = dict.fromkeys((*TIME_PARTS, "total"), math.inf)
         return plan
     plan.memory = memory_per_device(shape, config, global_batch, cluster)
     reason = memory_reason(plan.memory, cluster)

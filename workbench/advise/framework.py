@@ -113,6 +113,16 @@ favours tensor parallelism more than one that launches every operator on its own
     around each multiply). Megatron's TransformerEngine modules: 1, an assumption (they launch their
     kernels from C++, past the dispatcher).
 
+``pipeline``
+    whose pipeline schedules run it, which decides the fewest micro-batches a schedule takes:
+    ``"megatron"`` (Megatron-LM's ``forward_backward_pipelining_without_interleaving``: each rank
+    runs ``min(p - r - 1, m)`` warm-up forwards, so 1F1B takes any ``m >= 1`` and with ``m < p`` is
+    a fill and a drain, GPipe's time with at most ``m`` micro-batches in flight; nanotron's
+    ``OneForwardOneBackwardPipelineEngine`` asserts ``m >= p - 1``) or ``"torch"``
+    (``torch.distributed.pipelining``, which torchtitan runs: ``Schedule1F1B`` raises for fewer
+    micro-batches than stages, as the workbench's own pipeline does). A cluster without a framework
+    (this machine's) takes the workbench's rules.
+
 The per-operator and per-micro-batch host costs are the device profile's (a calibration measures
 them); how many operators a layer dispatches is the framework's.
 
@@ -158,6 +168,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.parallel.pipeline_schedules import min_microbatches
+
 __all__ = ["Framework", "FRAMEWORKS", "EAGER", "EAGER_FUSED", "COMPILED", "MEGATRON", "MEGATRON_2022", "OPTIMIZER_BYTES"]
 
 # bytes Adam moves per parameter it updates, mixed precision (bf16/fp16 compute, float32 state):
@@ -166,6 +178,8 @@ __all__ = ["Framework", "FRAMEWORKS", "EAGER", "EAGER_FUSED", "COMPILED", "MEGAT
 # float32 parameters as FSDP2 keeps them): weight decay mul_ (r4 w4), lerp_ of the first moment (r8 w4),
 # mul_ and addcmul_ of the second (r4 w4, r8 w4), sqrt, div_ and add_ of the denominator (3 x r4 w4),
 # addcdiv_ of the parameter (r12 w4): 80; clip_grad_norm_'s norm (r4) and scaling mul_ (r4 w4): 12
+# whose pipeline schedules a framework runs (``Framework.pipeline``)
+PIPELINES = ("megatron", "torch")
 OPTIMIZER_BYTES = {"fused": {"fp32": 32, "bf16": 34, "fp16": 34}, "foreach": {"fp32": 92, "bf16": 92, "fp16": 92}}
 
 
@@ -190,6 +204,7 @@ class Framework:
     overlap_grad_reduce: bool = True
     host_ops_per_kernel: float = 1.0
     elementwise_efficiency: float = 1.0
+    pipeline: str = "megatron"
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -212,6 +227,10 @@ class Framework:
         if not isinstance(self.fused_norm, bool):
             raise ValueError(f"Framework(fused_norm={self.fused_norm!r}): True (the norm one fused kernel, as "
                              "torchtitan's 'fused_rmsnorm') or False")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"Framework(pipeline={self.pipeline!r}): use 'megatron' (1F1B with any number of "
+                             "micro-batches, Megatron-LM and nanotron) or 'torch' (torch.distributed.pipelining: "
+                             "1F1B needs as many micro-batches as stages)")
         for name in ("compiled", "complex_rotary"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Framework({name}={getattr(self, name)!r}): True or False")
@@ -239,6 +258,15 @@ class Framework:
         sms = getattr(device, "sms", 0)
         return min(0.5, self.nccl_channels / sms) if sms else 0.0
 
+    def min_microbatches(self, schedule: str, p: int) -> int:
+        """The fewest micro-batches ``schedule`` (a key of
+        :func:`workbench.parallel.pipeline_schedules.min_microbatches`) takes over ``p`` stages under
+        this framework's pipeline: Megatron-LM's 1F1B any (its warm-up is ``min(p - r - 1, m)``
+        forwards); every other case the workbench's and torch's rule."""
+        if self.pipeline == "megatron" and schedule == "1f1b":
+            return 1
+        return min_microbatches(schedule, p)
+
     def optimizer_bytes(self, precision: str) -> int:
         """Bytes the optimizer's step moves per parameter it updates (:data:`OPTIMIZER_BYTES`)."""
         return OPTIMIZER_BYTES[self.optimizer][precision]
@@ -247,6 +275,7 @@ class Framework:
 EAGER = Framework(
     "eager", attention="flash", fused=False, tp_comm_overlap=False, selective="op", optimizer="foreach",
     loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=2.25, elementwise_efficiency=0.8,
+    pipeline="torch",
     source="PyTorch eager without torch.compile, as torchtitan runs it (pytorch/torchtitan: models/llama3 "
            "RMSNorm, apply_rotary_emb, repeat_kv, F.silu(w1(x)) * w3(x); activation_checkpoint.mode selective, "
            "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach); elementwise kernels at 0.8 of "
@@ -261,7 +290,7 @@ EAGER_FUSED = Framework(
 COMPILED = Framework(
     "compiled", attention="flash", fused=False, compiled=True, tp_comm_overlap=False, selective="op",
     optimizer="foreach", loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=1.0,
-    elementwise_efficiency=0.8,
+    elementwise_efficiency=0.8, pipeline="torch",
     source="PyTorch with torch.compile over each TransformerBlock, as torchtitan runs it (pytorch/torchtitan "
            "parallelize_llama.py apply_compile: torch.compile(transformer_block, fullgraph=True)): eager's layer with "
            "its elementwise operators fused by Inductor, the complex rotary left to ATen, the loss uncompiled; "

@@ -31,7 +31,10 @@ Infeasible (:func:`infeasible_reason` says which rule, with the numbers): the si
 the cluster; ``tp`` does not divide the heads (each rank takes ``heads/tp``), the key/value
 heads, the MLP's units or (sequence parallelism) the sequence; more pipeline stages (times
 chunks) than layers; the global batch not divisible into ``dp x m`` equal micro-batches; 1F1B and
-ZB-H1 with fewer micro-batches than stages (:func:`~workbench.parallel.pipeline_schedules.min_microbatches`),
+ZB-H1 with fewer micro-batches than stages (:func:`~workbench.parallel.pipeline_schedules.min_microbatches`;
+on a GPU cluster the framework's rule, :meth:`~workbench.advise.framework.Framework.min_microbatches`:
+Megatron-LM's and nanotron's 1F1B take fewer), ZeRO over one data-parallel rank (the workbench's
+runtime; a GPU framework runs it, sharding over one rank: nothing),
 interleaved off torch's round rule (``m`` a multiple of ``max(1, m // pp)``); the predicted memory
 (:func:`~workbench.advise.memory_model.memory_per_device`) larger than the device's. A vocabulary that
 ``tp`` does not divide is padded (:class:`~workbench.parallel.tensor.VocabParallelEmbedding`),
@@ -67,7 +70,8 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
     if config.devices != cluster.devices:
         return (f"dp x tp x pp = {dp} x {tp} x {pp} = {config.devices} devices, but the cluster has "
                 f"{cluster.nodes} x {cluster.devices_per_node} = {cluster.devices}")
-    if config.zero and dp == 1:
+    framework = getattr(cluster, "framework", None)   # a GPU framework's rules, else the workbench's
+    if config.zero and dp == 1 and framework is None:
         return f"ZeRO-{config.zero} shards over the data-parallel ranks, and dp = 1 has nothing to shard"
     if config.zero == 2 and pp > 1 and dp > 1 and shape.tied:
         return ("ZeRO-2 with a pipeline and a tied embedding: ZeRO-2 frees each gradient during backward, before "
@@ -89,7 +93,7 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
         return f"{stages} pipeline stages{chunk} but only {shape.layers} layers: each stage needs at least one"
     if pp > 1:
         key = "zb_h1" if config.schedule == "zb-h1" else config.schedule
-        least = min_microbatches(key, pp)
+        least = framework.min_microbatches(key, pp) if framework is not None else min_microbatches(key, pp)
         if m < least:
             return f"{config.schedule} needs at least {least} micro-batches for {pp} stages, got m = {m}"
         if config.schedule == "interleaved" and m % max(1, m // pp):
