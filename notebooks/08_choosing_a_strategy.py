@@ -502,7 +502,7 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
 # step lost to communication. The 7B layer, timed kernel by kernel on one H200 (the H100's chip),
 # costs what the model says within 3% (`docs/benchmarks/2026-11-28-h200-layers.md`): what that run
 # lost is beyond one GPU, and the model does not yet say what. Every fms-fsdp run on that H100
-# cluster comes out faster than its twin on the A100 cluster (1.09-1.17 against 1.00-1.08, with
+# cluster comes out faster than its twin on the A100 cluster (1.10-1.18 against 1.01-1.09, with
 # `torch.compile` or without), which points at that cluster, whose power limit and fabric are not
 # published, more than at eager PyTorch. torchtitan's A100 rows are priced on
 # the network its launcher of the time names (AWS EFA, 400 Gb/s per node); the one of them whose

@@ -24,7 +24,8 @@ def test_framework_is_validated_and_sets_one_attention_kernel():
     for bad in (dict(attention="sdpa"), dict(selective="layer"), dict(optimizer="sgd"), dict(loss_float32_copies=0),
                 dict(sm_share=1.0), dict(grad_reduce_bytes=3), dict(elementwise_efficiency=0.0),
                 dict(elementwise_efficiency=1.5), dict(fused_norm="yes"), dict(compiled=1),
-                dict(complex_rotary="no"), dict(compiled=True, fused=True)):
+                dict(complex_rotary="no"), dict(compiled=True, fused=True), dict(pipeline="gpipe"),
+                dict(fsdp="fsdp3")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Framework("x", **bad)
     assert Cluster.preset("dgx-h100").framework is EAGER_FUSED
@@ -190,6 +191,27 @@ def test_fsdp_copies_foreach_adam_and_float32_reduction():
     f32 = predict(LLAMA, cluster, 16, c).time
     f16 = predict(LLAMA, cluster.with_(framework=replace(EAGER, grad_reduce_bytes=0)), 16, c).time
     assert f32["dp"] > f16["dp"] and f32["compute"] == f16["compute"]
+
+
+def test_fsdp1_s_flat_parameters_copy_fewer_bytes_than_fsdp2():
+    """FSDP1 gathers into the buffer its parameters view (no copy-out) and receives their gradients
+    concatenated, divided in place before and after the reduce-scatter, cast to float32: 8 + 22/dp
+    bytes per parameter against FSDP2's 14 + 24/dp. A ZeRO-3 step differs by exactly those copies;
+    the fms-fsdp rows (FSDP1) are priced with them."""
+    assert dev.fsdp_copy_seconds(H100, 1e9, 8, flat=True) == pytest.approx(1e9 * (8 + 22 / 8) / 3.0e12)
+    cluster = Cluster.preset("dgx-h100", nodes=2).with_(framework=EAGER)
+    flat = cluster.with_(framework=replace(EAGER, fsdp="fsdp1"))
+    c = Config(dp=16, zero=3, precision="bf16", recompute="selective", microbatches=2)
+    two, one = predict(LLAMA, cluster, 32, c), predict(LLAMA, flat, 32, c)
+    psi, gpu = LLAMA.parameters(), cluster.device
+    saved = 2 * (dev.fsdp_copy_seconds(gpu, psi, 16) - dev.fsdp_copy_seconds(gpu, psi, 16, flat=True))
+    assert two.time["total"] - one.time["total"] == pytest.approx(saved) and saved > 0
+    assert one.time["dp"] == two.time["dp"] and one.memory == two.memory
+    assert {r.framework.fsdp for r in published.ROWS if r.name.startswith("fms-fsdp")} == {"fsdp1"}
+    for row in published.ROWS:       # torchtitan runs FSDP2
+        if row.name.startswith("torchtitan"):
+            fw = FRAMEWORKS[row.framework] if isinstance(row.framework, str) else row.framework
+            assert fw.fsdp == "fsdp2", row.name
 
 
 def test_pipeline_messages_are_priced_as_nccl_send_recv():

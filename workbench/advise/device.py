@@ -583,16 +583,28 @@ def optimizer_seconds(device: Device, parameters: float, precision: str = "bf16"
     return parameters * per / device.memory_bandwidth
 
 
-def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int) -> float:
-    """FSDP2's copies around one unit's collectives, per micro-batch: each of its two all-gathers
-    (forward, and backward after ``reshard_after_forward``) casts this rank's float32 shard to 16
-    bits into the gather's input (r4 w2 per ``1/dp`` of the unit) and copies the gathered buffer
-    out into the parameters (r2 w2 per parameter: ``foreach_all_gather_copy_out``); the
-    reduce-scatter's input is the 16-bit gradients cast to float32 into one buffer (r2 w4), and its
-    output shard added into the float32 gradient (r8 w4 per ``1/dp``). PyTorch
-    ``torch.distributed.fsdp.fully_shard`` (FSDP2) with ``MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=float32)``, torchtitan's default."""
-    per = 2 * (4.0 + 6.0 / dp) + 6.0 + 12.0 / dp
+def fsdp_copy_seconds(device: Device, unit_parameters: float, dp: int, flat: bool = False) -> float:
+    """FSDP's copies around one unit's collectives, per micro-batch, at the copy's bandwidth.
+
+    FSDP2 (``flat`` False; PyTorch ``torch.distributed.fsdp.fully_shard`` with
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``, torchtitan's default): each of
+    its two all-gathers (forward, and backward after ``reshard_after_forward``) casts this rank's
+    float32 shard to 16 bits into the gather's input (r4 w2 per ``1/dp`` of the unit) and copies the
+    gathered buffer out into the parameters (r2 w2 per parameter: ``foreach_all_gather_copy_out``);
+    the reduce-scatter's input is the 16-bit gradients cast to float32 into one buffer (r2 w4), and
+    its output shard added into the float32 gradient (r8 w4 per ``1/dp``): ``14 + 24 / dp`` bytes
+    per parameter.
+
+    FSDP1 (``flat`` True; ``FullyShardedDataParallel`` with ``MixedPrecision(param_dtype=bf16,
+    reduce_dtype=bf16)``, a ``FlatParameter`` per unit, ``torch/distributed/fsdp/_flat_param.py``
+    and ``_runtime_utils.py``): each all-gather casts the shard into its low-precision copy (r4 w2
+    per ``1/dp``) and gathers straight into the flat buffer whose views the parameters are (no
+    copy-out); backward's gradients of those views reach the flat parameter through the views'
+    ``split``, whose backward concatenates them (r2 w2 per parameter); the flat gradient is divided
+    in place before the reduce-scatter (``_gradient_predivide_factor``: r2 w2) and its shard after
+    it (r2 w2 per ``1/dp``), then cast to float32 for the optimizer (r2 w4 per ``1/dp``):
+    ``8 + 22 / dp`` bytes per parameter."""
+    per = (8.0 + 22.0 / dp) if flat else 2 * (4.0 + 6.0 / dp) + 6.0 + 12.0 / dp
     return unit_parameters * per / device.memory_bandwidth
 
 

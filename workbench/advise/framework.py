@@ -123,6 +123,14 @@ favours tensor parallelism more than one that launches every operator on its own
     micro-batches than stages, as the workbench's own pipeline does). A cluster without a framework
     (this machine's) takes the workbench's rules.
 
+``fsdp``
+    which FSDP shards the model under ZeRO-3: ``"fsdp2"`` (``fully_shard``, per-parameter
+    DTensors: each gather copies its output into the parameters and each reduce-scatter copies the
+    gradients into one input, torchtitan) or ``"fsdp1"`` (``FullyShardedDataParallel``, a flat
+    parameter per unit: the gather lands in the buffer the parameters view, the gradients arrive
+    concatenated and are divided in place, fms-fsdp); the copies' bytes are
+    :func:`workbench.advise.device.fsdp_copy_seconds`'s.
+
 The per-operator and per-micro-batch host costs are the device profile's (a calibration measures
 them); how many operators a layer dispatches is the framework's.
 
@@ -205,6 +213,7 @@ class Framework:
     host_ops_per_kernel: float = 1.0
     elementwise_efficiency: float = 1.0
     pipeline: str = "megatron"
+    fsdp: str = "fsdp2"
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -231,6 +240,9 @@ class Framework:
             raise ValueError(f"Framework(pipeline={self.pipeline!r}): use 'megatron' (1F1B with any number of "
                              "micro-batches, Megatron-LM and nanotron) or 'torch' (torch.distributed.pipelining: "
                              "1F1B needs as many micro-batches as stages)")
+        if self.fsdp not in ("fsdp1", "fsdp2"):
+            raise ValueError(f"Framework(fsdp={self.fsdp!r}): use 'fsdp2' (fully_shard, per-parameter shards) or "
+                             "'fsdp1' (FullyShardedDataParallel, a flat parameter per unit)")
         for name in ("compiled", "complex_rotary"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Framework({name}={getattr(self, name)!r}): True or False")

@@ -191,8 +191,9 @@ def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str, ev
 # 7B without checkpointing, sharded inside each node and replicated across them (scripts/7b.sh:
 # sharding_strategy=hsdp: Config(shard_group=8)). The 13B row (every n-th block checkpointed) has a layout a Config
 # cannot say, and is left out.
-_FMS = replace(EAGER, name="eager (fms-fsdp)", grad_reduce_bytes=2,
-               source="fms-fsdp: eager PyTorch, FSDP MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
+_FMS = replace(EAGER, name="eager (fms-fsdp)", grad_reduce_bytes=2, fsdp="fsdp1",
+               source="fms-fsdp: eager PyTorch, FSDP1 (FullyShardedDataParallel, flat parameters) with "
+                      "MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
 _LLAMA2_34B = ModelShape(layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016, vocab=32000, seq=4096, gated=True,
                          tied=False, bias=False, positions="rope", norm="rmsnorm", name="llama2-34b (fms-fsdp)",
                          source="fms-fsdp get_model_config('llama2_34b'): emb 8192, 64 heads, 8 kv heads, 48 "
@@ -206,11 +207,11 @@ _FMS_COMPILED = replace(_FMS, name="compiled (fms-fsdp)", compiled=True, complex
                         source="fms-fsdp with torch.compile: eager's layer under Inductor, a real-valued rotary, "
                                "FSDP MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
 _FMS_COMPILE_NOTE = ("torch.compile over the model, its rotary real-valued (framework 'compiled (fms-fsdp)': "
-                     "elementwise operators fused, bf16 gradient reduction, the loss uncompiled); the network is the "
+                     "elementwise operators fused, FSDP1's flat parameters, bf16 gradient reduction, the loss uncompiled); the network is the "
                      "README's figure, taken as per node")
-_IBM_NOTE = ("bf16 gradient reduction (framework 'eager (fms-fsdp)'); the network is the blog's figure, taken as per "
+_IBM_NOTE = ("FSDP1's flat parameters, bf16 gradient reduction (framework 'eager (fms-fsdp)'); the network is the blog's figure, taken as per "
              "node")
-_FMS_README_NOTE = ("bf16 gradient reduction (framework 'eager (fms-fsdp)'); the README gives no network: the blog's "
+_FMS_README_NOTE = ("FSDP1's flat parameters, bf16 gradient reduction (framework 'eager (fms-fsdp)'); the README gives no network: the blog's "
                     "400 Gb/s per node for its 128 A100 assumed")
 
 
@@ -474,8 +475,8 @@ def report(results: list[dict]) -> str:
              "*role*: `calibrated` rows gave the model a figure (their ratio only shows it reproduces its "
              "input), `checked` rows gave nothing. A row runs on its preset with the framework it was measured "
              "with (`workbench.advise.framework`: `megatron` for the Megatron-LM README's H100 table, `eager` for "
-             "torchtitan (`compiled` for its torch.compile rows), `eager` with bf16 gradient reduction for IBM's "
-             "fms-fsdp (compiled, with a real-valued rotary, for its torch.compile rows), the A100 presets' "
+             "torchtitan (`compiled` for its torch.compile rows), `eager` with FSDP1's flat parameters and bf16 "
+             "gradient reduction for IBM's fms-fsdp (compiled, with a real-valued rotary, for its torch.compile rows), the A100 presets' "
              "`megatron-2022` for Korthikanti et al.) and, where it names them, its own GPU (torchtitan's H100 "
              "rows: `h100-sxm-96gb-500w`) and network (fms-fsdp's), as its assumptions below say.", "",
              "| # | run | layout | metric | published | predicted | ratio | within | role | source |",

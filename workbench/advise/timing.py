@@ -40,7 +40,7 @@ Adam), whether tensor-parallel collectives overlap their multiplies (:func:`tp_o
 one chunk of ``t`` hidden), the gradients' bytes on the wire (float32 reductions) and whether
 they overlap backward, its buckets, and the SMs an overlapped collective takes from compute
 (``Framework.sm_share_on``: :func:`prefetch_wait` hides ``1 - sm_share`` of what compute covers);
-FSDP2's copies around each unit's collectives are GPU work
+FSDP's copies around each unit's collectives (FSDP2's or FSDP1's, ``Framework.fsdp``) are GPU work
 (:func:`workbench.advise.device.fsdp_copy_seconds`), and a pipeline's messages are NCCL
 send/recv at the achieved point-to-point bandwidth of their link class.
 
@@ -1042,7 +1042,8 @@ def _zero3_time(ctx: _Step, psi_rank: float, layer_s: float, edges_s: float, hid
     scale = framework.grad_reduce_bytes / e if framework is not None and framework.grad_reduce_bytes else 1.0
     dp_total = m * _zero3_exposed(shape, config, psi_rank, e, layer_s * o, edges_s * o, hides, sync, price, scale,
                                   replicate)
-    copies = m * fsdp_copy_seconds(ctx.device, psi_rank, config.shard_size) if framework is not None else None
+    copies = m * fsdp_copy_seconds(ctx.device, psi_rank, config.shard_size, flat=framework.fsdp == "fsdp1") \
+        if framework is not None else None
     if ctx.contention:
         dp_total = max(dp_total, m * shared_cores.zero3_cpu(ctx.contention, shape, config) * o)
     return dp_total, copies
