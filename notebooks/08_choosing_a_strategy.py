@@ -497,14 +497,14 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
       f"= {median_error:.2f}; largest ratio {ratios[-1]:.2f}, smallest {ratios[0]:.2f}")
 
 # %% [markdown]
-# What the misses say (the command's notes give each row's assumptions): the one miss is IBM's
-# eager FSDP run of a 7B Llama on H100, predicted fast, where the blog itself finds a tenth of the
-# step lost to communication. The 7B layer, timed kernel by kernel on one H200 (the H100's chip),
-# costs what the model says within 3% (`docs/benchmarks/2026-11-28-h200-layers.md`): what that run
-# lost is beyond one GPU, and the model does not yet say what. Every fms-fsdp run on that H100
-# cluster comes out faster than its twin on the A100 cluster (1.10-1.18 against 1.01-1.09, with
-# `torch.compile` or without), which points at that cluster, whose power limit and fabric are not
-# published, more than at eager PyTorch. torchtitan's A100 rows are priced on
+# What the misses say (the command's notes give each row's assumptions): the two misses are IBM's
+# eager FSDP runs of Llama 2 7B and 13B on H100, predicted fast, where the blog itself finds a
+# tenth of the step lost to communication. The 7B layer, timed kernel by kernel on one H200 (the
+# H100's chip), costs what the model says within 3% (`docs/benchmarks/2026-11-28-h200-layers.md`):
+# what those runs lost is beyond one GPU, and the model does not yet say what. Every fms-fsdp run on
+# that H100 cluster comes out faster than its twin on the A100 cluster (1.10-1.18 against
+# 1.01-1.10, with `torch.compile` or without), which points at that cluster, whose power limit and
+# fabric are not published, more than at eager PyTorch. torchtitan's A100 rows are priced on
 # the network its launcher of the time names (AWS EFA, 400 Gb/s per node); the one of them whose
 # collectives outlast its compute sits at the band's lower edge. The Megatron README
 # does not say which pipeline schedule its runs used; they are priced with 1F1B, its default, since

@@ -190,8 +190,8 @@ def _titan_a100(model: str, lbs: int, recompute: str, wps: float, label: str, ev
 # mixed_precision.py: bfSixteen), full activation checkpointing of every block for 34B and 70B (the table's "Yes";
 # scripts/34b.sh, 70b.sh: fsdp_activation_checkpointing=True, selective_checkpointing=1, sharding_strategy=fsdp);
 # 7B without checkpointing, sharded inside each node and replicated across them (scripts/7b.sh:
-# sharding_strategy=hsdp: Config(shard_group=8)). The 13B row (every n-th block checkpointed) has a layout a Config
-# cannot say, and is left out.
+# sharding_strategy=hsdp: Config(shard_group=8)). The 13B row checkpoints a share of the blocks, half of them by
+# its HFU over MFU (below): Config(recompute="full", recompute_layers=20).
 _FMS = replace(EAGER, name="eager (fms-fsdp)", grad_reduce_bytes=2, fsdp="fsdp1",
                source="fms-fsdp: eager PyTorch, FSDP1 (FullyShardedDataParallel, flat parameters) with "
                       "MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
@@ -202,7 +202,8 @@ _LLAMA2_34B = ModelShape(layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016
 # fms-fsdp with torch.compile (its README from 2024-05-09): torch.compile(model) over the FSDP-wrapped model, the loss
 # computed outside it (main_training.py, fms_fsdp/utils/train_utils.py), and a rotary embedding without complex numbers
 # (IBM and Meta's blog 'Maximizing Training Throughput Using PyTorch FSDP and Torch.compile': "We implemented RoPE
-# using einops"). Its 13B, 34B and 70B rows checkpoint a fraction of the blocks that is not published: left out
+# using einops"). Its 34B and 70B A100 rows checkpoint every block (below); its 13B rows and the H100 34B and 70B a
+# share of the blocks that is not published: left out
 _FMS_COMPILED = replace(_FMS, name="compiled (fms-fsdp)", compiled=True, complex_rotary=False,
                         host_ops_per_kernel=COMPILED.host_ops_per_kernel,
                         source="fms-fsdp with torch.compile: eager's layer under Inductor, a real-valued rotary, "
@@ -227,22 +228,38 @@ _FMS_EVERY_BLOCK_NOTE = ("; 'Selective AC' as every block: fms-fsdp's selective_
                          "rounding")
 
 
+# The blog's 13b row, "Selective AC": its HFU over MFU, 0.59 / 0.51 on A100 and 0.40 / 0.35 on H100 (the fms-fsdp
+# README of 2024-03-13, 5e522b4, gives both), is (3 + p) / 3 with p = 0.41-0.53 and 0.34-0.52 within the rounding:
+# half the blocks (fms-fsdp's ac_handler with p = 1/2 checkpoints every other block), as the same ratio gives
+# p = 0.99-1.18 for the 34b and 70b rows whose checkpointing is full. Priced once, after the inference
+_FMS_HALF_NOTE = ("; 'Selective AC' as every other block: the README's HFU / MFU (0.59 / 0.51 on A100, 0.40 / 0.35 "
+                  "on H100) is (3 + p) / 3 with p = 1/2 within its rounding (fms-fsdp's ac_handler checkpoints every "
+                  "other block at p = 1/2; recompute='full' on half the layers)")
+
+
 def _ibm(model: ModelShape, label: str, gpus: int, gpu: str, tokens: float, hsdp: bool = False, batch: int = 2,
-         source: str = IBM) -> Published:
+         source: str = IBM, half: bool = False) -> Published:
+    """A row of IBM and Meta's fms-fsdp tables: ``hsdp`` sharded inside each node without
+    checkpointing, else ZeRO-3 over every GPU with every block checkpointed (``half``: every other
+    block)."""
     cluster, gbps = ("dgx-a100", 400) if gpu == "A100" else ("dgx-h100", 800)
     where = ": fms-fsdp's 7B script" if source == IBM else ", as the README lists"
-    layout = (f"HSDP (sharded inside each node, replicated across{where}), no activation checkpointing"
-              if hsdp else "FSDP over every GPU (ZeRO-3), full activation checkpointing")
+    ac = "selective AC (every other block)" if half else "full AC"
+    layout = (f"HSDP (sharded inside each node, replicated across{where}), no activation checkpointing" if hsdp
+              else "FSDP over every GPU (ZeRO-3), " + ("activation checkpointing of every other block" if half
+                                                        else "full activation checkpointing"))
     note = {IBM: _IBM_NOTE, FMS_COMPILE: _FMS_COMPILE_NOTE}.get(source, _FMS_README_NOTE)
     compiled = source == FMS_COMPILE
     if compiled and not hsdp:
         note += _FMS_EVERY_BLOCK_NOTE
-    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch {batch}, {'HSDP' if hsdp else 'full AC'}"
+    if half:
+        note += _FMS_HALF_NOTE
+    return Published(name=f"fms-fsdp {label}, {gpus} {gpu}, batch {batch}, {'HSDP' if hsdp else ac}"
                           + (", torch.compile" if compiled else ""),
                      source=source, metric="tokens_per_gpu", value=tokens, cluster=cluster, nodes=gpus // 8,
                      model=model, global_batch=batch * gpus,
                      config=Config(dp=gpus, zero=3, precision="bf16", recompute="none" if hsdp else "full",
-                                   shard_group=8 if hsdp else 0),
+                                   shard_group=8 if hsdp else 0, recompute_layers=model.layers // 2 if half else 0),
                      framework=_FMS_COMPILED if compiled else _FMS, network_gbps=gbps, note=f"{layout}, {note}")
 
 
@@ -336,6 +353,9 @@ ROWS: tuple[Published, ...] = (
     _ibm(SHAPES["llama-7b"], "Llama 2 7B", 96, "H100", 7500, hsdp=True),
     _ibm(_LLAMA2_34B, "Llama 2 34B", 96, "H100", 1550),
     _ibm(SHAPES["llama-70b"], "Llama 2 70B", 96, "H100", 800),
+    # -- the same table's 13b, every other block checkpointed (inferred from its HFU over MFU, above)
+    _ibm(SHAPES["llama-13b"], "Llama 2 13B", 128, "A100", 1800, half=True),
+    _ibm(SHAPES["llama-13b"], "Llama 2 13B", 96, "H100", 3800, half=True),
     # -- fms-fsdp's README: tokens/s per GPU on 128 A100 in the layouts it lists (its 7b row is the blog's run)
     _ibm(SHAPES["llama-13b"], "Llama 2 13B", 128, "A100", 1700, hsdp=True, batch=1, source=FMS_README),
     _ibm(_LLAMA2_34B, "Llama 2 34B", 128, "A100", 772, batch=8, source=FMS_README),
