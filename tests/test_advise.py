@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import types
 
@@ -502,14 +503,23 @@ def test_zero_over_one_data_parallel_rank_runs_on_a_gpu_framework_and_shards_not
 def test_a_configuration_that_cannot_run_has_infinite_memory_and_time():
     """Where the sizes leave nothing to price (``tp`` does not divide the key/value heads, the
     layout does not fill the cluster), every part of the plan's memory and time is infinite, so a
-    caller reading ``memory["total"]`` and ``time["total"]`` of any configuration ranks it last."""
-    import math
+    caller reading ``memory["total"]`` and ``time["total"]`` of any configuration ranks it last;
+    ``advise`` leaves a plan that does not fit untimed, its time infinite. As JSON they are null."""
     h100 = Cluster.preset("dgx-h100", nodes=2)
     for config in (Config(dp=1, tp=16, precision="bf16"), Config(dp=8, tp=1, precision="bf16")):
         plan = predict(_LLAMA_8B, h100, 16, config)
         assert not plan.feasible and plan.reason
         assert set(plan.memory) >= {"total", "activations"} and set(plan.time) >= {"total", "compute"}
         assert all(math.isinf(v) for v in (*plan.memory.values(), *plan.time.values()))
+        assert all(v is None for part in ("memory", "time") for v in plan.as_dict()[part].values())   # JSON: null
+    # advise: every plan carries every part; one that does not fit is not timed (infinite), one that fits is
+    plans = advise("tiny", _cluster(4, 2, memory_gib=0.0025), 32)
+    for plan in plans:
+        assert set(plan.memory) == {"parameters", "gradients", "optimizer", "activations", "buffers", "total"}
+        assert set(plan.time) == {"compute", "tp", "dp", "pp", "bubble", "total"}
+        assert math.isfinite(plan.time["total"]) == plan.feasible, plan
+    assert {math.isfinite(p.memory["total"]) for p in plans if not p.feasible} == {True, False}
+    json.loads(json.dumps([p.as_dict() for p in plans], allow_nan=False))
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -614,9 +624,10 @@ def test_what_a_search_remembers_is_what_each_plan_computes_alone(model, cluster
     micro-batch per kind of stage, a pipeline replay's peak moments per schedule and rank, each
     collective's price): every plan is what predict() gives it with nothing remembered, bit for bit."""
     plans = advise(model, cluster, batch)
-    assert {True, False} <= {p.feasible for p in plans if p.memory}
+    sized = [p for p in plans if math.isfinite(p.memory["total"])]   # not the layouts that cannot run at all
+    assert {True, False} <= {p.feasible for p in sized}
     shape = ModelShape.coerce(model)
-    for plan in [p for p in plans if p.memory][::every]:
+    for plan in sized[::every]:
         _forget()
         alone = predict(model, cluster, batch, plan.config, time_infeasible=False)
         assert (alone.memory, alone.time, alone.feasible, alone.reason, alone.notes) == \

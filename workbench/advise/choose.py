@@ -41,6 +41,11 @@ def _cluster(cluster) -> Cluster:
     return cluster
 
 
+def _never(parts) -> dict[str, float]:
+    """Every part and the total infinite: what a plan that cannot run needs, or takes."""
+    return dict.fromkeys((*parts, "total"), math.inf)
+
+
 def predict(model, cluster, global_batch: int, config: Config, *, time_infeasible: bool = True) -> Plan:
     """Memory and time of ``config`` for ``model`` (GPTConfig, preset name or ModelShape) on
     ``cluster`` with ``global_batch`` sequences per step, as a :class:`Plan`. A configuration that
@@ -50,7 +55,8 @@ def predict(model, cluster, global_batch: int, config: Config, *, time_infeasibl
     more stages than layers, too few micro-batches for the schedule...), every part of its memory
     and time is infinite: it needs more than any device holds and never finishes a step, so a
     caller reading ``plan.memory["total"]`` and ``plan.time["total"]`` of any configuration ranks it
-    last."""
+    last. With ``time_infeasible=False`` (``advise``'s search) a configuration that does not fit
+    is not timed: its time is infinite too (it cannot run a step)."""
     shape = ModelShape.coerce(model, "model")
     cluster = _cluster(cluster)
     check_config(config)
@@ -61,14 +67,14 @@ def predict(model, cluster, global_batch: int, config: Config, *, time_infeasibl
     reason = structural_reason(shape, cluster, config, global_batch)
     if reason:
         plan.feasible, plan.reason = False, reason
-        plan.memory = dict.fromkeys((*MEMORY_CATEGORIES, "total"), math.inf)
-        plan.time = dict.fromkeys((*TIME_PARTS, "total"), math.inf)
+        plan.memory, plan.time = _never(MEMORY_CATEGORIES), _never(TIME_PARTS)
         return plan
     plan.memory = memory_per_device(shape, config, global_batch, cluster)
     reason = memory_reason(plan.memory, cluster)
     if reason:
         plan.feasible, plan.reason = False, reason
     if reason and not time_infeasible:
+        plan.time = _never(TIME_PARTS)
         return plan
     plan.time = step_time(shape, cluster, config, global_batch)
     plan.notes = layout_facts(shape, cluster, config, plan)
@@ -105,7 +111,8 @@ def advise(model, cluster, global_batch: int, *, partial_recompute: bool = False
     infeasible = sorted((p for p in plans if not p.feasible), key=lambda p: p.memory["total"])
     for split, (config, reason) in dead_splits.items():
         if split not in runnable_splits:
-            plan = Plan(config=config, feasible=False, reason=reason)
+            plan = Plan(config=config, memory=_never(MEMORY_CATEGORIES), time=_never(TIME_PARTS), feasible=False,
+                        reason=reason)
             plan._context = (shape, cluster, global_batch)
             infeasible.append(plan)
     ranked = feasible + infeasible

@@ -8,6 +8,7 @@ category and time by part, side by side, the stacks the tables print.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from .cluster import GiB
@@ -16,6 +17,12 @@ from .plan import MEMORY_CATEGORIES, TIME_PARTS, Plan
 __all__ = ["time_memory", "breakdown"]
 
 _MARKERS = "o^sDvP*Xh"
+
+
+def _timed(plan: Plan) -> bool:
+    """``plan``'s memory and time were predicted (finite): not a configuration that cannot run, nor
+    one ``advise`` left untimed because it does not fit."""
+    return bool(plan.memory and plan.time) and math.isfinite(plan.memory["total"]) and math.isfinite(plan.time["total"])
 
 
 def _axes(ax, figsize):
@@ -36,7 +43,7 @@ def time_memory(plans: Sequence[Plan], ax=None, *, memory_limit: float | None = 
     from matplotlib.lines import Line2D
 
     ax = _axes(ax, (7.5, 4.5))
-    feasible = [p for p in plans if p.feasible and p.time]
+    feasible = [p for p in plans if p.feasible and _timed(p)]
     tps = sorted({p.config.tp for p in feasible}) or [1]
     pps = sorted({p.config.pp for p in feasible}) or [1]
     cmap = plt.get_cmap("viridis")
@@ -51,7 +58,7 @@ def time_memory(plans: Sequence[Plan], ax=None, *, memory_limit: float | None = 
     handles = [Line2D([], [], ls="", marker="o", color=color[tp], label=f"tp {tp}") for tp in tps] + \
         [Line2D([], [], ls="", marker=marker[pp], color="0.4", label=f"pp {pp}") for pp in pps]
     if infeasible:
-        over = [p for p in plans if not p.feasible and p.time and p.memory]
+        over = [p for p in plans if not p.feasible and _timed(p)]
         if over:
             ax.scatter([p.memory["total"] / GiB for p in over], [p.time["total"] for p in over], s=10, color="0.75",
                        marker="x")
@@ -67,7 +74,7 @@ def time_memory(plans: Sequence[Plan], ax=None, *, memory_limit: float | None = 
                               label="chosen: " + best.config.label()))
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(mticker.FormatStrFormatter("%g"))
-    times = [p.time["total"] for p in plans if p.time]
+    times = [p.time["total"] for p in plans if _timed(p)]
     if times and max(times) < 10 * min(times):     # less than a decade: label the minor ticks too
         ax.yaxis.set_minor_formatter(mticker.FormatStrFormatter("%g"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
@@ -85,7 +92,7 @@ def breakdown(plans: Sequence[Plan], axes=None, *, top: int = 8):
     part (right). Returns the two axes."""
     import matplotlib.pyplot as plt
 
-    shown = [p for p in plans if p.memory and p.time][:top]
+    shown = [p for p in plans if _timed(p)][:top]
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(11, 0.45 * max(3, len(shown)) + 1.2))
     labels = [p.config.label() + ("" if p.feasible else " (x)") for p in shown]

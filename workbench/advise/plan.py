@@ -28,6 +28,7 @@ facts, in plain words::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from workbench.parallel.recompute import POLICIES
@@ -157,7 +158,10 @@ def check_config(config: Config) -> None:
 
 @dataclass
 class Plan:
-    """A configuration and its prediction; ``feasible`` False with ``reason`` when it cannot run."""
+    """A configuration and its prediction; ``feasible`` False with ``reason`` when it cannot run.
+    ``memory`` and ``time`` hold every category and part and their ``"total"``, infinite where the
+    configuration cannot run at all, and ``time``'s where ``advise`` found it does not fit and did
+    not time it (:func:`workbench.advise.choose.predict`)."""
 
     config: Config
     memory: dict[str, float] = field(default_factory=dict)   # MEMORY_CATEGORIES + "total", bytes per device
@@ -171,8 +175,12 @@ class Plan:
         return explain(self)
 
     def as_dict(self) -> dict:
+        """The plan as plain data (JSON-able): a part that is infinite (a plan that cannot run, or
+        does not fit and was not timed) is ``None``."""
         d = asdict(self)
         d["config"]["label"] = self.config.label()
+        for part in ("memory", "time"):
+            d[part] = {k: v if math.isfinite(v) else None for k, v in d[part].items()}
         return d
 
 
@@ -297,7 +305,7 @@ def _rivals(chosen: Plan, plans: list[Plan]) -> list[str]:
         best: dict = {}
         for plan in plans:
             value = read(plan.config)
-            if value == mine or (not plan.time and plan.feasible):
+            if value == mine or (plan.feasible and not math.isfinite(plan.time.get("total", math.inf))):
                 continue
             if decision == "zero" and plan.config.dp == 1:
                 continue   # its ZeRO-0 is not a choice but its tp and pp's (they are rivals of those decisions)
