@@ -481,7 +481,8 @@ def test_a_gpu_framework_s_1f1b_takes_fewer_micro_batches_than_stages_as_a_fill_
         assert one_f.memory["activations"] <= gpipe.memory["activations"] * (1 + 1e-9)
     config = Config(dp=2, pp=4, zero=1, microbatches=2, precision="bf16", recompute="selective")
     torch_pipe = predict(_LLAMA_8B, h100.with_(framework=FRAMEWORKS["eager"]), 4, config)
-    assert not torch_pipe.feasible and "1f1b needs at least 4 micro-batches for 4 stages, got m = 2" in torch_pipe.reason
+    assert not torch_pipe.feasible
+    assert "1f1b needs at least 4 micro-batches for 4 stages, got m = 2" in torch_pipe.reason
     assert "1f1b needs at least 4 micro-batches" in infeasible_reason("small", _cluster(8), config, 16)
     assert any(c.schedule == "1f1b" and c.microbatches < c.pp for c in
                configurations(_LLAMA_8B, h100, 16, precisions=("bf16",), recompute=("selective",)))

@@ -207,14 +207,14 @@ _LLAMA2_34B = ModelShape(layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016
 _FMS_COMPILED = replace(_FMS, name="compiled (fms-fsdp)", compiled=True, complex_rotary=False,
                         host_ops_per_kernel=COMPILED.host_ops_per_kernel,
                         source="fms-fsdp with torch.compile: eager's layer under Inductor, a real-valued rotary, "
-                               "FSDP MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
+                               "FSDP1 with MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)")
 _FMS_COMPILE_NOTE = ("torch.compile over the model, its rotary real-valued (framework 'compiled (fms-fsdp)': "
-                     "elementwise operators fused, FSDP1's flat parameters, bf16 gradient reduction, the loss uncompiled); the network is the "
-                     "README's figure, taken as per node")
-_IBM_NOTE = ("FSDP1's flat parameters, bf16 gradient reduction (framework 'eager (fms-fsdp)'); the network is the blog's figure, taken as per "
-             "node")
-_FMS_README_NOTE = ("FSDP1's flat parameters, bf16 gradient reduction (framework 'eager (fms-fsdp)'); the README gives no network: the blog's "
-                    "400 Gb/s per node for its 128 A100 assumed")
+                     "elementwise operators fused, FSDP1's flat parameters, bf16 gradient reduction, the loss "
+                     "uncompiled); the network is the README's figure, taken as per node")
+_IBM_NOTE = ("FSDP1's flat parameters, bf16 gradient reduction (framework 'eager (fms-fsdp)'); the network is the "
+             "blog's figure, taken as per node")
+_FMS_README_NOTE = ("FSDP1's flat parameters, bf16 gradient reduction (framework 'eager (fms-fsdp)'); the README "
+                    "gives no network: the blog's 400 Gb/s per node for its 128 A100 assumed")
 
 
 # fms-fsdp's compiled 34b and 70b rows say "Selective AC": a share p of the blocks checkpointed
@@ -512,8 +512,8 @@ def report(results: list[dict]) -> str:
              "input), `checked` rows gave nothing. A row runs on its preset with the framework it was measured "
              "with (`workbench.advise.framework`: `megatron` for the Megatron-LM README's H100 table, `eager` for "
              "torchtitan (`compiled` for its torch.compile rows), `eager` with FSDP1's flat parameters and bf16 "
-             "gradient reduction for IBM's fms-fsdp (compiled, with a real-valued rotary, for its torch.compile rows), the A100 presets' "
-             "`megatron-2022` for Korthikanti et al.) and, where it names them, its own GPU (torchtitan's H100 "
+             "gradient reduction for IBM's fms-fsdp (compiled, with a real-valued rotary, for its torch.compile "
+             "rows), the A100 presets' `megatron-2022` for Korthikanti et al.) and, where it names them, its own GPU (torchtitan's H100 "
              "rows: `h100-sxm-96gb-500w`) and network (fms-fsdp's), as its assumptions below say.", "",
              "| # | run | layout | metric | published | predicted | ratio | within | role | source |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"]
