@@ -513,8 +513,9 @@ def report(results: list[dict]) -> str:
              "with (`workbench.advise.framework`: `megatron` for the Megatron-LM README's H100 table, `eager` for "
              "torchtitan (`compiled` for its torch.compile rows), `eager` with FSDP1's flat parameters and bf16 "
              "gradient reduction for IBM's fms-fsdp (compiled, with a real-valued rotary, for its torch.compile "
-             "rows), the A100 presets' `megatron-2022` for Korthikanti et al.) and, where it names them, its own GPU (torchtitan's H100 "
-             "rows: `h100-sxm-96gb-500w`) and network (fms-fsdp's), as its assumptions below say.", "",
+             "rows), the A100 presets' `megatron-2022` for Korthikanti et al.) and, where it names them, its own "
+             "GPU (torchtitan's H100 rows: `h100-sxm-96gb-500w`) and network (fms-fsdp's), as its assumptions "
+             "below say.", "",
              "| # | run | layout | metric | published | predicted | ratio | within | role | source |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"]
     sources: dict[str, int] = {}
