@@ -455,6 +455,13 @@ def test_infeasibility_reasons_name_the_rule_and_the_numbers():
     for config, cluster, want in cases:
         assert want in infeasible_reason(small, cluster, config, 20), (config, infeasible_reason(small, cluster, config, 20))
     assert infeasible_reason(small, four, Config(dp=4, zero=1), 20) == ""
+    # over the device by less than the figures' rounding: the reason says by how much
+    from workbench.advise.space import memory_reason
+    h100 = Cluster.preset("dgx-h100")
+    over = dict.fromkeys(("parameters", "gradients", "optimizer", "buffers"), 1.0) | {
+        "activations": 40 * GiB, "total": h100.memory_bytes + 2048}
+    assert memory_reason(over, h100) == ("needs 79.65 GiB (2.00 KiB more) per device, has 79.65 GiB "
+                                         "(largest: activations 40.00 GiB)")
     # a 70B model does not fit one 8 x 40 GB node even fully sharded
     reason = infeasible_reason("llama-70b", Cluster.preset("p4d-a100"), Config(dp=8, zero=3, precision="bf16",
                                                                                 recompute="full", microbatches=32), 256)

@@ -108,8 +108,10 @@ def memory_reason(memory: dict, cluster: Cluster) -> str:
     if memory["total"] <= cluster.memory_bytes:
         return ""
     worst = max(("parameters", "gradients", "optimizer", "activations", "buffers"), key=lambda k: memory[k])
-    return (f"needs {format_bytes(memory['total'])} per device, has {format_bytes(cluster.memory_bytes)} "
-            f"(largest: {worst} {format_bytes(memory[worst])})")
+    need, have = format_bytes(memory["total"]), format_bytes(cluster.memory_bytes)
+    if need == have:     # over by less than the rounding: say by how much
+        need += f" ({format_bytes(memory['total'] - cluster.memory_bytes)} more)"
+    return f"needs {need} per device, has {have} (largest: {worst} {format_bytes(memory[worst])})"
 
 
 def infeasible_reason(shape, cluster: Cluster, config: Config, global_batch: int) -> str:
