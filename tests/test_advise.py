@@ -475,8 +475,9 @@ _LLAMA_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, 
 def test_a_gpu_framework_s_1f1b_takes_fewer_micro_batches_than_stages_as_a_fill_and_drain():
     """Megatron-LM's and nanotron's 1F1B run with m < p (each rank's warm-up is min(p - r - 1, m)
     forwards): on a GPU cluster whose framework runs that pipeline it is priced, with GPipe's step
-    time (a fill and a drain) and no more activations than GPipe's; torch's pipelining (torchtitan,
-    framework 'eager') and the workbench's own runtime refuse it, naming the rule."""
+    time (a fill and a drain) and no more activations than GPipe's, and searched in GPipe's place;
+    torch's pipelining (torchtitan, framework 'eager') and the workbench's own runtime refuse it,
+    naming the rule."""
     from workbench.advise import FRAMEWORKS
     h100 = Cluster.preset("dgx-h100")
     for m in (1, 2, 3):
@@ -491,8 +492,15 @@ def test_a_gpu_framework_s_1f1b_takes_fewer_micro_batches_than_stages_as_a_fill_
     assert not torch_pipe.feasible
     assert "1f1b needs at least 4 micro-batches for 4 stages, got m = 2" in torch_pipe.reason
     assert "1f1b needs at least 4 micro-batches" in infeasible_reason("small", _cluster(8), config, 16)
-    assert any(c.schedule == "1f1b" and c.microbatches < c.pp for c in
-               configurations(_LLAMA_8B, h100, 16, precisions=("bf16",), recompute=("selective",)))
+    # the search tries it, and leaves out GPipe at the same m (the same time, never less memory); under
+    # torch's pipelining it keeps GPipe's short fills
+    def short(cluster, schedule):
+        return any(c.schedule == schedule and c.microbatches < c.pp for c in
+                   configurations(_LLAMA_8B, cluster, 16, precisions=("bf16",), recompute=("selective",)))
+
+    assert short(h100, "1f1b") and not short(h100, "gpipe")
+    eager = h100.with_(framework=FRAMEWORKS["eager"])
+    assert short(eager, "gpipe") and not short(eager, "1f1b")
 
 
 def test_zero_over_one_data_parallel_rank_runs_on_a_gpu_framework_and_shards_nothing():

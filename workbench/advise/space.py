@@ -10,7 +10,9 @@ ZeRO stage over dp     0 (DDP), 1, 2, 3; only 0 when ``dp = 1`` (nothing to shar
 pipeline schedule      gpipe, 1f1b, interleaved (2 chunks per rank), zb-h1, zbv; when
                        ``pp > 1``                                             ``schedules=``
 micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` dividing the rows of each data-parallel
-                       rank (and 1, 2, .. below ``pp`` for the schedules that take them);
+                       rank (and 1, 2, 4 below ``pp`` for the schedules that take them;
+                       GPipe's not where the framework's 1F1B takes them: the same
+                       time with no more memory);
                        without a pipeline, gradient accumulation over every power of two
                        up to the rows of a data-parallel rank and the rows themselves:
                        down to one sequence per micro-batch (one gradient reduction per
@@ -146,6 +148,16 @@ def _accumulation_counts(rows: int) -> tuple[int, ...]:
     return tuple(sorted({1 << k for k in range(rows.bit_length()) if 1 << k <= rows} | {rows}))
 
 
+def _short_gpipe_dominated(cluster: Cluster, schedule: str, m: int, pp: int, schedules: tuple) -> bool:
+    """GPipe with ``m < pp`` micro-batches where the cluster's framework runs 1F1B with as few
+    (:meth:`~workbench.advise.framework.Framework.min_microbatches`) and 1F1B is searched: 1F1B is
+    then a fill and a drain too, in the same time with at most ``m`` micro-batches in flight on a
+    rank (never more memory), so the GPipe plan could only rank behind it."""
+    framework = getattr(cluster, "framework", None)
+    return (schedule == "gpipe" and m < pp and "1f1b" in schedules and framework is not None
+            and framework.min_microbatches("1f1b", pp) <= m)
+
+
 def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2, 3), schedules=SCHEDULES,
                    microbatches=None, sequence_parallel=(False, True), precisions=("fp32", "bf16"),
                    recompute=POLICIES, max_tp: int | None = None, tp_across_nodes: bool = True,
@@ -191,7 +203,8 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
                 pipes = [("1f1b", m) for m in counts if not rows or rows % m == 0 or not structural]
             else:
                 counts = microbatches or tuple(sorted({pp * k for k in (1, 2, 4, 8)} | {k for k in (1, 2, 4) if k < pp}))
-                pipes = [(sch, m) for sch in schedules for m in counts if not rows or rows % m == 0 or not structural]
+                pipes = [(sch, m) for sch in schedules for m in counts if (not rows or rows % m == 0 or not structural)
+                         and not _short_gpipe_dominated(cluster, sch, m, pp, schedules)]
             for z, (sch, m), sp, prec, rc in product(zero if dp > 1 else (0,), pipes,
                                                       sequence_parallel if tp > 1 else (False,), precisions, recompute):
                 c = Config(dp=dp, tp=tp, pp=pp, zero=z, schedule=sch, microbatches=m, sequence_parallel=sp,
