@@ -12,6 +12,7 @@ tests/test_advise_validate.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -26,6 +27,7 @@ from workbench.advise.cluster import GiB
 from workbench.advise import memory_model as advise_memory
 from workbench.advise import timing as advise_timing
 from workbench.advise.memory_model import activation_bytes_per_microbatch, memory_by_rank
+from workbench.advise.plan import MEMORY_CATEGORIES, TIME_PARTS
 from workbench.advise.space import shard_groups
 from workbench.comm import Link, cost
 from workbench.comm.topology import Topology
@@ -514,6 +516,34 @@ def test_zero_over_one_data_parallel_rank_runs_on_a_gpu_framework_and_shards_not
                                                             recompute="selective")) for z in (0, 1))
         assert zero1.feasible and zero1.memory == plain.memory and zero1.time == plain.time
     assert "dp = 1 has nothing to shard" in infeasible_reason("small", _cluster(4), Config(dp=1, tp=4, zero=1), 20)
+
+
+@pytest.mark.parametrize("preset", ["dgx-h100", "dgx-a100"])
+def test_predict_answers_every_layout_one_can_write_on_a_gpu_cluster(preset):
+    """Every split of 16 GPUs into dp x tp x pp (tp up to 16, past the key/value heads; pp not
+    dividing the layers), every ZeRO stage and schedule, one to eight micro-batches: ``predict``
+    raises for none of them, and each plan has every part of its memory and time -- finite and
+    positive where it fits, a reason where it does not."""
+    from workbench.advise.plan import SCHEDULES
+    shape = ModelShape(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=4096, gated=True,
+                       tied=True, bias=False, positions="rope", norm="rmsnorm")
+    cluster = Cluster.preset(preset, nodes=2)
+    seen = set()
+    for tp, pp, zero, schedule, m in itertools.product((1, 2, 4, 8, 16), (1, 2, 3, 4, 8), (0, 1, 3), SCHEDULES,
+                                                        (1, 2, 3, 8)):
+        if 16 % (tp * pp) or (pp == 1 and schedule != "1f1b"):
+            continue
+        dp = 16 // (tp * pp)
+        plan = predict(shape, cluster, dp * m, Config(dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule,
+                                                      microbatches=m, sequence_parallel=tp > 1, precision="bf16",
+                                                      recompute="selective"))
+        assert set(plan.memory) == {*MEMORY_CATEGORIES, "total"} and set(plan.time) == {*TIME_PARTS, "total"}
+        if plan.feasible:
+            assert 0 < plan.time["total"] < math.inf and 0 < plan.memory["total"] < math.inf, plan.config
+        else:
+            assert plan.reason, plan.config
+        seen.add(plan.feasible)
+    assert seen == {True, False}
 
 
 def test_a_configuration_that_cannot_run_has_infinite_memory_and_time():
