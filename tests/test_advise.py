@@ -419,8 +419,9 @@ def test_interleaving_with_more_virtual_stages_shrinks_the_bubble_and_the_first_
     The replayed bubble is the closed form ``(p - 1) / (v m + p - 1)`` of the step with equal
     stages; the first rank holds ``2 (p - 1) + (v - 1) p + 1`` chunk-micro-batches of ``L / (p v)``
     layers at its peak (Narayanan et al. 2021), fewer layers' worth as ``v`` grows."""
+    from workbench.advise import FRAMEWORKS
     shape = ModelShape(layers=24, hidden=256, heads=4, vocab=512, seq=128, ffn=1024)
-    cluster = Cluster.preset("dgx-h100", nodes=1).with_(devices_per_node=4)
+    cluster = Cluster.preset("dgx-h100", nodes=1).with_(devices_per_node=4, framework=FRAMEWORKS["megatron"])
     plain = Config(pp=4, schedule="1f1b", microbatches=8, precision="bf16")
     by_v = {v: Config(pp=4, schedule="interleaved", microbatches=8, precision="bf16", virtual_stages=v)
             for v in (2, 3, 6)}

@@ -25,7 +25,8 @@ def test_framework_is_validated_and_sets_one_attention_kernel():
                 dict(sm_share=1.0), dict(grad_reduce_bytes=3), dict(elementwise_efficiency=0.0),
                 dict(elementwise_efficiency=1.5), dict(fused_norm="yes"), dict(compiled=1),
                 dict(complex_rotary="no"), dict(compiled=True, fused=True), dict(pipeline="gpipe"),
-                dict(fsdp="fsdp3")):
+                dict(fsdp="fsdp3"), dict(schedules=("1f1b", "dualpipe")), dict(schedules=()),
+                dict(schedules=["1f1b"]), dict(schedules=("1f1b", "1f1b"))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Framework("x", **bad)
     assert Cluster.preset("dgx-h100").framework is EAGER_FUSED
@@ -37,6 +38,49 @@ def test_framework_is_validated_and_sets_one_attention_kernel():
                                                                                       fw.loss_float32_copies)
     with pytest.raises(ValueError, match="framework"):
         Cluster.preset("dgx-h100").with_(framework="eager")
+
+
+def test_a_gpu_cluster_searches_and_prices_only_the_schedules_its_framework_runs():
+    """Megatron-LM runs 1F1B and interleaved 1F1B; nanotron and picotron, whose kernels
+    ``eager-fused`` prices, GPipe (``afab``) and 1F1B; torch's pipelining (torchtitan) all five. The
+    search tries a framework's own schedules; ``predict`` refuses another, naming the framework, its
+    schedules and the way to price it; a schedule asked for by name is kept with that reason; this
+    machine's clusters (no framework: the workbench's runtime) keep every schedule."""
+    from workbench.advise import advise
+    from workbench.advise.plan import SCHEDULES
+    assert EAGER_FUSED.schedules == ("gpipe", "1f1b")
+    assert MEGATRON.schedules == MEGATRON_2022.schedules == ("1f1b", "interleaved")
+    assert EAGER.schedules == COMPILED.schedules == SCHEDULES == Framework("x").schedules
+    shape = ModelShape(layers=8, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=32000, seq=2048, gated=True,
+                       tied=False, bias=False, positions="rope", norm="rmsnorm")
+    h100 = Cluster.preset("dgx-h100")
+
+    def searched(cluster, **opts):
+        return {c.schedule for c in space.configurations(shape, cluster, 32, precisions=("bf16",), recompute=("none",),
+                                                         **opts) if c.pp > 1}
+
+    assert searched(h100) == {"gpipe", "1f1b"}
+    assert searched(h100.with_(framework=MEGATRON)) == {"1f1b", "interleaved"}
+    assert searched(h100.with_(framework=EAGER)) == set(SCHEDULES)
+    from workbench.comm.topology import Link
+    no_framework = Cluster(nodes=1, devices_per_node=8, memory_bytes=80 * 2**30, flops=100e12, intra=Link(2e-6, 100e9),
+                           inter=Link(10e-6, 5e9), name="no framework")
+    assert no_framework.framework is None and searched(no_framework) == set(SCHEDULES)
+    assert searched(h100, schedules=("zbv", "1f1b")) == {"1f1b"}          # the framework's rule leaves zbv out
+    for schedule in ("interleaved", "zb-h1", "zbv"):
+        config = Config(dp=2, pp=4, schedule=schedule, microbatches=8, precision="bf16")
+        refused = predict(shape, h100, 16, config)
+        assert not refused.feasible and refused.reason == (
+            f"framework 'eager-fused' runs the pipeline schedules gpipe, 1f1b, not {schedule!r}; choose one of those, "
+            "or price it under a framework that runs it (cluster.with_(framework=FRAMEWORKS['eager']): torch's "
+            "pipelining, every schedule)")
+        assert predict(shape, h100.with_(framework=EAGER), 16, config).feasible
+    assert predict(shape, h100, 16, Config(dp=8, schedule="zbv", precision="bf16")).feasible    # no pipeline
+    plans = advise(shape, h100, 32, precisions=("bf16",), recompute=("none",), schedules=("zbv",))
+    piped = [p for p in plans if p.config.pp > 1]
+    assert piped and not any(p.feasible for p in piped)
+    assert any("runs the pipeline schedules gpipe, 1f1b, not 'zbv'" in p.reason for p in piped)
+    assert any(p.feasible for p in plans)                                 # the layouts without a pipeline
 
 
 def test_eager_operators_move_their_real_bytes_in_more_kernels():

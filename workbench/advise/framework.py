@@ -123,6 +123,21 @@ favours tensor parallelism more than one that launches every operator on its own
     micro-batches than stages, as the workbench's own pipeline does). A cluster without a framework
     (this machine's) takes the workbench's rules.
 
+``schedules``
+    the pipeline schedules the framework implements, which the search tries and ``predict`` prices
+    on its cluster (another is refused with a reason): torch's ``torch.distributed.pipelining``
+    has all five (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+    ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``), as does the workbench's own
+    pipeline; Megatron-LM's ``get_forward_backward_func`` chooses between 1F1B
+    (``forward_backward_pipelining_without_interleaving``) and interleaved 1F1B (``..._with_interleaving``,
+    a virtual pipeline size) and nothing else; nanotron's engines
+    (``src/nanotron/parallel/pipeline_parallel/engine.py``) and picotron's schedules
+    (``train_step_pipeline_afab``, ``train_step_pipeline_1f1b``) are ``afab`` (all forward, all
+    backward: GPipe) and ``1f1b``. So ``eager-fused`` runs gpipe and
+    1f1b, as nanotron and picotron do (Megatron-LM with local layers also runs interleaved 1F1B:
+    price it under ``megatron``, or ``replace(EAGER_FUSED, schedules=...)``), ``megatron`` and
+    ``megatron-2022`` 1f1b and interleaved, ``eager`` and ``compiled`` (torchtitan) every schedule.
+
 ``fsdp``
     which FSDP shards the model under ZeRO-3: ``"fsdp2"`` (``fully_shard``, per-parameter
     DTensors: each gather copies its output into the parameters and each reduce-scatter copies the
@@ -188,6 +203,8 @@ __all__ = ["Framework", "FRAMEWORKS", "EAGER", "EAGER_FUSED", "COMPILED", "MEGAT
 # addcdiv_ of the parameter (r12 w4): 80; clip_grad_norm_'s norm (r4) and scaling mul_ (r4 w4): 12
 # whose pipeline schedules a framework runs (``Framework.pipeline``)
 PIPELINES = ("megatron", "torch")
+# the pipeline schedules the advisor prices (workbench.advise.plan.SCHEDULES), of which a framework runs some
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 OPTIMIZER_BYTES = {"fused": {"fp32": 32, "bf16": 34, "fp16": 34}, "foreach": {"fp32": 92, "bf16": 92, "fp16": 92}}
 
 
@@ -213,6 +230,7 @@ class Framework:
     host_ops_per_kernel: float = 1.0
     elementwise_efficiency: float = 1.0
     pipeline: str = "megatron"
+    schedules: tuple = ALL_SCHEDULES
     fsdp: str = "fsdp2"
     source: str = ""
 
@@ -240,6 +258,10 @@ class Framework:
             raise ValueError(f"Framework(pipeline={self.pipeline!r}): use 'megatron' (1F1B with any number of "
                              "micro-batches, Megatron-LM and nanotron) or 'torch' (torch.distributed.pipelining: "
                              "1F1B needs as many micro-batches as stages)")
+        if (not isinstance(self.schedules, tuple) or not self.schedules
+                or any(s not in ALL_SCHEDULES for s in self.schedules) or len(set(self.schedules)) != len(self.schedules)):
+            raise ValueError(f"Framework(schedules={self.schedules!r}): a tuple of the pipeline schedules it runs, "
+                             f"each once, from {ALL_SCHEDULES} (Megatron-LM: ('1f1b', 'interleaved'))")
         if self.fsdp not in ("fsdp1", "fsdp2"):
             raise ValueError(f"Framework(fsdp={self.fsdp!r}): use 'fsdp2' (fully_shard, per-parameter shards) or "
                              "'fsdp1' (FullyShardedDataParallel, a flat parameter per unit)")
@@ -295,6 +317,7 @@ EAGER = Framework(
 EAGER_FUSED = Framework(
     "eager-fused", attention="flash", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=4, host_ops_per_kernel=2.8,
+    schedules=("gpipe", "1f1b"),
     source="eager PyTorch launching Megatron-style fused kernels (fused norm, one QKV and one gate-up projection, "
            "fused rotary and SwiGLU, flash attention, vocabulary-parallel float32 loss, fused Adam, float32 main "
            "gradients): nanotron's Llama (TritonRMSNorm, qkv_proj, gate_up_proj, flash-attn), Megatron-LM's local "
@@ -309,13 +332,13 @@ COMPILED = Framework(
            "elementwise_efficiency 0.8 is eager's, for the kernels Inductor leaves to ATen")
 MEGATRON = Framework(
     "megatron", attention="flash", fused=True, tp_comm_overlap=True, selective="attention", optimizer="fused",
-    loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=0,
+    loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=0, schedules=("1f1b", "interleaved"),
     source="Megatron-Core with TransformerEngine (NVIDIA/Megatron-LM README, H100 weak scaling: "
            "--tp-comm-overlap, fused kernels, flash attention, distributed optimizer buckets of 40 M parameters, "
            "gradients reduced in bf16 (--grad-reduce-in-bf16): inferred, see the module docstring)")
 MEGATRON_2022 = Framework(
     "megatron-2022", attention="math", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
-    loss_float32_copies=1, dp_bucket_params=40e6, overlap_grad_reduce=False,
+    loss_float32_copies=1, dp_bucket_params=40e6, overlap_grad_reduce=False, schedules=("1f1b", "interleaved"),
     source="Megatron-LM on A100 as in Narayanan et al. 2021 and Korthikanti et al. 2022 (fused scale-mask-softmax "
            "over materialised scores, fused bias-GeLU and bias-dropout-add, no TP overlap; its LocalDDP all-reduces "
            "the contiguous gradient buffer once the pipeline has flushed, megatron/model/distributed.py "

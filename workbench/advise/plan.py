@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from workbench.parallel.recompute import POLICIES
 
 from .cluster import GiB, Cluster, link_text
+from .framework import ALL_SCHEDULES
 from .shape import ModelShape
 
 __all__ = ["Config", "Plan", "MEMORY_CATEGORIES", "TIME_PARTS", "SCHEDULES", "PRECISIONS", "check_config",
@@ -41,7 +42,7 @@ __all__ = ["Config", "Plan", "MEMORY_CATEGORIES", "TIME_PARTS", "SCHEDULES", "PR
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 TIME_PARTS = ("compute", "tp", "dp", "pp", "bubble")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ALL_SCHEDULES
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 

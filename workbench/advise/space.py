@@ -8,7 +8,8 @@ lever                  values tried (``configurations(...)``'s keyword to narrow
 =====================  ===================================================================
 ZeRO stage over dp     0 (DDP), 1, 2, 3; only 0 when ``dp = 1`` (nothing to shard) ``zero=``
 pipeline schedule      gpipe, 1f1b, interleaved (2 chunks per rank), zb-h1, zbv; when
-                       ``pp > 1``                                             ``schedules=``
+                       ``pp > 1``; on a GPU cluster those its framework runs
+                       (Megatron-LM: 1f1b, interleaved; nanotron: gpipe, 1f1b)  ``schedules=``
 micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` dividing the rows of each data-parallel
                        rank (and 1, 2, 4 below ``pp`` for the schedules that take them;
                        GPipe's not where the framework's 1F1B takes them: the same
@@ -35,7 +36,8 @@ heads, the MLP's units or (sequence parallelism) the sequence; more pipeline sta
 chunks) than layers; the global batch not divisible into ``dp x m`` equal micro-batches; 1F1B and
 ZB-H1 with fewer micro-batches than stages (:func:`~workbench.parallel.pipeline_schedules.min_microbatches`;
 on a GPU cluster the framework's rule, :meth:`~workbench.advise.framework.Framework.min_microbatches`:
-Megatron-LM's and nanotron's 1F1B take fewer), ZeRO over one data-parallel rank (the workbench's
+Megatron-LM's and nanotron's 1F1B take fewer), a schedule the cluster's framework does not
+implement (:attr:`~workbench.advise.framework.Framework.schedules`), ZeRO over one data-parallel rank (the workbench's
 runtime; a GPU framework runs it, sharding over one rank: nothing),
 interleaved off torch's round rule (``m`` a multiple of ``max(1, m // pp)``); the predicted memory
 (:func:`~workbench.advise.memory_model.memory_per_device`) larger than the device's. A vocabulary that
@@ -93,6 +95,10 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
     if stages > shape.layers:
         chunk = f" ({pp} ranks x {per_rank} chunks)" if stages != pp else ""
         return f"{stages} pipeline stages{chunk} but only {shape.layers} layers: each stage needs at least one"
+    if pp > 1 and framework is not None and config.schedule not in framework.schedules:
+        return (f"framework {framework.name!r} runs the pipeline schedules {', '.join(framework.schedules)}, not "
+                f"{config.schedule!r}; choose one of those, or price it under a framework that runs it "
+                "(cluster.with_(framework=FRAMEWORKS['eager']): torch's pipelining, every schedule)")
     if pp > 1:
         key = "zb_h1" if config.schedule == "zb-h1" else config.schedule
         least = framework.min_microbatches(key, pp) if framework is not None else min_microbatches(key, pp)
@@ -158,7 +164,7 @@ def _short_gpipe_dominated(cluster: Cluster, schedule: str, m: int, pp: int, sch
             and framework.min_microbatches("1f1b", pp) <= m)
 
 
-def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2, 3), schedules=SCHEDULES,
+def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2, 3), schedules=None,
                    microbatches=None, sequence_parallel=(False, True), precisions=("fp32", "bf16"),
                    recompute=POLICIES, max_tp: int | None = None, tp_across_nodes: bool = True,
                    hybrid: bool = False, structural: bool = True) -> list[Config]:
@@ -166,7 +172,11 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
 
     ``structural=True`` (default) leaves out those that cannot run whatever the memory (sizes that do
     not divide, too few micro-batches); ``False`` keeps them, for :func:`infeasible_reason` to say why.
-    Memory is not judged here. ``microbatches``: an iterable of counts to try instead of the default.
+    Memory is not judged here. ``schedules``: the pipeline schedules to try; by default those the
+    cluster's framework runs (:attr:`~workbench.advise.framework.Framework.schedules`), every one on a
+    cluster without a framework (this machine's runtime runs them all); one named here that the
+    framework does not run is kept only with ``structural=False``, to say why it cannot run.
+    ``microbatches``: an iterable of counts to try instead of the default.
     ``hybrid``: also try hybrid sharding (:func:`shard_groups`) where ZeRO-3 spans nodes; off by default,
     which keeps the space (and its search time) as it was.
     """
@@ -175,6 +185,9 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
         raise ValueError(f"cluster={cluster!r}: pass a workbench.advise.Cluster or Cluster.preset(name, nodes=)")
     _check_batch(global_batch)
     zero = _tuple(zero, "zero", (0, 1, 2, 3))
+    framework = getattr(cluster, "framework", None)
+    if schedules is None:
+        schedules = framework.schedules if framework is not None else SCHEDULES
     schedules = _tuple(schedules, "schedules", SCHEDULES)
     sequence_parallel = _tuple(sequence_parallel, "sequence_parallel", (False, True))
     precisions = _tuple(precisions, "precisions", PRECISIONS)
