@@ -73,7 +73,9 @@ print(f"world for the runs of section 6: {WORLD} ranks")
 # (`nodes x devices_per_node`), memory per device, the device itself (`device.py`: its peak, how
 # near it its matrix multiplies run by their shape, its memory bandwidth, a launch cost per
 # kernel; the table's "achieved TFLOP/s" is its largest matrix multiply's rate), the framework
-# that trains on it (`framework.py`), and two links, one inside a node and one between nodes,
+# that trains on it (`framework.py`: its kernels, and which pipeline schedules and ZeRO stages it
+# runs, which is what the search tries -- `dgx-h100`'s is eager PyTorch with Megatron-style fused
+# kernels as nanotron runs them, GPipe and 1F1B, ZeRO-0 and 1), and two links, one inside a node and one between nodes,
 # per device and direction, priced as NCCL runs its collectives on them (`nccl.py`). Presets
 # come with their sources (datasheets, the cloud providers' pages, published measurements);
 # `Cluster.preset(name, nodes=...)` sets the size. The parameter counts are
@@ -230,7 +232,10 @@ show.markdown(
 # depends on its ZeRO stage. ZeRO-1 and ZeRO-2 reduce the gradients once per step, however many
 # micro-batches the step accumulates. ZeRO-3 gathers the parameters again for every micro-batch,
 # so its traffic grows with them. The table below predicts the fast node's chosen layout with
-# both stages and three micro-batch counts (`dp`: the data-parallel traffic left exposed).
+# ZeRO-2 and ZeRO-3 and three micro-batch counts (`dp`: the data-parallel traffic left exposed).
+# Neither stage is one the node's framework offers (its data parallelism is ZeRO-0 or 1, so the
+# search did not try them); `predict` prices them as FSDP would run them on the same hardware,
+# and a stage that beats the chosen plan here is what a framework with FSDP would buy.
 #
 # The explanations say that data parallelism "adds no work per device": each replica runs the
 # forward and backward one device would run on its share of the batch, no extra compute, only
@@ -256,7 +261,8 @@ def pays(plan, cluster):
     c = plan.config
     if c.recompute == "none":
         return (f"no recomputation: it fits with TP {c.tp}{' and sequence parallelism' if c.sequence_parallel else ''},"
-                f" {c.microbatches} micro-batches of {BATCH // c.dp // c.microbatches} sequences per replica")
+                f" {c.microbatches} micro-batches of {BATCH // c.dp // c.microbatches} "
+                f"sequence{'s' if BATCH // c.dp // c.microbatches != 1 else ''} per replica")
     bare = predict(MODEL, cluster, BATCH, replace(c, recompute="none"))
     return (f"{c.recompute} recomputation: {plan.time['compute']:.3g} s of compute per step against "
             f"{bare.time['compute']:.3g} s without it, which would need {bare.memory['total'] / GiB:.0f} GiB per device, "

@@ -26,7 +26,8 @@ def test_framework_is_validated_and_sets_one_attention_kernel():
                 dict(elementwise_efficiency=1.5), dict(fused_norm="yes"), dict(compiled=1),
                 dict(complex_rotary="no"), dict(compiled=True, fused=True), dict(pipeline="gpipe"),
                 dict(fsdp="fsdp3"), dict(schedules=("1f1b", "dualpipe")), dict(schedules=()),
-                dict(schedules=["1f1b"]), dict(schedules=("1f1b", "1f1b"))):
+                dict(schedules=["1f1b"]), dict(schedules=("1f1b", "1f1b")), dict(zero_stages=(0, 4)),
+                dict(zero_stages=()), dict(zero_stages=(True,)), dict(zero_stages=[0, 1])):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Framework("x", **bad)
     assert Cluster.preset("dgx-h100").framework is EAGER_FUSED
@@ -81,6 +82,31 @@ def test_a_gpu_cluster_searches_and_prices_only_the_schedules_its_framework_runs
     assert piped and not any(p.feasible for p in piped)
     assert any("runs the pipeline schedules gpipe, 1f1b, not 'zbv'" in p.reason for p in piped)
     assert any(p.feasible for p in plans)                                 # the layouts without a pipeline
+
+
+def test_a_gpu_cluster_searches_the_zero_stages_its_framework_offers_and_prices_any():
+    """Megatron-LM's distributed optimizer and nanotron's ZeroDistributedOptimizer shard the optimizer
+    state (ZeRO-1); FSDP shards everything (ZeRO-3) or all but the parameters during backward
+    (ZeRO-2). The search tries the framework's stages by default and any stage asked for; ``predict``
+    prices every stage, and a plan on a stage its framework does not offer says so among its facts."""
+    from workbench.advise import advise
+    assert EAGER_FUSED.zero_stages == MEGATRON.zero_stages == MEGATRON_2022.zero_stages == (0, 1)
+    assert EAGER.zero_stages == COMPILED.zero_stages == (0, 2, 3) and Framework("x").zero_stages == (0, 1, 2, 3)
+    shape = ModelShape.preset("llama3-8b")
+    h100 = Cluster.preset("dgx-h100", nodes=2)
+
+    def stages(cluster, **opts):
+        return {c.zero for c in space.configurations(shape, cluster, 64, precisions=("bf16",), recompute=("full",),
+                                                     **opts)}
+
+    assert stages(h100) == {0, 1} and stages(h100.with_(framework=EAGER)) == {0, 2, 3}
+    assert stages(h100, zero=(2, 3)) == {0, 2, 3}           # asked for (0: the layouts with one replica)
+    config = Config(dp=16, zero=3, precision="bf16", recompute="full", microbatches=4)
+    fsdp_there, fsdp_torch = predict(shape, h100, 64, config), predict(shape, h100.with_(framework=EAGER), 64, config)
+    assert fsdp_there.feasible and fsdp_torch.feasible
+    note = "framework 'eager-fused' offers ZeRO-0, ZeRO-1, not ZeRO-3: priced on this hardware as a framework that offers it"
+    assert any(note in n for n in fsdp_there.notes) and not any("offers ZeRO" in n for n in fsdp_torch.notes)
+    assert all(p.config.zero in (0, 1) for p in advise(shape, h100, 64, precisions=("bf16",), recompute=("full",)))
 
 
 def test_eager_operators_move_their_real_bytes_in_more_kernels():

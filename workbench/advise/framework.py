@@ -138,6 +138,18 @@ favours tensor parallelism more than one that launches every operator on its own
     price it under ``megatron``, or ``replace(EAGER_FUSED, schedules=...)``), ``megatron`` and
     ``megatron-2022`` 1f1b and interleaved, ``eager`` and ``compiled`` (torchtitan) every schedule.
 
+``zero_stages``
+    the ZeRO stages its data parallelism offers, which the search tries by default (``predict``
+    prices any stage: the data-parallel wrapper is the one part of a stack users swap, and the
+    plan's facts say when the framework does not offer it): Megatron-LM's distributed optimizer
+    (``--use-distributed-optimizer``) and nanotron's ``ZeroDistributedOptimizer``
+    (``optimizer.zero_stage > 0``, ``src/nanotron/helpers.py``) shard the optimizer state, ZeRO-1,
+    beside plain data parallelism; torch's FSDP (torchtitan's ``fully_shard``, fms-fsdp's
+    ``FullyShardedDataParallel``) shards everything (ZeRO-3), or keeps the gathered parameters
+    through backward (``reshard_after_forward=False``, ``SHARD_GRAD_OP``: ZeRO-2), beside DDP. So
+    ``eager-fused``, ``megatron`` and ``megatron-2022`` offer 0 and 1, ``eager`` and ``compiled``
+    0, 2 and 3.
+
 ``fsdp``
     which FSDP shards the model under ZeRO-3: ``"fsdp2"`` (``fully_shard``, per-parameter
     DTensors: each gather copies its output into the parameters and each reduce-scatter copies the
@@ -231,6 +243,7 @@ class Framework:
     elementwise_efficiency: float = 1.0
     pipeline: str = "megatron"
     schedules: tuple = ALL_SCHEDULES
+    zero_stages: tuple = (0, 1, 2, 3)
     fsdp: str = "fsdp2"
     source: str = ""
 
@@ -262,6 +275,11 @@ class Framework:
                 or any(s not in ALL_SCHEDULES for s in self.schedules) or len(set(self.schedules)) != len(self.schedules)):
             raise ValueError(f"Framework(schedules={self.schedules!r}): a tuple of the pipeline schedules it runs, "
                              f"each once, from {ALL_SCHEDULES} (Megatron-LM: ('1f1b', 'interleaved'))")
+        if (not isinstance(self.zero_stages, tuple) or not self.zero_stages
+                or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in self.zero_stages)
+                or len(set(self.zero_stages)) != len(self.zero_stages)):
+            raise ValueError(f"Framework(zero_stages={self.zero_stages!r}): a tuple of the ZeRO stages its data "
+                             "parallelism offers, each once, from (0, 1, 2, 3) (Megatron-LM: (0, 1); FSDP: (0, 2, 3))")
         if self.fsdp not in ("fsdp1", "fsdp2"):
             raise ValueError(f"Framework(fsdp={self.fsdp!r}): use 'fsdp2' (fully_shard, per-parameter shards) or "
                              "'fsdp1' (FullyShardedDataParallel, a flat parameter per unit)")
@@ -309,7 +327,7 @@ class Framework:
 EAGER = Framework(
     "eager", attention="flash", fused=False, tp_comm_overlap=False, selective="op", optimizer="foreach",
     loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=2.25, elementwise_efficiency=0.8,
-    pipeline="torch",
+    pipeline="torch", zero_stages=(0, 2, 3),
     source="PyTorch eager without torch.compile, as torchtitan runs it (pytorch/torchtitan: models/llama3 "
            "RMSNorm, apply_rotary_emb, repeat_kv, F.silu(w1(x)) * w3(x); activation_checkpoint.mode selective, "
            "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach); elementwise kernels at 0.8 of "
@@ -317,7 +335,7 @@ EAGER = Framework(
 EAGER_FUSED = Framework(
     "eager-fused", attention="flash", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=4, host_ops_per_kernel=2.8,
-    schedules=("gpipe", "1f1b"),
+    schedules=("gpipe", "1f1b"), zero_stages=(0, 1),
     source="eager PyTorch launching Megatron-style fused kernels (fused norm, one QKV and one gate-up projection, "
            "fused rotary and SwiGLU, flash attention, vocabulary-parallel float32 loss, fused Adam, float32 main "
            "gradients): nanotron's Llama (TritonRMSNorm, qkv_proj, gate_up_proj, flash-attn), Megatron-LM's local "
@@ -325,7 +343,7 @@ EAGER_FUSED = Framework(
 COMPILED = Framework(
     "compiled", attention="flash", fused=False, compiled=True, tp_comm_overlap=False, selective="op",
     optimizer="foreach", loss_float32_copies=3, dp_bucket_params=0.0, host_ops_per_kernel=1.0,
-    elementwise_efficiency=0.8, pipeline="torch",
+    elementwise_efficiency=0.8, pipeline="torch", zero_stages=(0, 2, 3),
     source="PyTorch with torch.compile over each TransformerBlock, as torchtitan runs it (pytorch/torchtitan "
            "parallelize_llama.py apply_compile: torch.compile(transformer_block, fullgraph=True)): eager's layer with "
            "its elementwise operators fused by Inductor, the complex rotary left to ATen, the loss uncompiled; "
@@ -333,12 +351,14 @@ COMPILED = Framework(
 MEGATRON = Framework(
     "megatron", attention="flash", fused=True, tp_comm_overlap=True, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=0, schedules=("1f1b", "interleaved"),
+    zero_stages=(0, 1),
     source="Megatron-Core with TransformerEngine (NVIDIA/Megatron-LM README, H100 weak scaling: "
            "--tp-comm-overlap, fused kernels, flash attention, distributed optimizer buckets of 40 M parameters, "
            "gradients reduced in bf16 (--grad-reduce-in-bf16): inferred, see the module docstring)")
 MEGATRON_2022 = Framework(
     "megatron-2022", attention="math", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, overlap_grad_reduce=False, schedules=("1f1b", "interleaved"),
+    zero_stages=(0, 1),
     source="Megatron-LM on A100 as in Narayanan et al. 2021 and Korthikanti et al. 2022 (fused scale-mask-softmax "
            "over materialised scores, fused bias-GeLU and bias-dropout-add, no TP overlap; its LocalDDP all-reduces "
            "the contiguous gradient buffer once the pipeline has flushed, megatron/model/distributed.py "

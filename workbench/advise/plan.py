@@ -237,6 +237,10 @@ def layout_facts(shape: ModelShape, cluster: Cluster, config: Config, plan: Plan
             zero = (f"hybrid sharding (ZeRO-3 over groups of {config.shard_size} ranks, each gradient shard "
                     f"all-reduced across the {d // config.shard_size} groups)")
         facts.append(f"DP {d} {link} with {zero}: {_seconds(time.get('dp', 0.0))} of gradient traffic left exposed")
+        framework = getattr(cluster, "framework", None)
+        if framework is not None and config.zero not in framework.zero_stages:
+            facts.append(f"framework {framework.name!r} offers ZeRO-{', ZeRO-'.join(map(str, framework.zero_stages))}, "
+                         f"not ZeRO-{config.zero}: priced on this hardware as a framework that offers it would run it")
     if memory:
         state = memory["parameters"] + memory["gradients"] + memory["optimizer"]
         facts.append(f"memory {_gib(memory['total'])} of {_gib(cluster.memory_bytes)} per device: model state "

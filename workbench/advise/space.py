@@ -6,7 +6,9 @@ nodes x devices_per_node``. Around that split, the levers that trade memory for 
 =====================  ===================================================================
 lever                  values tried (``configurations(...)``'s keyword to narrow them)
 =====================  ===================================================================
-ZeRO stage over dp     0 (DDP), 1, 2, 3; only 0 when ``dp = 1`` (nothing to shard) ``zero=``
+ZeRO stage over dp     0 (DDP), 1, 2, 3; only 0 when ``dp = 1`` (nothing to shard);
+                       on a GPU cluster those its framework offers (Megatron-LM,
+                       nanotron: 0, 1; FSDP: 0, 2, 3)                          ``zero=``
 pipeline schedule      gpipe, 1f1b, interleaved (2 chunks per rank), zb-h1, zbv; when
                        ``pp > 1``; on a GPU cluster those its framework runs
                        (Megatron-LM: 1f1b, interleaved; nanotron: gpipe, 1f1b)  ``schedules=``
@@ -164,7 +166,7 @@ def _short_gpipe_dominated(cluster: Cluster, schedule: str, m: int, pp: int, sch
             and framework.min_microbatches("1f1b", pp) <= m)
 
 
-def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2, 3), schedules=None,
+def configurations(shape, cluster: Cluster, global_batch: int, *, zero=None, schedules=None,
                    microbatches=None, sequence_parallel=(False, True), precisions=("fp32", "bf16"),
                    recompute=POLICIES, max_tp: int | None = None, tp_across_nodes: bool = True,
                    hybrid: bool = False, structural: bool = True) -> list[Config]:
@@ -172,7 +174,9 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
 
     ``structural=True`` (default) leaves out those that cannot run whatever the memory (sizes that do
     not divide, too few micro-batches); ``False`` keeps them, for :func:`infeasible_reason` to say why.
-    Memory is not judged here. ``schedules``: the pipeline schedules to try; by default those the
+    Memory is not judged here. ``zero``: the ZeRO stages to try; by default those the cluster's
+    framework offers (:attr:`~workbench.advise.framework.Framework.zero_stages`), all four without
+    a framework. ``schedules``: the pipeline schedules to try; by default those the
     cluster's framework runs (:attr:`~workbench.advise.framework.Framework.schedules`), every one on a
     cluster without a framework (this machine's runtime runs them all); one named here that the
     framework does not run is kept only with ``structural=False``, to say why it cannot run.
@@ -184,8 +188,10 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=(0, 1, 2,
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster={cluster!r}: pass a workbench.advise.Cluster or Cluster.preset(name, nodes=)")
     _check_batch(global_batch)
-    zero = _tuple(zero, "zero", (0, 1, 2, 3))
     framework = getattr(cluster, "framework", None)
+    if zero is None:
+        zero = framework.zero_stages if framework is not None else (0, 1, 2, 3)
+    zero = _tuple(zero, "zero", (0, 1, 2, 3))
     if schedules is None:
         schedules = framework.schedules if framework is not None else SCHEDULES
     schedules = _tuple(schedules, "schedules", SCHEDULES)
