@@ -77,6 +77,21 @@ def test_a_gpu_cluster_searches_and_prices_only_the_schedules_its_framework_runs
             "pipelining, every schedule)")
         assert predict(shape, h100.with_(framework=EAGER), 16, config).feasible
     assert predict(shape, h100, 16, Config(dp=8, schedule="zbv", precision="bf16")).feasible    # no pipeline
+    # Megatron-LM's interleaving runs the micro-batches in groups of pp: m a multiple of pp, at least pp;
+    # torch's in rounds of max(1, m // pp) dividing m
+    megatron, torch_pipe = h100.with_(framework=MEGATRON), h100.with_(framework=EAGER)
+    for m, megatron_reason, torch_reason in (
+            (2, "interleaved needs at least 4 micro-batches for 4 stages, got m = 2", ""),
+            (6, "Megatron-LM's interleaved schedule needs m a multiple of pp = 4 (its groups of pp micro-batches), "
+                "got m = 6", ""),
+            (9, "Megatron-LM's interleaved schedule needs m a multiple of pp = 4 (its groups of pp micro-batches), "
+                "got m = 9", "interleaved needs m a multiple of max(1, m // pp) = 2 (torch's rounds), got m = 9"),
+            (8, "", "")):
+        config = Config(dp=2, pp=4, schedule="interleaved", microbatches=m, precision="bf16")
+        assert predict(shape, megatron, 2 * m, config).reason == megatron_reason
+        assert predict(shape, torch_pipe, 2 * m, config).reason == torch_reason
+    assert all(c.microbatches % c.pp == 0 for c in space.configurations(shape, megatron, 32, precisions=("bf16",))
+               if c.schedule == "interleaved" and c.pp > 1)
     plans = advise(shape, h100, 32, precisions=("bf16",), recompute=("none",), schedules=("zbv",))
     piped = [p for p in plans if p.config.pp > 1]
     assert piped and not any(p.feasible for p in piped)

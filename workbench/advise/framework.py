@@ -314,10 +314,28 @@ class Framework:
         """The fewest micro-batches ``schedule`` (a key of
         :func:`workbench.parallel.pipeline_schedules.min_microbatches`) takes over ``p`` stages under
         this framework's pipeline: Megatron-LM's 1F1B any (its warm-up is ``min(p - r - 1, m)``
-        forwards); every other case the workbench's and torch's rule."""
+        forwards); its interleaved schedule ``p`` (it runs the micro-batches in groups of
+        ``microbatch_group_size_per_vp_stage``, ``p`` by default, which must lie in ``[p, m]``;
+        :meth:`interleaved_rounds` the rest of its rule); every other case the workbench's and
+        torch's rule."""
         if self.pipeline == "megatron" and schedule == "1f1b":
             return 1
+        if self.pipeline == "megatron" and schedule == "interleaved":
+            return p
         return min_microbatches(schedule, p)
+
+    def interleaved_rounds(self, m: int, p: int) -> str:
+        """Why ``m`` micro-batches cannot run interleaved over ``p`` pipeline ranks under this
+        framework ("" if they can): Megatron-LM (``megatron/core/pipeline_parallel/schedules.py``)
+        needs ``m`` a multiple of its group of ``p`` micro-batches (a remainder smaller than ``p``
+        raises: "dependency bubbles"); torch's ``ScheduleInterleaved1F1B`` runs rounds of
+        ``max(1, m // p)``, which must divide ``m``."""
+        if self.pipeline == "megatron":
+            return "" if m % p == 0 else (f"Megatron-LM's interleaved schedule needs m a multiple of pp = {p} (its "
+                                          f"groups of pp micro-batches), got m = {m}")
+        rounds = max(1, m // p)
+        return "" if m % rounds == 0 else (f"interleaved needs m a multiple of max(1, m // pp) = {rounds} (torch's "
+                                           f"rounds), got m = {m}")
 
     def optimizer_bytes(self, precision: str) -> int:
         """Bytes the optimizer's step moves per parameter it updates (:data:`OPTIMIZER_BYTES`)."""

@@ -41,7 +41,8 @@ on a GPU cluster the framework's rule, :meth:`~workbench.advise.framework.Framew
 Megatron-LM's and nanotron's 1F1B take fewer), a schedule the cluster's framework does not
 implement (:attr:`~workbench.advise.framework.Framework.schedules`), ZeRO over one data-parallel rank (the workbench's
 runtime; a GPU framework runs it, sharding over one rank: nothing),
-interleaved off torch's round rule (``m`` a multiple of ``max(1, m // pp)``); the predicted memory
+interleaved off torch's round rule (``m`` a multiple of ``max(1, m // pp)``; Megatron-LM's: ``m`` a
+multiple of ``pp``, at least ``pp``); the predicted memory
 (:func:`~workbench.advise.memory_model.memory_per_device`) larger than the device's. A vocabulary that
 ``tp`` does not divide is padded (:class:`~workbench.parallel.tensor.VocabParallelEmbedding`),
 not refused. A ``tp`` larger than a node is allowed: its all-reduces then cross the network,
@@ -106,8 +107,12 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
         least = framework.min_microbatches(key, pp) if framework is not None else min_microbatches(key, pp)
         if m < least:
             return f"{config.schedule} needs at least {least} micro-batches for {pp} stages, got m = {m}"
-        if config.schedule == "interleaved" and m % max(1, m // pp):
-            return f"interleaved needs m a multiple of max(1, m // pp) = {max(1, m // pp)} (torch's rounds), got m = {m}"
+        if config.schedule == "interleaved":
+            rounds = framework.interleaved_rounds(m, pp) if framework is not None else (
+                "" if m % max(1, m // pp) == 0 else
+                f"interleaved needs m a multiple of max(1, m // pp) = {max(1, m // pp)} (torch's rounds), got m = {m}")
+            if rounds:
+                return rounds
     if global_batch % (dp * m):
         return f"the global batch of {global_batch} does not split into dp x m = {dp} x {m} equal micro-batches"
     return ""
