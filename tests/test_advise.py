@@ -476,13 +476,15 @@ _LLAMA_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, 
 
 
 def test_a_gpu_framework_s_1f1b_takes_fewer_micro_batches_than_stages_as_a_fill_and_drain():
-    """Megatron-LM's and nanotron's 1F1B run with m < p (each rank's warm-up is min(p - r - 1, m)
-    forwards): on a GPU cluster whose framework runs that pipeline it is priced, with GPipe's step
-    time (a fill and a drain) and no more activations than GPipe's, and searched in GPipe's place;
-    torch's pipelining (torchtitan, framework 'eager') and the workbench's own runtime refuse it,
-    naming the rule."""
+    """Megatron-LM's 1F1B runs with m < p (each rank's warm-up is min(p - r - 1, m) forwards),
+    nanotron's with m >= p - 1: on a GPU cluster whose framework runs that pipeline it is priced,
+    with GPipe's step time (a fill and a drain) and no more activations than GPipe's, and searched
+    in GPipe's place; torch's pipelining (torchtitan, framework 'eager') and the workbench's own
+    runtime refuse it, naming the rule."""
     from workbench.advise import FRAMEWORKS
-    h100 = Cluster.preset("dgx-h100")
+    # picotron's engines (afab and 1f1b, its 1F1B's warm-up min(p - r - 1, m) as Megatron-LM's)
+    picotron = dataclasses.replace(FRAMEWORKS["eager-fused"], name="picotron", pipeline="megatron")
+    h100 = Cluster.preset("dgx-h100").with_(framework=picotron)
     for m in (1, 2, 3):
         one_f, gpipe = (predict(_LLAMA_8B, h100, 2 * m, Config(dp=2, tp=1, pp=4, zero=1, schedule=s, microbatches=m,
                                                                precision="bf16", recompute="selective"))
@@ -504,6 +506,19 @@ def test_a_gpu_framework_s_1f1b_takes_fewer_micro_batches_than_stages_as_a_fill_
     assert short(h100, "1f1b") and not short(h100, "gpipe")
     eager = h100.with_(framework=FRAMEWORKS["eager"])
     assert short(eager, "gpipe") and not short(eager, "1f1b")
+    # nanotron (eager-fused, dgx-h100's default): 1F1B from p - 1, its afab (GPipe) below
+    nanotron = Cluster.preset("dgx-h100")
+    assert nanotron.framework.pipeline == "nanotron"
+    for m, fits in ((1, False), (2, False), (3, True)):
+        plan = predict(_LLAMA_8B, nanotron, 2 * m, Config(dp=2, pp=4, zero=1, microbatches=m, precision="bf16",
+                                                          recompute="selective"))
+        assert plan.feasible == fits and (fits or plan.reason == f"1f1b needs at least 3 micro-batches for 4 stages, "
+                                                                   f"got m = {m}"), plan.reason
+    shorts = {(c.schedule, c.pp, c.microbatches) for c in
+              configurations(_LLAMA_8B, nanotron, 16, precisions=("bf16",), recompute=("selective",))
+              if c.microbatches < c.pp}
+    assert ("1f1b", 2, 1) in shorts and ("gpipe", 2, 1) not in shorts       # m = p - 1: 1F1B in GPipe's place
+    assert ("gpipe", 4, 2) in shorts and ("1f1b", 4, 2) not in shorts       # m < p - 1: GPipe (afab) only
 
 
 def test_zero_over_one_data_parallel_rank_runs_on_a_gpu_framework_and_shards_nothing():

@@ -117,11 +117,13 @@ favours tensor parallelism more than one that launches every operator on its own
     whose pipeline schedules run it, which decides the fewest micro-batches a schedule takes:
     ``"megatron"`` (Megatron-LM's ``forward_backward_pipelining_without_interleaving``: each rank
     runs ``min(p - r - 1, m)`` warm-up forwards, so 1F1B takes any ``m >= 1`` and with ``m < p`` is
-    a fill and a drain, GPipe's time with at most ``m`` micro-batches in flight; nanotron's
-    ``OneForwardOneBackwardPipelineEngine`` asserts ``m >= p - 1``) or ``"torch"``
-    (``torch.distributed.pipelining``, which torchtitan runs: ``Schedule1F1B`` raises for fewer
-    micro-batches than stages, as the workbench's own pipeline does). A cluster without a framework
-    (this machine's) takes the workbench's rules.
+    a fill and a drain, GPipe's time with at most ``m`` micro-batches in flight; picotron's
+    ``train_step_pipeline_1f1b`` the same), ``"nanotron"`` (its
+    ``OneForwardOneBackwardPipelineEngine`` asserts ``m >= p - 1``: each rank runs ``p - r - 1``
+    warm-up forwards, so ``m = p - 1`` is a fill and a drain; its ``afab`` engine, GPipe, takes any
+    ``m``) or ``"torch"`` (``torch.distributed.pipelining``, which torchtitan runs:
+    ``Schedule1F1B`` raises for fewer micro-batches than stages, as the workbench's own pipeline
+    does). A cluster without a framework (this machine's) takes the workbench's rules.
 
 ``schedules``
     the pipeline schedules the framework implements, which the search tries and ``predict`` prices
@@ -179,7 +181,9 @@ Presets (:data:`FRAMEWORKS`):
     float32, Megatron's buckets; no tensor-parallel communication overlap (that is
     TransformerEngine's). Frameworks built this way: nanotron (``TritonRMSNorm``, ``qkv_proj`` and
     ``gate_up_proj``, flash-attn's attention and rotary kernels, in ``src/nanotron/models/llama.py``),
-    Megatron-LM with its local (not TransformerEngine) layers, picotron with flash-attn.
+    Megatron-LM with its local (not TransformerEngine) layers, picotron with flash-attn. What it runs
+    is nanotron's: GPipe (``afab``) and 1F1B from ``p - 1`` micro-batches, data parallelism with
+    ZeRO-0 or ZeRO-1 (``pipeline``, ``schedules``, ``zero_stages``).
 ``"eager"``
     PyTorch without ``torch.compile`` as torchtitan and Hugging Face's models write a layer: flash
     attention through SDPA, separate elementwise kernels (RMSNorm in float32, rotary through complex
@@ -214,7 +218,7 @@ __all__ = ["Framework", "FRAMEWORKS", "EAGER", "EAGER_FUSED", "COMPILED", "MEGAT
 # mul_ and addcmul_ of the second (r4 w4, r8 w4), sqrt, div_ and add_ of the denominator (3 x r4 w4),
 # addcdiv_ of the parameter (r12 w4): 80; clip_grad_norm_'s norm (r4) and scaling mul_ (r4 w4): 12
 # whose pipeline schedules a framework runs (``Framework.pipeline``)
-PIPELINES = ("megatron", "torch")
+PIPELINES = ("megatron", "nanotron", "torch")
 # the pipeline schedules the advisor prices (workbench.advise.plan.SCHEDULES), of which a framework runs some
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 OPTIMIZER_BYTES = {"fused": {"fp32": 32, "bf16": 34, "fp16": 34}, "foreach": {"fp32": 92, "bf16": 92, "fp16": 92}}
@@ -269,8 +273,8 @@ class Framework:
                              "torchtitan's 'fused_rmsnorm') or False")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"Framework(pipeline={self.pipeline!r}): use 'megatron' (1F1B with any number of "
-                             "micro-batches, Megatron-LM and nanotron) or 'torch' (torch.distributed.pipelining: "
-                             "1F1B needs as many micro-batches as stages)")
+                             "micro-batches, Megatron-LM and picotron), 'nanotron' (1F1B with at least pp - 1) or "
+                             "'torch' (torch.distributed.pipelining: 1F1B needs as many micro-batches as stages)")
         if (not isinstance(self.schedules, tuple) or not self.schedules
                 or any(s not in ALL_SCHEDULES for s in self.schedules) or len(set(self.schedules)) != len(self.schedules)):
             raise ValueError(f"Framework(schedules={self.schedules!r}): a tuple of the pipeline schedules it runs, "
@@ -314,12 +318,14 @@ class Framework:
         """The fewest micro-batches ``schedule`` (a key of
         :func:`workbench.parallel.pipeline_schedules.min_microbatches`) takes over ``p`` stages under
         this framework's pipeline: Megatron-LM's 1F1B any (its warm-up is ``min(p - r - 1, m)``
-        forwards); its interleaved schedule ``p`` (it runs the micro-batches in groups of
-        ``microbatch_group_size_per_vp_stage``, ``p`` by default, which must lie in ``[p, m]``;
-        :meth:`interleaved_rounds` the rest of its rule); every other case the workbench's and
-        torch's rule."""
+        forwards), nanotron's ``p - 1``; Megatron-LM's interleaved schedule ``p`` (it runs the
+        micro-batches in groups of ``microbatch_group_size_per_vp_stage``, ``p`` by default, which
+        must lie in ``[p, m]``; :meth:`interleaved_rounds` the rest of its rule); every other case
+        the workbench's and torch's rule."""
         if self.pipeline == "megatron" and schedule == "1f1b":
             return 1
+        if self.pipeline == "nanotron" and schedule == "1f1b":
+            return max(1, p - 1)
         if self.pipeline == "megatron" and schedule == "interleaved":
             return p
         return min_microbatches(schedule, p)
@@ -353,7 +359,7 @@ EAGER = Framework(
 EAGER_FUSED = Framework(
     "eager-fused", attention="flash", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=4, host_ops_per_kernel=2.8,
-    schedules=("gpipe", "1f1b"), zero_stages=(0, 1),
+    schedules=("gpipe", "1f1b"), zero_stages=(0, 1), pipeline="nanotron",
     source="eager PyTorch launching Megatron-style fused kernels (fused norm, one QKV and one gate-up projection, "
            "fused rotary and SwiGLU, flash attention, vocabulary-parallel float32 loss, fused Adam, float32 main "
            "gradients): nanotron's Llama (TritonRMSNorm, qkv_proj, gate_up_proj, flash-attn), Megatron-LM's local "

@@ -38,7 +38,7 @@ heads, the MLP's units or (sequence parallelism) the sequence; more pipeline sta
 chunks) than layers; the global batch not divisible into ``dp x m`` equal micro-batches; 1F1B and
 ZB-H1 with fewer micro-batches than stages (:func:`~workbench.parallel.pipeline_schedules.min_microbatches`;
 on a GPU cluster the framework's rule, :meth:`~workbench.advise.framework.Framework.min_microbatches`:
-Megatron-LM's and nanotron's 1F1B take fewer), a schedule the cluster's framework does not
+Megatron-LM's 1F1B takes any number, nanotron's ``p - 1``), a schedule the cluster's framework does not
 implement (:attr:`~workbench.advise.framework.Framework.schedules`), ZeRO over one data-parallel rank (the workbench's
 runtime; a GPU framework runs it, sharding over one rank: nothing),
 interleaved off torch's round rule (``m`` a multiple of ``max(1, m // pp)``; Megatron-LM's: ``m`` a
