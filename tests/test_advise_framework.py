@@ -27,7 +27,8 @@ def test_framework_is_validated_and_sets_one_attention_kernel():
                 dict(complex_rotary="no"), dict(compiled=True, fused=True), dict(pipeline="gpipe"),
                 dict(fsdp="fsdp3"), dict(schedules=("1f1b", "dualpipe")), dict(schedules=()),
                 dict(schedules=["1f1b"]), dict(schedules=("1f1b", "1f1b")), dict(zero_stages=(0, 4)),
-                dict(zero_stages=()), dict(zero_stages=(True,)), dict(zero_stages=[0, 1])):
+                dict(zero_stages=()), dict(zero_stages=(True,)), dict(zero_stages=[0, 1]), dict(tp_async=1),
+                dict(tp_async=True, tp_comm_overlap=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Framework("x", **bad)
     assert Cluster.preset("dgx-h100").framework is EAGER_FUSED
@@ -122,6 +123,55 @@ def test_a_gpu_cluster_searches_the_zero_stages_its_framework_offers_and_prices_
     note = "framework 'eager-fused' offers ZeRO-0, ZeRO-1, not ZeRO-3: priced on this hardware as a framework that offers it"
     assert any(note in n for n in fsdp_there.notes) and not any("offers ZeRO" in n for n in fsdp_torch.notes)
     assert all(p.config.zero in (0, 1) for p in advise(shape, h100, 64, precisions=("bf16",), recompute=("full",)))
+
+
+def test_asynchronous_linear_layers_hide_their_collectives_behind_the_multiplies_issued_beside_them():
+    """nanotron's tp_linear_async_communication (``Framework.tp_async``, eager-fused's): with sequence
+    parallelism, per block, the column layer's forward all-gather beside its own rows' multiply
+    (1/t of it), its backward re-gather beside the input-gradient multiply and its reduce-scatter
+    beside the weight-gradient multiply, the row layer's backward all-gather beside its own rows'
+    input-gradient multiply, each up to the multiply's time; without it the column layer's backward
+    all-reduce beside the weight gradient; full recomputation hides the forward's share again. A
+    step differs from the synchronous one by exactly that, per layer, less the SMs the collectives
+    take."""
+    from workbench.advise.device import linear_seconds
+    from workbench.advise.timing import async_tp_hidden
+    part = {"forward": 8.0, "dgrad": 8.0, "wgrad": 8.0}
+    linears = {"attention": {"column": dict(part), "row": {"forward": 4.0, "dgrad": 4.0, "wgrad": 4.0}},
+               "mlp": {"column": dict(part), "row": dict(part)}}
+    price = {"all_gather": 3.0, "reduce_scatter": 3.0, "all_reduce": 5.0}
+    # forward: min(3, 8/4) per block; backward: min(3, 8) + min(3, 8) + min(3, row dgrad / 4) per block
+    assert async_tp_hidden(linears, 4, True, price) == (2 * 2.0, (3 + 3 + 1) + (3 + 3 + 2))
+    assert async_tp_hidden(linears, 4, True, price, recompute_full=True) == (4.0, 15.0 + 4.0)
+    assert async_tp_hidden(linears, 4, False, price) == (0.0, 2 * 5.0)
+    assert async_tp_hidden(linears, 2, True, {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 1.0}) == (
+        2.0, 6.0)                                               # every collective shorter than its multiply
+    # the layer's multiplies by block and role: qkv and gate-up column-parallel, out and down row-parallel
+    lin = linear_seconds(H100, LLAMA, 1, 4, True, "bf16", EAGER_FUSED)
+    h, f, kv = LLAMA.hidden, LLAMA.ffn, LLAMA.kv_heads * LLAMA.hidden // LLAMA.heads
+    assert lin["mlp"]["column"]["forward"] == dev.gemm_seconds(H100, LLAMA.seq, 2 * f // 4, h, "bf16")
+    assert lin["attention"]["column"]["forward"] == dev.gemm_seconds(H100, LLAMA.seq, (h + 2 * kv) // 4, h, "bf16")
+    assert lin["attention"]["row"]["wgrad"] == dev.gemm_seconds(H100, h // 4, h, LLAMA.seq, "bf16")
+    # the step: eager-fused prices it, the same framework without it waits for every collective
+    h100 = Cluster.preset("dgx-h100")
+    synchronous = h100.with_(framework=replace(EAGER_FUSED, tp_async=False))
+    assert EAGER_FUSED.tp_async and not any(f.tp_async for f in (EAGER, COMPILED, MEGATRON, MEGATRON_2022))
+    for sp, recompute in ((True, "none"), (False, "none"), (True, "full")):
+        config = Config(dp=2, tp=4, zero=1, microbatches=4, sequence_parallel=sp, precision="bf16",
+                        recompute=recompute)
+        fast, slow = predict(LLAMA, h100, 16, config), predict(LLAMA, synchronous, 16, config)
+        assert fast.time["compute"] == slow.time["compute"] and fast.memory == slow.memory
+        rows = 16 // 2 // 4
+        lin = linear_seconds(h100.device, LLAMA, rows, 4, sp, "bf16", EAGER_FUSED)
+        n = rows * LLAMA.seq * LLAMA.hidden * 2
+        ctx = timing._step(LLAMA, h100, config, 16)               # the tp group's links, NCCL's model
+        prices = {c: timing._price(c, n, 4, ctx.machine, ctx.topo["tp"])
+                  for c in ("all_gather", "reduce_scatter", "all_reduce")}
+        hidden_f, hidden_b = async_tp_hidden(lin, 4, sp, prices, recompute == "full")
+        keep = 1 - EAGER_FUSED.sm_share_on(h100.device)
+        want = 4 * LLAMA.layers * (hidden_f + hidden_b) * keep        # 4 micro-batches of every layer
+        assert slow.time["tp"] - fast.time["tp"] == pytest.approx(want, rel=1e-9), (sp, recompute)
+        assert 0 < fast.time["tp"] < slow.time["tp"]
 
 
 def test_eager_operators_move_their_real_bytes_in_more_kernels():

@@ -108,7 +108,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 
 __all__ = ["Device", "PROFILES", "TILES", "epilogue_k", "gemm_efficiency", "gemm_seconds", "memory_seconds", "kernel_seconds",
-           "layer_operators", "layer_seconds", "head_seconds", "optimizer_seconds", "kernels_per_layer",
+           "layer_operators", "layer_seconds", "linear_seconds", "head_seconds", "optimizer_seconds", "kernels_per_layer",
            "fsdp_copy_seconds", "EAGER_NORM", "EAGER_ROTARY"]
 
 # (tile rows, tile columns, per-SM rate relative to the large tile): cuBLAS's large Hopper/Ampere
@@ -315,6 +315,32 @@ def layer_operators(device: Device, shape, rows: int, tp: int = 1, sequence_para
     return [op[:4] for op in _operators(device, shape, rows, tp, sequence_parallel, precision, framework)]
 
 
+# the linear layers a tensor-parallel layer shards by their output (column-parallel) or their input
+# (row-parallel): the attention block's q, k, v (or one qkv) and output projection, the MLP's gate and
+# up (or one gate-up) and down projection, as _LayerOps names them
+ROW_PARALLEL = ("attention out", "mlp down")
+
+
+@lru_cache(maxsize=1 << 12)
+def linear_seconds(device: Device, shape, rows: int, tp: int = 1, sequence_parallel: bool = False,
+                   precision: str = "bf16", framework=None) -> dict[str, dict[str, float]]:
+    """One layer's linear multiplies on one tensor-parallel rank, GPU seconds per micro-batch, by
+    block and role: ``{"attention" | "mlp": {"column" | "row": {"forward", "dgrad", "wgrad"}}}``
+    (``dgrad`` the input's gradient, ``wgrad`` the weight's), what asynchronous tensor-parallel
+    collectives can run beside (:func:`workbench.advise.timing.async_tp_hidden`)."""
+    ops = _LayerOps(device, shape, rows, tp, sequence_parallel, precision, framework)
+    ops.attention_block()
+    ops.mlp_block()
+    out = {block: {role: {"forward": 0.0, "dgrad": 0.0, "wgrad": 0.0} for role in ("column", "row")}
+           for block in ("attention", "mlp")}
+    for name, (forward, dgrad, wgrad) in ops.linears.items():
+        part = out["mlp" if name.startswith("mlp") else "attention"]["row" if name in ROW_PARALLEL else "column"]
+        part["forward"] += forward
+        part["dgrad"] += dgrad
+        part["wgrad"] += wgrad
+    return out
+
+
 # eager PyTorch's elementwise operators as torchtitan's Llama writes them, bytes per element moved
 # forward (16-bit activations, e bytes) and kernels: RMSNorm in float32 -- x.float() (r e, w 4),
 # pow (r4 w4), mean (r4), add eps and rsqrt (two kernels on a column), mul (r4 w4), type_as (r4 w e),
@@ -366,14 +392,17 @@ class _LayerOps:
         # the share of the copy bandwidth the framework's elementwise kernels reach
         self.bandwidth_share = framework.elementwise_efficiency if framework is not None else 1.0
         self.ops: list[tuple[str, str, float, int, str]] = []
+        self.linears: dict[str, tuple[float, float, float]] = {}   # name: (forward, dgrad, wgrad) seconds
 
     def gemm(self, name: str, m: int, k: int, out: int) -> None:
         """A linear layer ``(m x k) @ (k x out)``: forward; backward the input's gradient
         ``(m x out) @ (out x k)`` and the weight's ``(k x m) @ (m x out)``."""
         device, precision = self.device, self.precision
-        self.ops.append((name, "forward", gemm_seconds(device, m, out, k, precision), 1, "gemm"))
-        self.ops.append((name, "backward", gemm_seconds(device, m, k, out, precision)
-                         + gemm_seconds(device, k, out, m, precision), 2, "gemm"))
+        forward = gemm_seconds(device, m, out, k, precision)
+        dgrad, wgrad = gemm_seconds(device, m, k, out, precision), gemm_seconds(device, k, out, m, precision)
+        self.linears[name] = (forward, dgrad, wgrad)
+        self.ops.append((name, "forward", forward, 1, "gemm"))
+        self.ops.append((name, "backward", dgrad + wgrad, 2, "gemm"))
 
     def elementwise(self, name: str, nbytes: float, kernels: int = 1, back_kernels: int | None = None,
                     fused: bool = False, aten: bool = False) -> None:

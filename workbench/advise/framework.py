@@ -52,6 +52,17 @@ favours tensor parallelism more than one that launches every operator on its own
     tensor-parallel all-gathers and reduce-scatters overlapped with the matrix multiplies that
     consume or produce them (Megatron-Core's ``--tp-comm-overlap``, TransformerEngine's userbuffers,
     in its published H100 runs) rather than waited for.
+``tp_async``
+    the linear layers' tensor-parallel collectives issued asynchronously beside the multiplies that
+    do not need their result (nanotron's ``tp_linear_async_communication``, set in its example and
+    benchmark configurations; ``src/nanotron/parallel/tensor_parallel/functional.py``, adapted from
+    Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``). With sequence parallelism a
+    column-parallel layer's forward all-gather runs beside the multiply of the rank's own rows, its
+    backward re-gather beside the input-gradient multiply and its input gradient's reduce-scatter
+    beside the weight-gradient multiply; a row-parallel layer's backward all-gather beside its own
+    rows' input-gradient multiply; the row-parallel forward reduce-scatter is waited for. Without
+    it, the column-parallel backward all-reduce runs beside the weight-gradient multiply.
+    :func:`workbench.advise.timing.async_tp_hidden` prices it.
 ``selective``
     what ``Config(recompute="selective")`` means: ``"attention"``, the attention core recomputed
     (Korthikanti et al. 2022, Megatron's ``--recompute-granularity selective``), or ``"op"``,
@@ -235,6 +246,7 @@ class Framework:
     compiled: bool = False
     complex_rotary: bool = True
     tp_comm_overlap: bool = False
+    tp_async: bool = False
     selective: str = "attention"
     optimizer: str = "fused"
     loss_float32_copies: int = 1
@@ -287,6 +299,12 @@ class Framework:
         if self.fsdp not in ("fsdp1", "fsdp2"):
             raise ValueError(f"Framework(fsdp={self.fsdp!r}): use 'fsdp2' (fully_shard, per-parameter shards) or "
                              "'fsdp1' (FullyShardedDataParallel, a flat parameter per unit)")
+        if not isinstance(self.tp_async, bool):
+            raise ValueError(f"Framework(tp_async={self.tp_async!r}): True (nanotron's asynchronous linear "
+                             "collectives) or False")
+        if self.tp_async and self.tp_comm_overlap:
+            raise ValueError("Framework(tp_async=True, tp_comm_overlap=True): tp_comm_overlap already overlaps every "
+                             "tensor-parallel collective with its multiply (TransformerEngine); choose one")
         for name in ("compiled", "complex_rotary"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Framework({name}={getattr(self, name)!r}): True or False")
@@ -357,7 +375,8 @@ EAGER = Framework(
            "selective_ac_option 'op'; cross_entropy(pred.float()); AdamW foreach); elementwise kernels at 0.8 of "
            "the copy bandwidth, measured on an H200 (docs/benchmarks/2026-11-28-h200-layers.md)")
 EAGER_FUSED = Framework(
-    "eager-fused", attention="flash", fused=True, tp_comm_overlap=False, selective="attention", optimizer="fused",
+    "eager-fused", attention="flash", fused=True, tp_comm_overlap=False, tp_async=True, selective="attention",
+    optimizer="fused",
     loss_float32_copies=1, dp_bucket_params=40e6, grad_reduce_bytes=4, host_ops_per_kernel=2.8,
     schedules=("gpipe", "1f1b"), zero_stages=(0, 1), pipeline="nanotron",
     source="eager PyTorch launching Megatron-style fused kernels (fused norm, one QKV and one gate-up projection, "

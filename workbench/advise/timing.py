@@ -104,7 +104,10 @@ by it (``cost._ring_on_links``).
   the stage, plus the embedding, the head and the loss
   (:func:`workbench.parallel.tensor.communication_per_layer`; with sequence parallelism each
   all-reduce is an all-gather plus a reduce-scatter, and backward re-gathers the inputs of the
-  column-parallel layers). All of it is exposed: every layer waits for its result.
+  column-parallel layers). All of it is exposed: every layer waits for its result; on a GPU
+  cluster whose framework overlaps them (``tp_comm_overlap``: :func:`tp_overlap`; ``tp_async``,
+  nanotron's asynchronous linear layers: :func:`async_tp_hidden`) what the multiplies beside them
+  leave.
 * ``pp``: one message of ``(b/m) s h e`` bytes (``/ t`` with sequence parallelism) per
   micro-batch, direction and stage boundary. On the critical path: the first micro-batch's
   ``p-1`` boundaries forward and back, and one forward and one backward message for each of
@@ -173,7 +176,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from workbench.advise import shared_cores
-from workbench.advise.device import fsdp_copy_seconds, head_seconds, layer_seconds, optimizer_seconds
+from workbench.advise.device import (fsdp_copy_seconds, head_seconds, layer_seconds, linear_seconds,
+                                     optimizer_seconds)
 from workbench.advise.nccl import NcclModel
 from workbench.advise.plan import TIME_PARTS, Config
 from workbench.comm import cost
@@ -185,7 +189,7 @@ from workbench.parallel.pipeline_split import balanced
 from workbench.parallel.tensor import activation_bytes_per_layer, communication_per_layer
 
 __all__ = ["step_time", "flops_per_token", "message_cpu", "zero3_cpu", "stage_layers", "group_topology", "measured_layer",
-           "prefetch_wait", "tp_overlap", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
+           "prefetch_wait", "tp_overlap", "async_tp_hidden", "ELEMENT_BYTES", "SCHEDULE_NAMES"]
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Config.schedule -> the name pipeline_schedules.bubble_formula uses
@@ -747,7 +751,48 @@ def _stage_tp(ctx: _Step, n_layers: int, first: bool, last: bool, tp_sync: float
     framework = ctx.framework
     if framework is not None and framework.tp_comm_overlap and ctx.t > 1:
         tp_f, tp_b = _overlapped_tp(ctx, n_layers, first, last, tp_f, tp_b, tp_sync)
+    elif framework is not None and framework.tp_async and ctx.t > 1 and n_layers:
+        config, device = ctx.config, ctx.device
+        n = ctx.rows * ctx.shape.seq * ctx.shape.hidden * ctx.e
+        price = {c: _price(c, n, ctx.t, ctx.machine, ctx.topo["tp"]) + tp_sync
+                 for c in ("all_gather", "reduce_scatter", "all_reduce")}
+        lin = linear_seconds(device, ctx.shape, ctx.rows, ctx.t, bool(config.sequence_parallel), config.precision,
+                             framework)
+        hidden_f, hidden_b = async_tp_hidden(lin, ctx.t, bool(config.sequence_parallel), price,
+                                             config.recompute == "full")
+        keep = 1.0 - framework.sm_share_on(device)     # the collectives' kernels slow what they run beside
+        tp_f = max(0.0, tp_f - n_layers * hidden_f * keep)
+        tp_b = max(0.0, tp_b - n_layers * hidden_b * keep)
     return tp_f, tp_b
+
+
+def async_tp_hidden(linears: dict, t: int, sequence_parallel: bool, price: dict, recompute_full: bool = False
+                    ) -> tuple[float, float]:
+    """Seconds of one layer's tensor-parallel collectives that asynchronous linear layers hide per
+    micro-batch, ``(forward, backward)`` (:attr:`Framework.tp_async
+    <workbench.advise.framework.Framework.tp_async>`: nanotron's ``tp_linear_async_communication``).
+    ``linears``: :func:`workbench.advise.device.linear_seconds`; ``price``: one collective's seconds
+    of a micro-batch's activations, by name. Each collective hides behind the multiply issued beside
+    it, up to that multiply's time. With sequence parallelism, per block (attention, MLP): the
+    column-parallel layer's forward all-gather beside the multiply of the rank's own ``1/t`` of the
+    rows; in backward its input's re-gather beside the input-gradient multiply, the input
+    gradient's reduce-scatter beside the weight-gradient multiply, and the row-parallel layer's
+    all-gather of the output gradient beside its own rows' input-gradient multiply; the
+    row-parallel forward reduce-scatter is waited for. Without it, the column-parallel backward
+    all-reduce beside the weight-gradient multiply. Full recomputation runs the forward again in
+    backward, with its hiding."""
+    forward = backward = 0.0
+    for block in linears.values():
+        column, row = block["column"], block["row"]
+        if sequence_parallel:
+            forward += min(price["all_gather"], column["forward"] / t)
+            backward += (min(price["all_gather"], column["dgrad"]) + min(price["reduce_scatter"], column["wgrad"])
+                         + min(price["all_gather"], row["dgrad"] / t))
+        else:
+            backward += min(price["all_reduce"], column["wgrad"])
+    if recompute_full:
+        backward += forward
+    return forward, backward
 
 
 def _timed_tp(ctx: _Step, n_layers: int, tp_f: float, tp_b: float, tp_sync: float, tp_layer: float,
