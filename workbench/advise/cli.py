@@ -65,10 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("space")
     s.add_argument("--batch", type=int, default=512, help="global batch in sequences (default 512)")
     s.add_argument("--precision", nargs="+", default=None, choices=PRECISIONS, help="precisions to try (fp32 bf16)")
-    s.add_argument("--zero", nargs="+", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stages to try (default: those the cluster's framework "
-                   "offers; all four on a cluster without a framework)")
-    s.add_argument("--schedule", nargs="+", default=None, choices=SCHEDULES, help="pipeline schedules to try (default: those the cluster's framework runs; every one on a "
-                   "cluster without a framework)")
+    s.add_argument("--zero", nargs="+", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="ZeRO stages to try (default: those the cluster's framework offers; all four on a cluster "
+                        "without a framework)")
+    s.add_argument("--schedule", nargs="+", default=None, choices=SCHEDULES,
+                   help="pipeline schedules to try (default: those the cluster's framework runs; every one on a "
+                        "cluster without a framework)")
     s.add_argument("--recompute", nargs="+", default=None, choices=("none", "selective", "full"))
     s.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to try")
     s.add_argument("--hybrid-sharding", action="store_true",

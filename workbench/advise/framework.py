@@ -235,6 +235,15 @@ ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 OPTIMIZER_BYTES = {"fused": {"fp32": 32, "bf16": 34, "fp16": 34}, "foreach": {"fp32": 92, "bf16": 92, "fp16": 92}}
 
 
+def interleaved_rounds(m: int, p: int) -> str:
+    """Why ``m`` micro-batches cannot run interleaved over ``p`` pipeline ranks under torch's
+    ``ScheduleInterleaved1F1B`` and the workbench's pipeline ("" if they can): they run rounds of
+    ``max(1, m // p)`` micro-batches, which must divide ``m``."""
+    rounds = max(1, m // p)
+    return "" if m % rounds == 0 else (f"interleaved needs m a multiple of max(1, m // pp) = {rounds} (torch's "
+                                       f"rounds), got m = {m}")
+
+
 @dataclass(frozen=True)
 class Framework:
     """A training framework's choices (see the module docstring for each field and its source)."""
@@ -352,14 +361,11 @@ class Framework:
         """Why ``m`` micro-batches cannot run interleaved over ``p`` pipeline ranks under this
         framework ("" if they can): Megatron-LM (``megatron/core/pipeline_parallel/schedules.py``)
         needs ``m`` a multiple of its group of ``p`` micro-batches (a remainder smaller than ``p``
-        raises: "dependency bubbles"); torch's ``ScheduleInterleaved1F1B`` runs rounds of
-        ``max(1, m // p)``, which must divide ``m``."""
+        raises: "dependency bubbles"); elsewhere torch's rule (:func:`interleaved_rounds`)."""
         if self.pipeline == "megatron":
             return "" if m % p == 0 else (f"Megatron-LM's interleaved schedule needs m a multiple of pp = {p} (its "
                                           f"groups of pp micro-batches), got m = {m}")
-        rounds = max(1, m // p)
-        return "" if m % rounds == 0 else (f"interleaved needs m a multiple of max(1, m // pp) = {rounds} (torch's "
-                                           f"rounds), got m = {m}")
+        return interleaved_rounds(m, p)
 
     def optimizer_bytes(self, precision: str) -> int:
         """Bytes the optimizer's step moves per parameter it updates (:data:`OPTIMIZER_BYTES`)."""

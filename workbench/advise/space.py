@@ -58,6 +58,7 @@ from workbench.parallel.pipeline_schedules import min_microbatches
 from workbench.parallel.recompute import POLICIES
 
 from .cluster import Cluster
+from .framework import interleaved_rounds
 from .memory_model import memory_per_device
 from .plan import PRECISIONS, SCHEDULES, Config, _whole, check_config
 from .shape import ModelShape
@@ -108,9 +109,7 @@ def structural_reason(shape: ModelShape, cluster: Cluster, config: Config, globa
         if m < least:
             return f"{config.schedule} needs at least {least} micro-batches for {pp} stages, got m = {m}"
         if config.schedule == "interleaved":
-            rounds = framework.interleaved_rounds(m, pp) if framework is not None else (
-                "" if m % max(1, m // pp) == 0 else
-                f"interleaved needs m a multiple of max(1, m // pp) = {max(1, m // pp)} (torch's rounds), got m = {m}")
+            rounds = framework.interleaved_rounds(m, pp) if framework is not None else interleaved_rounds(m, pp)
             if rounds:
                 return rounds
     if global_batch % (dp * m):
