@@ -219,8 +219,13 @@ def layout_facts(shape: ModelShape, cluster: Cluster, config: Config, plan: Plan
     if t > 1:
         where = (f"inside each node ({link_text(cluster.intra)})" if t <= dpn else
                  f"across {-(-t // dpn)} nodes, on the {ratio:.3g}x slower network ({link_text(cluster.inter)})")
-        facts.append(f"TP {t} {where}: 4 all-reduces per layer and micro-batch, "
-                     f"{_seconds(time.get('tp', 0.0))} per step")
+        calls = ("2 all-gathers and 2 reduce-scatters forward, 4 all-gathers and 2 reduce-scatters backward"
+                 if config.sequence_parallel else "2 all-reduces forward and 2 backward")
+        framework = getattr(cluster, "framework", None)
+        beside = (" beside the multiplies" if framework is not None and (framework.tp_comm_overlap or framework.tp_async)
+                  else "")
+        facts.append(f"TP {t} {where}: {calls} per layer and micro-batch, "
+                     f"{_seconds(time.get('tp', 0.0))} per step left exposed{beside}")
     if p > 1:
         spans = d * t >= dpn and cluster.nodes > 1
         link = f"across nodes ({link_text(cluster.inter)})" if spans else f"inside a node ({link_text(cluster.intra)})"
