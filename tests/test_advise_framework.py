@@ -172,6 +172,12 @@ def test_asynchronous_linear_layers_hide_their_collectives_behind_the_multiplies
         want = 4 * LLAMA.layers * (hidden_f + hidden_b) * keep        # 4 micro-batches of every layer
         assert slow.time["tp"] - fast.time["tp"] == pytest.approx(want, rel=1e-9), (sp, recompute)
         assert 0 < fast.time["tp"] < slow.time["tp"]
+        calls = ("2 all-gathers and 2 reduce-scatters forward, 4 all-gathers and 2 reduce-scatters backward" if sp
+                 else "2 all-reduces forward and 2 backward")
+        assert any(n.startswith(f"TP 4 inside each node") and calls in n and n.endswith("left exposed beside the "
+                                                                                           "multiplies")
+                   for n in fast.notes), fast.notes
+        assert any(n.endswith("per step left exposed") for n in slow.notes), slow.notes
 
 
 def test_eager_operators_move_their_real_bytes_in_more_kernels():
