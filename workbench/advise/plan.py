@@ -216,12 +216,12 @@ def layout_facts(shape: ModelShape, cluster: Cluster, config: Config, plan: Plan
     dpn, ratio = cluster.devices_per_node, cluster.link_ratio
     t, d, p = config.tp, config.dp, config.pp
     time, memory = plan.time, plan.memory
+    framework = getattr(cluster, "framework", None)
     if t > 1:
         where = (f"inside each node ({link_text(cluster.intra)})" if t <= dpn else
                  f"across {-(-t // dpn)} nodes, on the {ratio:.3g}x slower network ({link_text(cluster.inter)})")
         calls = ("2 all-gathers and 2 reduce-scatters forward, 4 all-gathers and 2 reduce-scatters backward"
                  if config.sequence_parallel else "2 all-reduces forward and 2 backward")
-        framework = getattr(cluster, "framework", None)
         beside = (" beside the multiplies" if framework is not None and (framework.tp_comm_overlap or framework.tp_async)
                   else "")
         facts.append(f"TP {t} {where}: {calls} per layer and micro-batch, "
@@ -242,7 +242,6 @@ def layout_facts(shape: ModelShape, cluster: Cluster, config: Config, plan: Plan
             zero = (f"hybrid sharding (ZeRO-3 over groups of {config.shard_size} ranks, each gradient shard "
                     f"all-reduced across the {d // config.shard_size} groups)")
         facts.append(f"DP {d} {link} with {zero}: {_seconds(time.get('dp', 0.0))} of gradient traffic left exposed")
-        framework = getattr(cluster, "framework", None)
         if framework is not None and config.zero not in framework.zero_stages:
             facts.append(f"framework {framework.name!r} offers ZeRO-{', ZeRO-'.join(map(str, framework.zero_stages))}, "
                          f"not ZeRO-{config.zero}: priced on this hardware as a framework that offers it would run it")
