@@ -5,7 +5,9 @@ NCCL-priced pipeline messages, gradient accumulation down to one sequence per mi
 public rows that check them. Pure Python, no launches."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +40,7 @@ def test_framework_is_validated_and_sets_one_attention_kernel():
         assert c.device.attention == c.runtime_memory.attention == fw.attention
         assert (c.runtime_memory.selective, c.runtime_memory.loss_float32_copies) == (fw.selective,
                                                                                       fw.loss_float32_copies)
+        assert c.runtime_memory.compiled is fw.compiled
     with pytest.raises(ValueError, match="framework"):
         Cluster.preset("dgx-h100").with_(framework="eager")
 
@@ -300,6 +303,29 @@ def test_op_checkpoint_keeps_input_every_other_matmul_output_and_attention_outpu
     # torchtitan's Llama 3.1 8B on 8 H100 (96 GB, 500 W), local batch 2: published 82.4 GiB, within 15%
     row = next(r for r in published.ROWS if r.metric == "memory_gib" and r.nodes == 1)
     assert abs(published.predicted(row)["value"] / row.value - 1) < 0.15
+
+
+def test_compiled_op_checkpoint_keeps_what_backward_reads_as_measured():
+    s, b, h = LLAMA.seq, 2, LLAMA.hidden
+    # torch.compile's partitioner drops the one saved output no backward reads: w2's, into the residual add
+    assert op_checkpoint_bytes(LLAMA, b) - op_checkpoint_bytes(LLAMA, b, compiled=True) == 2 * s * b * h
+    assert op_checkpoint_bytes(LLAMA, b, t=2, sequence_parallel=True) \
+        - op_checkpoint_bytes(LLAMA, b, t=2, sequence_parallel=True, compiled=True) == 2 * s * b * h / 2
+    gpt = ModelShape(layers=2, hidden=1024, heads=16, vocab=32768, seq=2048, ffn=4096)   # qkv and fc1 kept: read
+    assert op_checkpoint_bytes(gpt, b, compiled=True) == op_checkpoint_bytes(gpt, b)
+    # the probe's stack of torchtitan Llama layers, kept bytes measured on a CPU (eager and compiled)
+    root = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    probe = json.loads((root / "2026-11-28-compiled-activations.json").read_text())
+    d = probe["shape"]
+    shape = ModelShape(layers=d["layers"], hidden=d["hidden"], heads=d["heads"], kv_heads=d["kv_heads"],
+                       ffn=d["ffn"], vocab=1000, seq=d["seq"], gated=True, tied=False, bias=False,
+                       positions="rope", norm="rmsnorm")
+    for compiled in (False, True):
+        measured = probe["kept_bytes"][f"op {'compiled' if compiled else 'eager'}"][-1] / d["layers"]
+        assert measured == pytest.approx(op_checkpoint_bytes(shape, d["rows"], compiled=compiled), rel=0.02)
+    # and torchtitan's published compiled memory (77 and 62 GiB) within 10%, its eager (82.4, 67) as before
+    for row in (r for r in published.ROWS if r.metric == "memory_gib"):
+        assert abs(published.predicted(row)["value"] / row.value - 1) < (0.10 if "compile" in row.name else 0.15)
 
 
 def test_tp_overlap_leaves_one_chunk_and_the_sms_it_takes():

@@ -159,10 +159,11 @@ class Cluster:
             if self.device is not None and self.device.attention != fw.attention:
                 object.__setattr__(self, "device", self.device.with_(attention=fw.attention))
             rt = self.runtime_memory
-            if rt is not None and (rt.attention, rt.loss_float32_copies, rt.selective) != \
-                    (fw.attention, fw.loss_float32_copies, fw.selective):
+            if rt is not None and (rt.attention, rt.loss_float32_copies, rt.selective, rt.compiled) != \
+                    (fw.attention, fw.loss_float32_copies, fw.selective, fw.compiled):
                 object.__setattr__(self, "runtime_memory", replace(
-                    rt, attention=fw.attention, loss_float32_copies=fw.loss_float32_copies, selective=fw.selective))
+                    rt, attention=fw.attention, loss_float32_copies=fw.loss_float32_copies, selective=fw.selective,
+                    compiled=fw.compiled))
         for name in ("intra", "inter"):
             if not isinstance(getattr(self, name), Link):
                 raise ValueError(f"Cluster({name}={getattr(self, name)!r}): pass a "

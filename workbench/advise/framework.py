@@ -37,8 +37,10 @@ favours tensor parallelism more than one that launches every operator on its own
     ``TransformerBlock`` (``apply_compile``) and leaves its loss uncompiled (``train.py``, December
     2024: ``torch.compile(loss_fn)`` commented out), and fms-fsdp computes its loss outside the
     compiled model (it compiles the rest whole: its final norm, priced eager here, is one norm of
-    the model's). Activation memory is priced as eager's: the partitioner's choice of what
-    backward keeps is not modelled.
+    the model's). Activation memory under per-operator checkpointing keeps what the partitioner
+    keeps: only what the backward graph reads, so not ``w2``'s output, which eager's checkpoint
+    caches (:func:`workbench.advise.runtime_memory.op_checkpoint_bytes`); without checkpointing it is
+    priced as eager's.
 ``complex_rotary``
     the model's rotary embedding multiplies complex numbers (Meta's Llama and torchtitan's
     ``apply_rotary_emb``: ``torch.view_as_complex``, the default). Under ``compiled`` it stays

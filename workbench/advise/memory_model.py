@@ -243,7 +243,7 @@ def _live(schedule: str, p: int, m: int, rank: int) -> dict[int, int]:
 
 # ----------------------------------------------------------------------------------- activations
 def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int, attention: str = "flash",
-                 policy: str = "attention") -> dict[str, float]:
+                 policy: str = "attention", compiled: bool = False) -> dict[str, float]:
     """One layer's kept bytes per policy (and ``none``'s working set), for ``b`` sequences; the
     ``math`` attention kernel keeps the core's ``5 a s^2 b`` (Korthikanti et al., in 16-bit bytes:
     scaled by ``e/2``) in place of the flash kernel's float32 log-sum-exp."""
@@ -262,7 +262,7 @@ def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int, attentio
     if attention == "math":
         none = selective + runtime.attention_core_bytes(s, b, a, t, "math") * e / 2
     if policy == "op":   # torchtitan's per-operator checkpointing (runtime_memory.op_checkpoint_bytes)
-        selective = runtime.op_checkpoint_bytes(shape, b, t, sp, e)
+        selective = runtime.op_checkpoint_bytes(shape, b, t, sp, e, compiled)
     return {"none": none, "selective": selective, "full": e * sb * h / rep}
 
 
@@ -310,7 +310,7 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
     sb = shape.seq * b
     sbh = sb * shape.hidden
     layer = _layer_bytes(shape, b, t, sp, e, rt.attention if rt is not None else "flash",
-                         rt.selective if rt is not None else "attention")
+                         rt.selective if rt is not None else "attention", rt is not None and rt.compiled)
     policy = config.recompute
     # the vocabulary-parallel loss (float32 softmax): with tensor parallelism, and on a GPU runtime
     # at any tp (Megatron casts the logits to float32 and calls vocab_parallel_cross_entropy)

@@ -100,9 +100,11 @@ class RuntimeMemory:
     maximum out of place, as nanotron's: 2; ``cross_entropy(logits.float())``, as torchtitan's,
     whose log-softmax also writes its output anew: 3); ``selective``: what selective
     recomputation keeps, ``"attention"`` (Korthikanti et al.) or ``"op"`` (torchtitan's per-operator
-    checkpointing: :func:`op_checkpoint_bytes`). A cluster with a
-    :class:`~workbench.advise.framework.Framework` sets ``attention``, ``loss_float32_copies`` and
-    ``selective`` from it, so its compute and memory models read one kernel and one policy.
+    checkpointing: :func:`op_checkpoint_bytes`); ``compiled``: the blocks run under
+    ``torch.compile``, whose partitioner keeps only what backward reads (:func:`op_checkpoint_bytes`).
+    A cluster with a :class:`~workbench.advise.framework.Framework` sets ``attention``,
+    ``loss_float32_copies``, ``selective`` and ``compiled`` from it, so its compute and memory models
+    read one kernel and one policy.
     """
 
     context_bytes: float = 512 * MiB
@@ -112,6 +114,7 @@ class RuntimeMemory:
     loss_float32_copies: int = 1
     source: str = "Megatron-LM conventions; CUDA context: pytorch#107667, #109888; allocator: GMLake (ASPLOS 2024)"
     selective: str = "attention"
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("context_bytes", "allocator_overhead"):
@@ -127,6 +130,9 @@ class RuntimeMemory:
                              "1-4 (Megatron's in-place loss: 1)")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"RuntimeMemory(attention={self.attention!r}): use one of {ATTENTION_KERNELS}")
+        if not isinstance(self.compiled, bool):
+            raise ValueError(f"RuntimeMemory(compiled={self.compiled!r}): True (the blocks under torch.compile) or "
+                             "False (eager)")
         if self.selective not in ("attention", "op"):
             raise ValueError(f"RuntimeMemory(selective={self.selective!r}): use 'attention' (Korthikanti et al.: the "
                              "attention core recomputed) or 'op' (torchtitan's per-operator checkpointing)")
@@ -156,7 +162,8 @@ def korthikanti_layer_bytes(s: int, b: float, h: int, a: int, t: int = 1, sequen
     return sbh * (10 + 24 / t + kept_core / t)
 
 
-def op_checkpoint_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = False, e: int = 2) -> float:
+def op_checkpoint_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = False, e: int = 2,
+                        compiled: bool = False) -> float:
     """Bytes one layer keeps per tensor-parallel rank under torchtitan's per-operator selective
     checkpointing (``selective_ac_option = "op"``: ``_save_list`` holds ``aten.mm``, the SDPA kernels
     and ``reduce_scatter``; every second ``mm`` is recomputed), for ``b`` sequences: the layer's
@@ -164,15 +171,25 @@ def op_checkpoint_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = F
     (Llama: ``wq, wk, wv, wo, w1, w3, w2``, so ``q``, ``v``, ``w1 x`` and ``w2``'s output; a GPT:
     the fused ``qkv`` and the MLP's first), the attention output and its float32 log-sum-exp per
     head. Column-parallel outputs are ``/t``, row-parallel ones and the input ``/t`` only with
-    sequence parallelism. Every norm, activation, rotary and residual add is recomputed."""
+    sequence parallelism. Every norm, activation, rotary and residual add is recomputed.
+
+    Eager, the checkpoint caches every output the policy saves, read or not. ``compiled``: under
+    ``torch.compile`` the policy only marks what may be saved; AOTAutograd's partitioner keeps what
+    the backward graph reads, and a row-parallel projection's output (``wo``, ``w2``) goes only into
+    the residual add, whose backward reads nothing: Llama's ``w2`` output is not kept. Measured on
+    the CPU (``docs/benchmarks/2026-11-28-compiled-activations.md``): eager keeps the formula's bytes,
+    compiled one ``e sbh`` less per layer."""
     s, h, a, f = shape.seq, shape.hidden, shape.heads, shape.ffn
     kv = getattr(shape, "kv_dim", h)
     rep = t if sequence_parallel else 1
     if shape.gated:
         outputs = [h / t, kv / t, kv / t, h / rep, f / t, f / t, h / rep]
+        residual = (3, 6)                # wo, w2: row-parallel, read by the residual add only
     else:
         outputs = [(h + 2 * kv) / t, h / rep, f / t, h / rep]
-    saved = sum(outputs[0::2])
+        residual = (1, 3)
+    kept = [i for i in range(0, len(outputs), 2) if not (compiled and i in residual)]
+    saved = sum(outputs[i] for i in kept)
     return s * b * (e * (h / rep + saved + h / t) + 4 * a / t)
 
 
