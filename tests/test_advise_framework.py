@@ -400,6 +400,24 @@ def test_gradient_accumulation_down_to_one_sequence_per_microbatch():
     assert any(c.pp == 1 and c.dp == 2 and c.microbatches == 256 for c in configs)
 
 
+def test_a_pipeline_tries_micro_batches_of_one_to_eight_sequences():
+    # 144 rows per data-parallel rank over 16 stages: 16, 32, 64, 128 stages' multiples, 18, 36, 72, 144 by size
+    assert space._pipeline_counts(16, 144) == (1, 2, 4, 16, 18, 32, 36, 64, 72, 128, 144)
+    assert space._pipeline_counts(4, 0) == (1, 2, 4, 8, 16, 32)
+    # Megatron's usual layout, a micro-batch of one sequence, is searched where it divides: GPT 310B-like
+    # on 1,920 A100 (dp 15 x tp 8 x pp 16), 2,160 sequences, interleaved at m = 144
+    shape = ModelShape(layers=96, hidden=16384, heads=128, vocab=51200, seq=2048, ffn=4 * 16384)
+    cluster = Cluster.preset("dgx-a100", nodes=240)
+    configs = space.configurations(shape, cluster, 2160, precisions=("bf16",), recompute=("selective",),
+                                   zero=(1,), sequence_parallel=(True,), max_tp=8)
+    one = [c for c in configs if (c.dp, c.tp, c.pp, c.schedule, c.microbatches) == (15, 8, 16, "interleaved", 144)]
+    assert len(one) == 1
+    # ... and priced faster than the same layout at 16 micro-batches of nine sequences (the interleaved bubble,
+    # (p - 1) / (v m + p - 1), 15/47 of the step at m = 16 against 15/303 at 144)
+    m16 = predict(shape, cluster, 2160, replace(one[0], microbatches=16))
+    assert predict(shape, cluster, 2160, one[0]).time["total"] < 0.9 * m16.time["total"]
+
+
 def test_an_eager_layer_dispatches_its_host_operators_per_kernel():
     """``EAGER.host_ops_per_kernel`` recounted: Hugging Face's ``LlamaDecoderLayer`` (eager PyTorch:
     float32 RMSNorm, rotary by ``rotate_half``, ``repeat_kv``, SDPA) in bf16, forward and backward

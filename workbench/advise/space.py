@@ -12,10 +12,12 @@ ZeRO stage over dp     0 (DDP), 1, 2, 3; only 0 when ``dp = 1`` (nothing to shar
 pipeline schedule      gpipe, 1f1b, interleaved (2 chunks per rank), zb-h1, zbv; when
                        ``pp > 1``; on a GPU cluster those its framework runs
                        (Megatron-LM: 1f1b, interleaved; nanotron: gpipe, 1f1b)  ``schedules=``
-micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` dividing the rows of each data-parallel
-                       rank (and 1, 2, 4 below ``pp`` for the schedules that take them;
-                       GPipe's not where the framework's 1F1B takes them: the same
-                       time with no more memory);
+micro-batches m        ``pp, 2 pp, 4 pp, 8 pp`` and micro-batches of 8, 4, 2 and 1
+                       sequences (Megatron-LM's usual micro-batch of one: the smallest
+                       bubble), each dividing the rows of each data-parallel rank (and 1,
+                       2, 4 below ``pp`` for the schedules that take them; GPipe's not
+                       where the framework's 1F1B takes them: the same time with no more
+                       memory);
                        without a pipeline, gradient accumulation over every power of two
                        up to the rows of a data-parallel rank and the rows themselves:
                        down to one sequence per micro-batch (one gradient reduction per
@@ -160,6 +162,17 @@ def _accumulation_counts(rows: int) -> tuple[int, ...]:
     return tuple(sorted({1 << k for k in range(rows.bit_length()) if 1 << k <= rows} | {rows}))
 
 
+def _pipeline_counts(pp: int, rows: int) -> tuple[int, ...]:
+    """Micro-batch counts tried for a pipeline of ``pp`` stages over ``rows`` sequences per
+    data-parallel rank: ``pp, 2 pp, 4 pp, 8 pp``, 1, 2 and 4 below ``pp``, and the counts that make
+    micro-batches of 8, 4, 2 and 1 sequences (``rows / 8`` .. ``rows``; the bubble,
+    ``(p - 1) / (m + p - 1)`` of the step, is smallest at one sequence per micro-batch, where the
+    multiplies are thinnest: the price weighs the two). ``rows`` 0: the batch does not divide."""
+    counts = {pp * k for k in (1, 2, 4, 8)} | {k for k in (1, 2, 4) if k < pp}
+    counts |= {rows // size for size in (1, 2, 4, 8) if rows and rows % size == 0}
+    return tuple(sorted(counts))
+
+
 def _short_gpipe_dominated(cluster: Cluster, schedule: str, m: int, pp: int, schedules: tuple) -> bool:
     """GPipe with ``m < pp`` micro-batches where the cluster's framework runs 1F1B with as few
     (:meth:`~workbench.advise.framework.Framework.min_microbatches`) and 1F1B is searched: 1F1B is
@@ -225,7 +238,7 @@ def configurations(shape, cluster: Cluster, global_batch: int, *, zero=None, sch
                 counts = microbatches or _accumulation_counts(rows)
                 pipes = [("1f1b", m) for m in counts if not rows or rows % m == 0 or not structural]
             else:
-                counts = microbatches or tuple(sorted({pp * k for k in (1, 2, 4, 8)} | {k for k in (1, 2, 4) if k < pp}))
+                counts = microbatches or _pipeline_counts(pp, rows)
                 pipes = [(sch, m) for sch in schedules for m in counts if (not rows or rows % m == 0 or not structural)
                          and not _short_gpipe_dominated(cluster, sch, m, pp, schedules)]
             for z, (sch, m), sp, prec, rc in product(zero if dp > 1 else (0,), pipes,
