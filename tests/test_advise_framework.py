@@ -16,7 +16,7 @@ from workbench.advise import device as dev
 from workbench.advise import published, space, timing
 from workbench.advise.framework import (COMPILED, EAGER, EAGER_FUSED, FRAMEWORKS, MEGATRON, MEGATRON_2022,
                                         OPTIMIZER_BYTES, Framework)
-from workbench.advise.runtime_memory import op_checkpoint_bytes
+from workbench.advise.runtime_memory import eager_layer_extra_bytes, op_checkpoint_bytes
 
 LLAMA = ModelShape.preset("llama3-8b")
 H100 = dev.PROFILES["h100-sxm-80gb"].with_(kernel_fixed_s=0.0)   # each kernel's fixed GPU cost out of the way (test_device_model)
@@ -323,6 +323,20 @@ def test_compiled_op_checkpoint_keeps_what_backward_reads_as_measured():
     for compiled in (False, True):
         measured = probe["kept_bytes"][f"op {'compiled' if compiled else 'eager'}"][-1] / d["layers"]
         assert measured == pytest.approx(op_checkpoint_bytes(shape, d["rows"], compiled=compiled), rel=0.02)
+    # without recomputation, eager PyTorch's unfused layer keeps its float32 norms' copies and repeat_kv's copies too
+    # (a view with one key/value head, a copy with two): priced within 2%
+    from workbench.advise import memory_model
+
+    for name, kv_heads in (("none eager", 1), ("none eager, 2 kv heads", 2)):
+        gqa = replace(shape, kv_heads=kv_heads)
+        priced = memory_model._layer_bytes(gqa, d["rows"], 1, False, 2, float32_norms=True, repeat_kv=True)["none"]
+        assert probe["kept_bytes"][name][-1] / d["layers"] == pytest.approx(priced, rel=0.02), name
+    plain = memory_model._layer_bytes(shape, d["rows"], 1, False, 2)["none"]
+    assert eager_layer_extra_bytes(shape, d["rows"], float32_norms=True) == 8 * d["seq"] * d["rows"] * d["hidden"]
+    assert eager_layer_extra_bytes(shape, d["rows"], repeat_kv=True) == 0               # one kv head: a view
+    assert probe["kept_bytes"]["none eager"][-1] / d["layers"] > 1.15 * plain        # what the fused layer keeps
+    assert Cluster.preset("dgx-h100").with_(framework=EAGER).runtime_memory.float32_norms
+    assert not Cluster.preset("dgx-h100").with_(framework=COMPILED).runtime_memory.repeat_kv
     # and torchtitan's published compiled memory (77 and 62 GiB) within 10%, its eager (82.4, 67) as before
     for row in (r for r in published.ROWS if r.metric == "memory_gib"):
         assert abs(published.predicted(row)["value"] / row.value - 1) < (0.10 if "compile" in row.name else 0.15)

@@ -15,7 +15,8 @@ torchtitan applies it: ``none``; ``op``, its per-operator selective checkpointin
 "Kept" is what the forward leaves allocated for the backward: the bytes in use after the forward
 less those before it and the output. On the CPU the C allocator's count (glibc's ``mallinfo2``,
 which PyTorch's CPU allocator draws from); on a GPU ``torch.cuda.memory_allocated``. The input
-is a fresh tensor, so each of the L layers' inputs is counted.
+is a fresh tensor, so each of the L layers' inputs is counted. One more case, without
+recomputation and eager, has two key/value heads: ``repeat_kv`` then copies (with one it is a view).
 """
 from __future__ import annotations
 
@@ -163,6 +164,9 @@ def main() -> int:
             result["kept_bytes"][name] = kept(policy, compiled)
             unit = ROWS * SEQ * H * 2
             print(f"{name:14s} kept per layer: {result['kept_bytes'][name][-1] / LAYERS / unit:.3f} x (2 s b h) bytes")
+    globals()["KV_HEADS"] = 2    # read by LlamaLayer when it is built
+    result["kept_bytes"]["none eager, 2 kv heads"] = kept("none", False)
+    print(f"none eager, 2 kv heads: {result['kept_bytes']['none eager, 2 kv heads'][-1] / LAYERS / unit:.3f}")
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
     return 0

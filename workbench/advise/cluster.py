@@ -159,11 +159,14 @@ class Cluster:
             if self.device is not None and self.device.attention != fw.attention:
                 object.__setattr__(self, "device", self.device.with_(attention=fw.attention))
             rt = self.runtime_memory
-            if rt is not None and (rt.attention, rt.loss_float32_copies, rt.selective, rt.compiled) != \
-                    (fw.attention, fw.loss_float32_copies, fw.selective, fw.compiled):
-                object.__setattr__(self, "runtime_memory", replace(
-                    rt, attention=fw.attention, loss_float32_copies=fw.loss_float32_copies, selective=fw.selective,
-                    compiled=fw.compiled))
+            # eager PyTorch's unfused layer keeps more (runtime_memory.eager_layer_extra_bytes); compiled, the
+            # partitioner decides
+            eager = not fw.fused and not fw.compiled
+            conventions = dict(attention=fw.attention, loss_float32_copies=fw.loss_float32_copies,
+                               selective=fw.selective, compiled=fw.compiled,
+                               float32_norms=eager and not fw.fused_norm, repeat_kv=eager)
+            if rt is not None and any(getattr(rt, k) != v for k, v in conventions.items()):
+                object.__setattr__(self, "runtime_memory", replace(rt, **conventions))
         for name in ("intra", "inter"):
             if not isinstance(getattr(self, name), Link):
                 raise ValueError(f"Cluster({name}={getattr(self, name)!r}): pass a "

@@ -78,7 +78,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["RuntimeMemory", "MEGATRON", "ATTENTION_KERNELS", "korthikanti_layer_bytes", "attention_core_bytes",
-           "op_checkpoint_bytes",
+           "op_checkpoint_bytes", "eager_layer_extra_bytes",
            "model_state", "communicators", "MiB"]
 
 MiB = float(2 ** 20)
@@ -101,10 +101,11 @@ class RuntimeMemory:
     whose log-softmax also writes its output anew: 3); ``selective``: what selective
     recomputation keeps, ``"attention"`` (Korthikanti et al.) or ``"op"`` (torchtitan's per-operator
     checkpointing: :func:`op_checkpoint_bytes`); ``compiled``: the blocks run under
-    ``torch.compile``, whose partitioner keeps only what backward reads (:func:`op_checkpoint_bytes`).
-    A cluster with a :class:`~workbench.advise.framework.Framework` sets ``attention``,
-    ``loss_float32_copies``, ``selective`` and ``compiled`` from it, so its compute and memory models
-    read one kernel and one policy.
+    ``torch.compile``, whose partitioner keeps only what backward reads (:func:`op_checkpoint_bytes`);
+    ``float32_norms`` and ``repeat_kv``: eager PyTorch's unfused layer, what it keeps beyond the
+    fused layer's tensors (:func:`eager_layer_extra_bytes`). A cluster with a
+    :class:`~workbench.advise.framework.Framework` sets all but the first three from it, so its
+    compute and memory models read one kernel and one policy.
     """
 
     context_bytes: float = 512 * MiB
@@ -115,6 +116,8 @@ class RuntimeMemory:
     source: str = "Megatron-LM conventions; CUDA context: pytorch#107667, #109888; allocator: GMLake (ASPLOS 2024)"
     selective: str = "attention"
     compiled: bool = False
+    float32_norms: bool = False
+    repeat_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("context_bytes", "allocator_overhead"):
@@ -130,9 +133,10 @@ class RuntimeMemory:
                              "1-4 (Megatron's in-place loss: 1)")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"RuntimeMemory(attention={self.attention!r}): use one of {ATTENTION_KERNELS}")
-        if not isinstance(self.compiled, bool):
-            raise ValueError(f"RuntimeMemory(compiled={self.compiled!r}): True (the blocks under torch.compile) or "
-                             "False (eager)")
+        for name in ("compiled", "float32_norms", "repeat_kv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RuntimeMemory({name}={getattr(self, name)!r}): True or False (see the class "
+                                 "docstring)")
         if self.selective not in ("attention", "op"):
             raise ValueError(f"RuntimeMemory(selective={self.selective!r}): use 'attention' (Korthikanti et al.: the "
                              "attention core recomputed) or 'op' (torchtitan's per-operator checkpointing)")
@@ -191,6 +195,33 @@ def op_checkpoint_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = F
     kept = [i for i in range(0, len(outputs), 2) if not (compiled and i in residual)]
     saved = sum(outputs[i] for i in kept)
     return s * b * (e * (h / rep + saved + h / t) + 4 * a / t)
+
+
+def eager_layer_extra_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = False, e: int = 2, *,
+                            float32_norms: bool = False, repeat_kv: bool = False) -> float:
+    """Bytes an eager PyTorch layer keeps for backward beyond the fused layer's (Korthikanti et al.'s
+    tensors: each norm's input, each multiply's input, the activation's), per tensor-parallel rank,
+    for ``b`` sequences, without recomputation. Read off autograd's saved tensors of torchtitan's
+    eager Llama layer (``docs/benchmarks/2026-11-28-compiled-activations.md``):
+
+    * ``float32_norms``: an RMSNorm written as ``(x.float() * rsqrt(mean(x^2) + eps)).type_as(x) *
+      weight`` (torchtitan's, fms-fsdp's) keeps the float32 copy of its input (``pow`` and ``mul``
+      save it) where a fused norm keeps the input, and the normalised tensor (``* weight`` saves
+      it) beside its output: ``(4 - e) + e = 4`` bytes per element more, two norms a layer,
+      ``/t`` with sequence parallelism. (``F.layer_norm`` is one operator: nothing more.)
+    * ``repeat_kv``: grouped-query attention through torchtitan's ``repeat_kv`` (``expand`` then
+      ``reshape``, a copy when a rank holds more than one key/value head) hands SDPA keys and values
+      at the queries' width, and SDPA keeps those: ``2 e s b (h - kv) / t`` more."""
+    s, h = shape.seq, shape.hidden
+    sb = s * b
+    extra = 0.0
+    if float32_norms and getattr(shape, "norm", "layernorm") == "rmsnorm":
+        extra += 2 * 4 * sb * h / (t if sequence_parallel else 1)
+    kv = getattr(shape, "kv_dim", h)
+    local_kv_heads = (getattr(shape, "kv_heads", 0) or shape.heads) / t
+    if repeat_kv and kv < h and local_kv_heads > 1:
+        extra += 2 * e * sb * (h - kv) / t
+    return extra
 
 
 def attention_core_bytes(s: int, b: float, a: int, t: int, kernel: str) -> float:
