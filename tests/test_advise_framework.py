@@ -332,6 +332,10 @@ def test_compiled_op_checkpoint_keeps_what_backward_reads_as_measured():
         priced = memory_model._layer_bytes(gqa, d["rows"], 1, False, 2, float32_norms=True, repeat_kv=True)["none"]
         assert probe["kept_bytes"][name][-1] / d["layers"] == pytest.approx(priced, rel=0.02), name
     plain = memory_model._layer_bytes(shape, d["rows"], 1, False, 2)["none"]
+    # compiled, the fused SwiGLU's backward recomputes the SiLU from the gate: one ffn-wide tensor less
+    compiled = memory_model._layer_bytes(shape, d["rows"], 1, False, 2, compiled=True)["none"]
+    assert plain - compiled == 2 * d["seq"] * d["rows"] * d["ffn"]
+    assert probe["kept_bytes"]["none compiled"][-1] / d["layers"] == pytest.approx(compiled, rel=0.02)
     assert eager_layer_extra_bytes(shape, d["rows"], float32_norms=True) == 8 * d["seq"] * d["rows"] * d["hidden"]
     assert eager_layer_extra_bytes(shape, d["rows"], repeat_kv=True) == 0               # one kv head: a view
     assert probe["kept_bytes"]["none eager"][-1] / d["layers"] > 1.15 * plain        # what the fused layer keeps

@@ -39,10 +39,9 @@ favours tensor parallelism more than one that launches every operator on its own
     compiled model (it compiles the rest whole: its final norm, priced eager here, is one norm of
     the model's). Activation memory under per-operator checkpointing keeps what the partitioner
     keeps: only what the backward graph reads, so not ``w2``'s output, which eager's checkpoint
-    caches (:func:`workbench.advise.runtime_memory.op_checkpoint_bytes`); without checkpointing it is
-    priced as a fused layer's (the partitioner, which recomputes the norms and the rotary from the
-    layer's input, keeps less: not modelled), not as eager's, whose float32 norms and ``repeat_kv``
-    keep more (:func:`workbench.advise.runtime_memory.eager_layer_extra_bytes`).
+    caches (:func:`workbench.advise.runtime_memory.op_checkpoint_bytes`); without checkpointing
+    what a fused layer keeps but the SiLU's output, which the fused SwiGLU recomputes from the gate
+    (eager keeps more: :func:`workbench.advise.runtime_memory.eager_layer_extra_bytes`).
 ``complex_rotary``
     the model's rotary embedding multiplies complex numbers (Meta's Llama and torchtitan's
     ``apply_rotary_emb``: ``torch.view_as_complex``, the default). Under ``compiled`` it stays

@@ -248,7 +248,12 @@ def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int, attentio
     """One layer's kept bytes per policy (and ``none``'s working set), for ``b`` sequences; the
     ``math`` attention kernel keeps the core's ``5 a s^2 b`` (Korthikanti et al., in 16-bit bytes:
     scaled by ``e/2``) in place of the flash kernel's float32 log-sum-exp. ``float32_norms`` and
-    ``repeat_kv``: eager PyTorch's unfused layer (:class:`~workbench.advise.runtime_memory.RuntimeMemory`)."""
+    ``repeat_kv``: eager PyTorch's unfused layer (:class:`~workbench.advise.runtime_memory.RuntimeMemory`).
+    ``compiled``: the blocks under ``torch.compile``, whose partitioner keeps only what backward
+    reads: under per-operator checkpointing not ``w2``'s output (:func:`~workbench.advise.
+    runtime_memory.op_checkpoint_bytes`), without checkpointing not the SiLU's output, which the
+    fused SwiGLU's backward recomputes from the gate (the gate, the up projection and their product
+    kept: ``docs/benchmarks/2026-11-28-compiled-activations.md``)."""
     s, h, a = shape.seq, shape.hidden, shape.heads
     rep = t if sp else 1
     sb = s * b
@@ -261,6 +266,8 @@ def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int, attentio
     lse_fp32 = (4 - e) * a * sb / t                  # the fused kernel's log-sum-exp stays float32
     none = gpt + e * (qkv + mlp + stats) + lse_fp32 + runtime.eager_layer_extra_bytes(
         shape, b, t, sp, e, float32_norms=float32_norms, repeat_kv=repeat_kv)
+    if compiled and shape.gated:   # Inductor's SwiGLU kernel recomputes the SiLU from the gate in its backward
+        none -= e * sb * shape.ffn / t
     selective = none - 4 * a * sb / t                # the attention core recomputed: no log-sum-exp kept
     if attention == "math":
         none = selective + runtime.attention_core_bytes(s, b, a, t, "math") * e / 2
