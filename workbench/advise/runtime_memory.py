@@ -104,8 +104,9 @@ class RuntimeMemory:
     ``torch.compile``, whose partitioner keeps only what backward reads (:func:`op_checkpoint_bytes`);
     ``float32_norms`` and ``repeat_kv``: eager PyTorch's unfused layer, what it keeps beyond the
     fused layer's tensors (:func:`eager_layer_extra_bytes`). A cluster with a
-    :class:`~workbench.advise.framework.Framework` sets all but the first three from it, so its
-    compute and memory models read one kernel and one policy.
+    :class:`~workbench.advise.framework.Framework` sets ``attention``, ``loss_float32_copies``,
+    ``selective``, ``compiled``, ``float32_norms`` and ``repeat_kv`` from it, so its compute and
+    memory models read one kernel and one policy.
     """
 
     context_bytes: float = 512 * MiB
