@@ -346,6 +346,35 @@ def test_compiled_op_checkpoint_keeps_what_backward_reads_as_measured():
         assert abs(published.predicted(row)["value"] / row.value - 1) < (0.10 if "compile" in row.name else 0.15)
 
 
+def test_dtensor_tensor_parallelism_keeps_gathered_inputs_partial_sums_and_scatters_as_measured():
+    """torchtitan's TP plan on two CPU ranks (docs/benchmarks/2026-11-28-tp-activations.md): each
+    policy's kept bytes per layer and rank, eager and compiled, priced within 2%."""
+    from workbench.advise import memory_model
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    probe = json.loads((root / "2026-11-28-tp-activations.json").read_text())
+    d, t = probe["shape"], probe["world"]
+    shape = ModelShape(layers=d["layers"], hidden=d["hidden"], heads=d["heads"], kv_heads=d["kv_heads"],
+                       ffn=d["ffn"], vocab=1000, seq=d["seq"], gated=True, tied=False, bias=False,
+                       positions="rope", norm="rmsnorm")
+    for name, measured in probe["kept_bytes"].items():
+        policy, mode = name.split()
+        compiled = mode == "compiled"
+        layer = memory_model._layer_bytes(shape, d["rows"], t, True, 2, "flash", "op", compiled,
+                                          float32_norms=not compiled, repeat_kv=not compiled, dtensor_tp=True)
+        priced = layer["none" if policy == "none" else "selective"]
+        assert measured[-1] / d["layers"] == pytest.approx(priced, rel=0.02), name
+    # the terms: the all-gathered inputs (2 e s b h (1 - 1/t)), the partial sum at full width and two scatters
+    s, b, h = d["seq"], d["rows"], d["hidden"]
+    assert eager_layer_extra_bytes(shape, b, t, True, gathered_inputs=True) == 2 * 2 * s * b * h * (1 - 1 / t)
+    assert eager_layer_extra_bytes(shape, b, t, False, gathered_inputs=True) == 0   # no SP: inputs replicated
+    dtensor = op_checkpoint_bytes(shape, b, t, True, dtensor_tp=True)
+    assert dtensor - op_checkpoint_bytes(shape, b, t, True) == 2 * s * b * (h - h / t + 2 * h / t)
+    # Megatron-LM and nanotron keep the shard and gather again (Korthikanti et al.): fused frameworks are not DTensor
+    assert Cluster.preset("dgx-h100").runtime_memory.dtensor_tp is False
+    assert Cluster.preset("dgx-h100").with_(framework=COMPILED).runtime_memory.dtensor_tp is True
+
+
 def test_tp_overlap_leaves_one_chunk_and_the_sms_it_takes():
     assert timing.tp_overlap(1.0, 0.0, 0.12, 8) == 1.0                 # nothing to hide behind
     assert timing.tp_overlap(1.0, 10.0, 0.0, 8) == pytest.approx(1 / 8)  # one chunk of eight exposed

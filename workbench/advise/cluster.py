@@ -160,11 +160,12 @@ class Cluster:
                 object.__setattr__(self, "device", self.device.with_(attention=fw.attention))
             rt = self.runtime_memory
             # eager PyTorch's unfused layer keeps more (runtime_memory.eager_layer_extra_bytes); compiled, the
-            # partitioner decides
+            # partitioner decides; an unfused framework's tensor parallelism is DTensor's (torchtitan's)
             eager = not fw.fused and not fw.compiled
             conventions = dict(attention=fw.attention, loss_float32_copies=fw.loss_float32_copies,
                                selective=fw.selective, compiled=fw.compiled,
-                               float32_norms=eager and not fw.fused_norm, repeat_kv=eager)
+                               float32_norms=eager and not fw.fused_norm, repeat_kv=eager,
+                               dtensor_tp=not fw.fused)
             if rt is not None and any(getattr(rt, k) != v for k, v in conventions.items()):
                 object.__setattr__(self, "runtime_memory", replace(rt, **conventions))
         for name in ("intra", "inter"):

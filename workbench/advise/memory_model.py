@@ -244,11 +244,12 @@ def _live(schedule: str, p: int, m: int, rank: int) -> dict[int, int]:
 # ----------------------------------------------------------------------------------- activations
 def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int, attention: str = "flash",
                  policy: str = "attention", compiled: bool = False, float32_norms: bool = False,
-                 repeat_kv: bool = False) -> dict[str, float]:
+                 repeat_kv: bool = False, dtensor_tp: bool = False) -> dict[str, float]:
     """One layer's kept bytes per policy (and ``none``'s working set), for ``b`` sequences; the
     ``math`` attention kernel keeps the core's ``5 a s^2 b`` (Korthikanti et al., in 16-bit bytes:
-    scaled by ``e/2``) in place of the flash kernel's float32 log-sum-exp. ``float32_norms`` and
-    ``repeat_kv``: eager PyTorch's unfused layer (:class:`~workbench.advise.runtime_memory.RuntimeMemory`).
+    scaled by ``e/2``) in place of the flash kernel's float32 log-sum-exp. ``float32_norms``,
+    ``repeat_kv`` and ``dtensor_tp``: eager PyTorch's unfused layer and DTensor's tensor parallelism
+    (:class:`~workbench.advise.runtime_memory.RuntimeMemory`).
     ``compiled``: the blocks under ``torch.compile``, whose partitioner keeps only what backward
     reads: under per-operator checkpointing not ``w2``'s output (:func:`~workbench.advise.
     runtime_memory.op_checkpoint_bytes`), without checkpointing not the SiLU's output, which the
@@ -265,14 +266,15 @@ def _layer_bytes(shape: ModelShape, b: float, t: int, sp: bool, e: int, attentio
     stats = -2 * sb / rep if shape.norm == "rmsnorm" else 0.0
     lse_fp32 = (4 - e) * a * sb / t                  # the fused kernel's log-sum-exp stays float32
     none = gpt + e * (qkv + mlp + stats) + lse_fp32 + runtime.eager_layer_extra_bytes(
-        shape, b, t, sp, e, float32_norms=float32_norms, repeat_kv=repeat_kv)
+        shape, b, t, sp, e, float32_norms=float32_norms, repeat_kv=repeat_kv,
+        gathered_inputs=dtensor_tp)
     if compiled and shape.gated:   # Inductor's SwiGLU kernel recomputes the SiLU from the gate in its backward
         none -= e * sb * shape.ffn / t
     selective = none - 4 * a * sb / t                # the attention core recomputed: no log-sum-exp kept
     if attention == "math":
         none = selective + runtime.attention_core_bytes(s, b, a, t, "math") * e / 2
     if policy == "op":   # torchtitan's per-operator checkpointing (runtime_memory.op_checkpoint_bytes)
-        selective = runtime.op_checkpoint_bytes(shape, b, t, sp, e, compiled)
+        selective = runtime.op_checkpoint_bytes(shape, b, t, sp, e, compiled, dtensor_tp)
     return {"none": none, "selective": selective, "full": e * sb * h / rep}
 
 
@@ -321,7 +323,8 @@ def _stage_microbatch(shape: ModelShape, config: Config, global_batch: int, n_la
     sbh = sb * shape.hidden
     layer = _layer_bytes(shape, b, t, sp, e, rt.attention if rt is not None else "flash",
                          rt.selective if rt is not None else "attention", rt is not None and rt.compiled,
-                         rt is not None and rt.float32_norms, rt is not None and rt.repeat_kv)
+                         rt is not None and rt.float32_norms, rt is not None and rt.repeat_kv,
+                         rt is not None and rt.dtensor_tp)
     policy = config.recompute
     # the vocabulary-parallel loss (float32 softmax): with tensor parallelism, and on a GPU runtime
     # at any tp (Megatron casts the logits to float32 and calls vocab_parallel_cross_entropy)

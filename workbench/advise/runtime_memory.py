@@ -103,10 +103,15 @@ class RuntimeMemory:
     checkpointing: :func:`op_checkpoint_bytes`); ``compiled``: the blocks run under
     ``torch.compile``, whose partitioner keeps only what backward reads (:func:`op_checkpoint_bytes`);
     ``float32_norms`` and ``repeat_kv``: eager PyTorch's unfused layer, what it keeps beyond the
-    fused layer's tensors (:func:`eager_layer_extra_bytes`). A cluster with a
+    fused layer's tensors (:func:`eager_layer_extra_bytes`); ``dtensor_tp``: tensor parallelism as
+    PyTorch's DTensor runs it (torchtitan's plan), whose multiplies keep what they are handed --
+    with sequence parallelism the all-gathered input, and under per-operator checkpointing the
+    row-parallel multiply's partial sum at full width and the reduce-scatter's output
+    (:func:`eager_layer_extra_bytes`, :func:`op_checkpoint_bytes`); Megatron-LM and nanotron keep
+    the input's shard and gather it again in backward. A cluster with a
     :class:`~workbench.advise.framework.Framework` sets ``attention``, ``loss_float32_copies``,
-    ``selective``, ``compiled``, ``float32_norms`` and ``repeat_kv`` from it, so its compute and
-    memory models read one kernel and one policy.
+    ``selective``, ``compiled``, ``float32_norms``, ``repeat_kv`` and ``dtensor_tp`` from it, so its
+    compute and memory models read one kernel and one policy.
     """
 
     context_bytes: float = 512 * MiB
@@ -119,6 +124,7 @@ class RuntimeMemory:
     compiled: bool = False
     float32_norms: bool = False
     repeat_kv: bool = False
+    dtensor_tp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("context_bytes", "allocator_overhead"):
@@ -134,7 +140,7 @@ class RuntimeMemory:
                              "1-4 (Megatron's in-place loss: 1)")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"RuntimeMemory(attention={self.attention!r}): use one of {ATTENTION_KERNELS}")
-        for name in ("compiled", "float32_norms", "repeat_kv"):
+        for name in ("compiled", "float32_norms", "repeat_kv", "dtensor_tp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeMemory({name}={getattr(self, name)!r}): True or False (see the class "
                                  "docstring)")
@@ -168,7 +174,7 @@ def korthikanti_layer_bytes(s: int, b: float, h: int, a: int, t: int = 1, sequen
 
 
 def op_checkpoint_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = False, e: int = 2,
-                        compiled: bool = False) -> float:
+                        compiled: bool = False, dtensor_tp: bool = False) -> float:
     """Bytes one layer keeps per tensor-parallel rank under torchtitan's per-operator selective
     checkpointing (``selective_ac_option = "op"``: ``_save_list`` holds ``aten.mm``, the SDPA kernels
     and ``reduce_scatter``; every second ``mm`` is recomputed), for ``b`` sequences: the layer's
@@ -183,23 +189,35 @@ def op_checkpoint_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = F
     the backward graph reads, and a row-parallel projection's output (``wo``, ``w2``) goes only into
     the residual add, whose backward reads nothing: Llama's ``w2`` output is not kept. Measured on
     the CPU (``docs/benchmarks/2026-11-28-compiled-activations.md``): eager keeps the formula's bytes,
-    compiled one ``e sbh`` less per layer."""
+    compiled one ``e sbh`` less per layer.
+
+    ``dtensor_tp`` with sequence parallelism (torchtitan's plan: each row-parallel layer's output
+    reduce-scattered to ``Shard(1)``): a row-parallel multiply's output is its partial sum, ``h``
+    wide before the reduce-scatter, and the reduce-scatters' outputs (``h/t``) are on the save list.
+    Eager keeps both reduce-scatter outputs; compiled only the attention's, from which backward
+    recomputes the residual stream the MLP's norm reads (two ranks on the CPU,
+    ``docs/benchmarks/2026-11-28-tp-activations.md``)."""
     s, h, a, f = shape.seq, shape.hidden, shape.heads, shape.ffn
     kv = getattr(shape, "kv_dim", h)
     rep = t if sequence_parallel else 1
+    scattered = dtensor_tp and sequence_parallel and t > 1
+    row = h if scattered else h / rep              # a row-parallel multiply's output (a partial sum if scattered)
     if shape.gated:
-        outputs = [h / t, kv / t, kv / t, h / rep, f / t, f / t, h / rep]
+        outputs = [h / t, kv / t, kv / t, row, f / t, f / t, row]
         residual = (3, 6)                # wo, w2: row-parallel, read by the residual add only
     else:
-        outputs = [(h + 2 * kv) / t, h / rep, f / t, h / rep]
+        outputs = [(h + 2 * kv) / t, row, f / t, row]
         residual = (1, 3)
     kept = [i for i in range(0, len(outputs), 2) if not (compiled and i in residual)]
     saved = sum(outputs[i] for i in kept)
+    if scattered:                        # the reduce-scatters' outputs: both eager, the attention's compiled
+        saved += (1 if compiled else 2) * h / t
     return s * b * (e * (h / rep + saved + h / t) + 4 * a / t)
 
 
 def eager_layer_extra_bytes(shape, b: float, t: int = 1, sequence_parallel: bool = False, e: int = 2, *,
-                            float32_norms: bool = False, repeat_kv: bool = False) -> float:
+                            float32_norms: bool = False, repeat_kv: bool = False,
+                            gathered_inputs: bool = False) -> float:
     """Bytes an eager PyTorch layer keeps for backward beyond the fused layer's (Korthikanti et al.'s
     tensors: each norm's input, each multiply's input, the activation's), per tensor-parallel rank,
     for ``b`` sequences, without recomputation. Read off autograd's saved tensors of torchtitan's
@@ -212,7 +230,12 @@ def eager_layer_extra_bytes(shape, b: float, t: int = 1, sequence_parallel: bool
       ``/t`` with sequence parallelism. (``F.layer_norm`` is one operator: nothing more.)
     * ``repeat_kv``: grouped-query attention through torchtitan's ``repeat_kv`` (``expand`` then
       ``reshape``, a copy when a rank holds more than one key/value head) hands SDPA keys and values
-      at the queries' width, and SDPA keeps those: ``2 e s b (h - kv) / t`` more."""
+      at the queries' width, and SDPA keeps those: ``2 e s b (h - kv) / t`` more.
+    * ``gathered_inputs``: with sequence parallelism under DTensor (``dtensor_tp``), the attention's
+      and the MLP's column-parallel multiplies keep the all-gathered input they were handed, ``h``
+      wide, where Megatron-LM keeps the ``h/t`` shard and gathers it again in backward:
+      ``2 e s b h (1 - 1/t)`` more, eager or compiled (the partitioner does not recompute a
+      collective; two ranks on the CPU: ``docs/benchmarks/2026-11-28-tp-activations.md``)."""
     s, h = shape.seq, shape.hidden
     sb = s * b
     extra = 0.0
@@ -222,6 +245,8 @@ def eager_layer_extra_bytes(shape, b: float, t: int = 1, sequence_parallel: bool
     local_kv_heads = (getattr(shape, "kv_heads", 0) or shape.heads) / t
     if repeat_kv and kv < h and local_kv_heads > 1:
         extra += 2 * e * sb * (h - kv) / t
+    if gathered_inputs and sequence_parallel and t > 1:
+        extra += 2 * e * sb * h * (1 - 1 / t)
     return extra
 
 
