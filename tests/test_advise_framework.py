@@ -321,7 +321,7 @@ def test_compiled_op_checkpoint_keeps_what_backward_reads_as_measured():
                        ffn=d["ffn"], vocab=1000, seq=d["seq"], gated=True, tied=False, bias=False,
                        positions="rope", norm="rmsnorm")
     for compiled in (False, True):
-        measured = probe["kept_bytes"][f"op {'compiled' if compiled else 'eager'}"][-1] / d["layers"]
+        measured = min(probe["kept_bytes"][f"op {'compiled' if compiled else 'eager'}"]) / d["layers"]
         assert measured == pytest.approx(op_checkpoint_bytes(shape, d["rows"], compiled=compiled), rel=0.02)
     # without recomputation, eager PyTorch's unfused layer keeps its float32 norms' copies and repeat_kv's copies too
     # (a view with one key/value head, a copy with two): priced within 2%
@@ -330,15 +330,15 @@ def test_compiled_op_checkpoint_keeps_what_backward_reads_as_measured():
     for name, kv_heads in (("none eager", 1), ("none eager, 2 kv heads", 2)):
         gqa = replace(shape, kv_heads=kv_heads)
         priced = memory_model._layer_bytes(gqa, d["rows"], 1, False, 2, float32_norms=True, repeat_kv=True)["none"]
-        assert probe["kept_bytes"][name][-1] / d["layers"] == pytest.approx(priced, rel=0.02), name
+        assert min(probe["kept_bytes"][name]) / d["layers"] == pytest.approx(priced, rel=0.02), name
     plain = memory_model._layer_bytes(shape, d["rows"], 1, False, 2)["none"]
     # compiled, the fused SwiGLU's backward recomputes the SiLU from the gate: one ffn-wide tensor less
     compiled = memory_model._layer_bytes(shape, d["rows"], 1, False, 2, compiled=True)["none"]
     assert plain - compiled == 2 * d["seq"] * d["rows"] * d["ffn"]
-    assert probe["kept_bytes"]["none compiled"][-1] / d["layers"] == pytest.approx(compiled, rel=0.02)
+    assert min(probe["kept_bytes"]["none compiled"]) / d["layers"] == pytest.approx(compiled, rel=0.02)
     assert eager_layer_extra_bytes(shape, d["rows"], float32_norms=True) == 8 * d["seq"] * d["rows"] * d["hidden"]
     assert eager_layer_extra_bytes(shape, d["rows"], repeat_kv=True) == 0               # one kv head: a view
-    assert probe["kept_bytes"]["none eager"][-1] / d["layers"] > 1.15 * plain        # what the fused layer keeps
+    assert min(probe["kept_bytes"]["none eager"]) / d["layers"] > 1.15 * plain        # what the fused layer keeps
     assert Cluster.preset("dgx-h100").with_(framework=EAGER).runtime_memory.float32_norms
     assert not Cluster.preset("dgx-h100").with_(framework=COMPILED).runtime_memory.repeat_kv
     # and torchtitan's published compiled memory (77 and 62 GiB) within 10%, its eager (82.4, 67) as before
@@ -363,7 +363,7 @@ def test_dtensor_tensor_parallelism_keeps_gathered_inputs_partial_sums_and_scatt
         layer = memory_model._layer_bytes(shape, d["rows"], t, True, 2, "flash", "op", compiled,
                                           float32_norms=not compiled, repeat_kv=not compiled, dtensor_tp=True)
         priced = layer["none" if policy == "none" else "selective"]
-        assert measured[-1] / d["layers"] == pytest.approx(priced, rel=0.02), name
+        assert min(measured) / d["layers"] == pytest.approx(priced, rel=0.02), name
     # the terms: the all-gathered inputs (2 e s b h (1 - 1/t)), the partial sum at full width and two scatters
     s, b, h = d["seq"], d["rows"], d["hidden"]
     assert eager_layer_extra_bytes(shape, b, t, True, gathered_inputs=True) == 2 * 2 * s * b * h * (1 - 1 / t)

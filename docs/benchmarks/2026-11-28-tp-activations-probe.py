@@ -14,125 +14,119 @@ is torchtitan's ``apply_tp`` of December 2024 (``torchtitan/parallelisms/paralle
 inputs, ``ColwiseParallel`` ``wq, wk, wv, w1, w3``, ``RowwiseParallel(output_layouts=Shard(1))``
 ``wo, w2``. The per-operator policy is torchtitan's ``_save_list`` (``aten.mm`` but every second,
 the SDPA kernels, ``_c10d_functional.reduce_scatter_tensor``). "Kept": the bytes a rank's forward
-leaves allocated (glibc's ``mallinfo2``), less the output.
+leaves allocated (glibc's ``mallinfo2``), less the output; the least of three forwards (another
+thread's allocation, gloo's or autograd's, can land inside one).
 """
-import os, sys, json, ctypes, gc, tempfile
-from collections import defaultdict
-import torch, torch.nn as nn, torch.nn.functional as F
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
+
+# the norm, the rotary, the checkpointing (torchtitan's per-operator policy) and the measurement: the
+# compiled-activations probe's
+_spec = importlib.util.spec_from_file_location(
+    "compiled_probe", Path(__file__).with_name("2026-11-28-compiled-activations-probe.py"))
+_probe = sys.modules["compiled_probe"] = importlib.util.module_from_spec(_spec)   # (torch.compile looks it up)
+_spec.loader.exec_module(_probe)
+RMSNorm, rotary, measure, Checkpointed = _probe.RMSNorm, _probe.rotary, _probe.measure, _probe.Checkpointed
 
 H, HEADS, KVH, FFN, SEQ, ROWS, LAYERS = 512, 4, 2, 1792, 512, 2, 4
 HD = H // HEADS
 
-class RMSNorm(nn.Module):
-    def __init__(s, d): super().__init__(); s.weight = nn.Parameter(torch.ones(d))
-    def forward(s, x):
-        y = x.float(); return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * s.weight
-
-def rotary(x, f):
-    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(z * f).flatten(3).type_as(x)
 
 class Attention(nn.Module):
-    def __init__(s):
+    def __init__(self):
         super().__init__()
-        s.wq, s.wo = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
-        s.wk, s.wv = nn.Linear(H, KVH * HD, bias=False), nn.Linear(H, KVH * HD, bias=False)
-    def forward(s, x, f):
-        b, sq, _ = x.shape
-        q = rotary(s.wq(x).view(b, sq, -1, HD), f); k = rotary(s.wk(x).view(b, sq, -1, HD), f); v = s.wv(x).view(b, sq, -1, HD)
-        nh, nkv = q.shape[2], k.shape[2]; rep = nh // nkv
-        k = k[:, :, :, None].expand(b, sq, nkv, rep, HD).reshape(b, sq, nh, HD)
-        v = v[:, :, :, None].expand(b, sq, nkv, rep, HD).reshape(b, sq, nh, HD)
+        self.wq, self.wo = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
+        self.wk, self.wv = nn.Linear(H, KVH * HD, bias=False), nn.Linear(H, KVH * HD, bias=False)
+
+    def forward(self, x, freqs):
+        b, s, _ = x.shape   # the heads are this rank's (-1): the projections are column-parallel
+        q = rotary(self.wq(x).view(b, s, -1, HD), freqs)
+        k = rotary(self.wk(x).view(b, s, -1, HD), freqs)
+        v = self.wv(x).view(b, s, -1, HD)
+        heads, kv_heads = q.shape[2], k.shape[2]
+        rep = heads // kv_heads     # torchtitan's repeat_kv
+        k = k[:, :, :, None].expand(b, s, kv_heads, rep, HD).reshape(b, s, heads, HD)
+        v = v[:, :, :, None].expand(b, s, kv_heads, rep, HD).reshape(b, s, heads, HD)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return s.wo(o.transpose(1, 2).reshape(b, sq, -1))
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
 
 class FeedForward(nn.Module):
-    def __init__(s):
+    def __init__(self):
         super().__init__()
-        s.w1, s.w3, s.w2 = nn.Linear(H, FFN, bias=False), nn.Linear(H, FFN, bias=False), nn.Linear(FFN, H, bias=False)
-    def forward(s, x): return s.w2(F.silu(s.w1(x)) * s.w3(x))
+        self.w1, self.w3 = nn.Linear(H, FFN, bias=False), nn.Linear(H, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, H, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
 
 class Block(nn.Module):
-    def __init__(s):
+    """torchtitan's TransformerBlock: the module names its tensor-parallel plan refers to."""
+
+    def __init__(self):
         super().__init__()
-        s.attention_norm, s.ffn_norm, s.attention, s.feed_forward = RMSNorm(H), RMSNorm(H), Attention(), FeedForward()
-    def forward(s, x, f):
-        h = x + s.attention(s.attention_norm(x), f)
-        return h + s.feed_forward(s.ffn_norm(h))
+        self.attention_norm, self.ffn_norm = RMSNorm(H), RMSNorm(H)
+        self.attention, self.feed_forward = Attention(), FeedForward()
 
-SAVE = {torch.ops.aten.mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        *[getattr(torch.ops.aten, n).default for n in ("_scaled_dot_product_flash_attention",
-          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n)]}
+    def forward(self, x, freqs):
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))
 
-def op_policy():
-    counts = defaultdict(int)
-    def policy(ctx, func, *a, **k):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func == torch.ops.aten.mm.default: counts[mode] += 1
-        save = func in SAVE and not (func == torch.ops.aten.mm.default and counts[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
-    return create_selective_checkpoint_contexts(policy)
 
-class Wrapped(nn.Module):
-    def __init__(s, pol): super().__init__(); s.block, s.pol = Block(), pol
-    def forward(s, x, f):
-        if s.pol == "none": return s.block(x, f)
-        return checkpoint(s.block, x, f, use_reentrant=False, **({"context_fn": op_policy} if s.pol == "op" else {}))
+PLAN = {   # torchtitan's apply_tp for each TransformerBlock (December 2024)
+    "attention_norm": SequenceParallel(),
+    "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "ffn_norm": SequenceParallel(),
+    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    "feed_forward.w3": ColwiseParallel(),
+}
 
-class MI(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-def in_use():
-    gc.collect(); libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = MI; m = libc.mallinfo2(); return m.uordblks + m.hblkhd
 
-def run(rank, world, path, out):
+def run(rank: int, world: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    res = {}
-    for pol, compiled in (("none", False), ("op", False), ("none", True), ("op", True)):
+    kept = {}
+    for policy, compiled in (("none", False), ("op", False), ("none", True), ("op", True)):
         torch.manual_seed(0)
-        layers = nn.ModuleList(Wrapped(pol) for _ in range(LAYERS)).to(torch.bfloat16)
-        for l in layers:
-            parallelize_module(l.block, mesh, {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel()})
-        if compiled:
-            for i, l in enumerate(layers):
-                layers[i] = torch.compile(l)
-        x0 = torch.randn(ROWS, SEQ // world, H, dtype=torch.bfloat16)
-        ang = torch.randn(SEQ, HD // 2); f = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
-        def fwd():
-            x = x0.clone()
-            for l in layers: x = l(x, f)
-            return x
-        for _ in range(2): fwd().float().sum().backward()
-        vals = []
-        for _ in range(2):
-            for p in layers.parameters(): p.grad = None
-            before = in_use(); y = fwd(); yb = y.to_local() if hasattr(y, "to_local") else y
-            vals.append(in_use() - before - yb.numel() * yb.element_size())
-            y.float().sum().backward(); del y, yb
-        res[f"{pol} {'compiled' if compiled else 'eager'}"] = vals
+        layers = nn.ModuleList(Checkpointed(policy, Block()) for _ in range(LAYERS)).to(torch.bfloat16)
+        for layer in layers:
+            parallelize_module(layer.layer, mesh, PLAN)
+        if compiled:   # torchtitan's order: tensor parallelism, checkpointing, then compile
+            for i, layer in enumerate(layers):
+                layers[i] = torch.compile(layer)
+        x0 = torch.randn(ROWS, SEQ // world, H, dtype=torch.bfloat16)   # this rank's sequence shard
+        angles = torch.randn(SEQ, HD // 2)
+        measured = measure(layers, x0, torch.polar(torch.ones_like(angles), angles)[None, :, None, :])
+        kept[f"{policy} {'compiled' if compiled else 'eager'}"] = measured
     if rank == 0:
-        json.dump({"world": world, "shape": dict(hidden=H, heads=HEADS, kv_heads=KVH, ffn=FFN, seq=SEQ, rows=ROWS, layers=LAYERS), "kept_bytes": res}, open(out, "w"), indent=1)
+        shape = {"hidden": H, "heads": HEADS, "kv_heads": KVH, "ffn": FFN, "seq": SEQ, "rows": ROWS, "layers": LAYERS}
+        with open(out, "w") as f:
+            json.dump({"world": world, "torch": torch.__version__, "shape": shape, "kept_bytes": kept}, f, indent=1)
     dist.destroy_process_group()
 
+
 if __name__ == "__main__":
-    path = tempfile.mktemp()      # the file store's rendezvous
-    mp.spawn(run, args=(2, path, sys.argv[1]), nprocs=2)
-    d = json.load(open(sys.argv[1])); unit = ROWS * SEQ * H * 2
-    for k, v in d["kept_bytes"].items():
-        print(f"{k:14s} kept per layer and rank: {v[-1] / LAYERS / unit:.3f} x (2 s b h) bytes")
+    mp.spawn(run, args=(2, tempfile.mktemp(), sys.argv[1]), nprocs=2)   # a file store's rendezvous path
+    with open(sys.argv[1]) as f:
+        result = json.load(f)
+    unit = ROWS * SEQ * H * 2
+    for name, values in result["kept_bytes"].items():
+        print(f"{name:14s} kept per layer and rank: {min(values) / LAYERS / unit:.3f} x (2 s b h) bytes")
