@@ -340,14 +340,17 @@ def _why(chosen: Plan, plans: list[Plan], cluster: Cluster, shape: ModelShape) -
     if state > cluster.memory_bytes:
         why.append(f"the model's {psi / 1e9:.3g} B parameters need {_gib(state)} of model state (16 bytes each), "
                    f"more than one device's {_gib(cluster.memory_bytes)}: it must be split")
+    # tensor parallelism's collectives: 2 all-reduces forward and 2 backward per layer and micro-batch, or with
+    # sequence parallelism an all-gather and a reduce-scatter in place of each forward one (more backward)
+    kind, count = (("all-gathers and reduce-scatters", "4 per layer and micro-batch forward") if cfg.sequence_parallel
+                   else ("all-reduces", "4 per layer and micro-batch"))
     if cfg.tp > 1 and cfg.tp <= dpn and cluster.nodes > 1:
-        why.append(f"TP {cfg.tp} inside each node: its all-reduces (4 per layer and micro-batch) would cross the "
+        why.append(f"TP {cfg.tp} inside each node: its {kind} ({count}) would cross the "
                    f"{ratio:.3g}x slower network otherwise")
     elif cfg.tp > 1 and cfg.tp <= dpn:
-        why.append(f"TP {cfg.tp} inside the node ({link_text(cluster.intra)}), where its all-reduces are cheap")
+        why.append(f"TP {cfg.tp} inside the node ({link_text(cluster.intra)}), where its {kind} are cheap")
     elif cfg.tp > dpn:
-        why.append(f"TP {cfg.tp} spans nodes, so its all-reduces pay the {ratio:.3g}x slower network: "
-                   "nothing cheaper fits")
+        why.append(f"TP {cfg.tp} spans nodes, so its {kind} pay the {ratio:.3g}x slower network: nothing cheaper fits")
     if cfg.pp > 1:
         across = cfg.dp * cfg.tp >= dpn and cluster.nodes > 1
         why.append(f"PP {cfg.pp} {'across nodes' if across else 'inside the node'}: one message per micro-batch "
