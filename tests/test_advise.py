@@ -657,6 +657,13 @@ def test_explanation_names_the_deciding_fact_on_two_contrasting_clusters():
     else:
         assert pp == slow.nodes and f"PP {pp} across nodes" in text and "the slow network" in text
     assert "Chosen: the fastest of" in text
+    # a sequence-parallel plan's headline names the collectives it runs instead of all-reduces
+    sp = predict("llama-13b", slow, 256, Config(dp=8, tp=4, pp=2, zero=1, microbatches=16, sequence_parallel=True,
+                                                precision="bf16", recompute="selective"))
+    from workbench.advise.plan import _why
+    why = " ".join(_why(sp, [sp], slow, ModelShape.preset("llama-13b")))
+    assert "TP 4 inside each node: its all-gathers and reduce-scatters (4 per layer and micro-batch forward)" \
+        in why and "its all-reduces" not in why
 
 
 def test_predict_marks_what_does_not_fit_and_keeps_its_numbers():
