@@ -18,6 +18,8 @@ import math
 import random
 import types
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -98,6 +100,11 @@ def test_cluster_presets_validation_and_changes():
     dgx_a100 = Cluster.preset("dgx-a100", nodes=2)   # NVSwitch 300 GB/s each way; 8 x 200 Gb/s HDR per node
     assert (dgx_a100.devices, dgx_a100.memory_bytes, dgx_a100.intra.bandwidth_Bps, dgx_a100.inter.bandwidth_Bps) \
         == (16, 85_056_798_720, 300e9, 25e9)        # what CUDA reports of an A100 80 GB, not 80e9
+    dgx_h200 = Cluster.preset("dgx-h200", nodes=4)   # the DGX H100's links and NICs, an H200's memory
+    assert (dgx_h200.intra, dgx_h200.inter, dgx_h200.framework) == (dgx.intra, dgx.inter, dgx.framework)
+    assert replace(dgx_h200.nccl, name="", source="") == replace(dgx.nccl, name="", source="")
+    assert dgx_h200.memory_bytes == 150_109_880_320 > 1.7 * dgx.memory_bytes   # what CUDA reports of an H200
+    assert dgx_h200.flops_for("bf16") == dgx.flops_for("bf16")                   # the H100's chip
     with pytest.raises(ValueError, match="nodes=0"):
         dgx.with_(nodes=0)
     with pytest.raises(ValueError, match="memory_bytes"):

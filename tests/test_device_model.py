@@ -195,7 +195,8 @@ def test_an_h200_is_calibrated_on_the_h100s_peaks_with_its_own_memory():
 
     from workbench.advise.calibrate_cuda import device_from_measurements, profile_for
 
-    assert profile_for("NVIDIA H200", 150e9) is dm.PROFILES["h100-sxm-80gb"]
+    assert profile_for("NVIDIA H200", 150e9) is dm.PROFILES["h200-sxm-141gb"]
+    assert profile_for("NVIDIA H100 80GB HBM3", 85e9) is H100
     assert profile_for("NVIDIA A100-SXM4-40GB", 42e9) is dm.PROFILES["a100-sxm-40gb"]
     assert profile_for("NVIDIA L4", 24e9) is None
     stored = json.loads((pathlib.Path(__file__).parents[1] / "docs/benchmarks/2026-11-28-h200-profile.json").read_text())
@@ -363,6 +364,51 @@ def test_the_device_model_prices_measured_h200_layers():
                 efficiency = flops / seconds / H100.bf16_flops * (case["seq"] + dm.FLASH_SEQ_HALF) / case["seq"]
                 assert H100.flash_efficiency == pytest.approx(efficiency, rel=0.02)
 
+
+
+def test_the_published_h200_profile_is_the_h100_s_chip_with_the_h200_s_measured_memory():
+    """``PROFILES['h200-sxm-141gb']`` (the ``dgx-h200`` preset's GPU) takes the H100 SXM's peaks,
+    GEMM ceiling and FlashAttention-2 efficiency (the same GH100 chip, clocks and power) and the
+    memory one H200 measured: its calibrated ceiling is within 2% of the H100's, its bandwidth and
+    bytes are the measured ones. Priced on it, the layers measured on that H200 come out: the one
+    held to FlashAttention-2 within 3%; the others, which ran cuDNN's faster attention kernel, at
+    most 12% slower than they ran and never faster."""
+    from workbench.advise.framework import EAGER, EAGER_FUSED
+
+    h200 = dm.PROFILES["h200-sxm-141gb"]
+    runs, calibrated = _h200_layers()
+    for name in ("bf16_flops", "fp16_flops", "fp32_flops", "tf32_flops", "sms", "gemm_ceiling", "flash_efficiency"):
+        assert getattr(h200, name) == getattr(H100, name), name
+    assert h200.gemm_ceiling == pytest.approx(calibrated.gemm_ceiling, rel=0.02)
+    assert h200.memory_bandwidth == pytest.approx(calibrated.memory_bandwidth, rel=0.01)
+    assert h200.memory_bytes == calibrated.memory_bytes
+    for run in runs:
+        for case in run["cases"]:
+            if case["kind"] == "head":
+                continue
+            price = dm.layer_seconds(h200, _probe_shape(case), case["rows"],
+                                     recompute="full" if case.get("full_ac") else "none",
+                                     framework=EAGER if case["kind"] == "llama" else EAGER_FUSED)["total"]
+            ratio = case["step"]["gpu_s"] / case["layers"] / price
+            if case.get("backend") == "FLASH_ATTENTION":
+                assert ratio == pytest.approx(1, abs=0.03), (case["case"], ratio)
+            else:
+                assert 0.88 < ratio <= 1.0, (case["case"], ratio)
+
+
+def test_an_h200_s_memory_buys_a_layout_an_h100_cannot_hold():
+    """The same 4 nodes with H200s instead of H100s (``dgx-h200``: the same chip and links): the
+    fastest plan for Llama 2 70B holds more than an H100 has and is faster than any plan that fits
+    an H100, which must split the model further."""
+    from workbench.advise import advise
+    from workbench.advise.published import SHAPES
+
+    h100, h200 = Cluster.preset("dgx-h100", nodes=4), Cluster.preset("dgx-h200", nodes=4)
+    on_h100 = advise(SHAPES["llama-70b"], h100, 256, precisions=("bf16",))[0]
+    on_h200 = advise(SHAPES["llama-70b"], h200, 256, precisions=("bf16",))[0]
+    assert on_h200.memory["total"] > h100.memory_bytes >= on_h100.memory["total"]
+    assert on_h200.time["total"] < on_h100.time["total"]
+    assert on_h200.config.tp * on_h200.config.pp < on_h100.config.tp * on_h100.config.pp
 
 
 # FlashAttention-2's published forward + backward charts (Dao 2023, Figure 4; Dao-AILab/flash-attention

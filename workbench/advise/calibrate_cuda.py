@@ -77,12 +77,13 @@ HOST_DEPTHS = (2, 8, 16)          # layers of the tiny GPTs whose micro-batches 
 
 
 def profile_for(name: str, memory_bytes: float) -> Device | None:
-    """The published profile of a GPU named ``name`` (``torch.cuda.get_device_name``), or None. An
-    H200 is the H100's GH100 chip (the same 132 SMs and 989 TFLOP/s dense bf16 peak, NVIDIA's H200
-    datasheet) with 141 GB of HBM3e at 4.8 TB/s: the H100's profile gives its peaks, and the memory
-    and bandwidth are measured."""
+    """The published profile of a GPU named ``name`` (``torch.cuda.get_device_name``), or None: its
+    peaks are the datasheet's, the rest is measured. An H200 is the H100's GH100 chip (the same 132
+    SMs and 989 TFLOP/s dense bf16 peak, NVIDIA's H200 datasheet) with 141 GB of HBM3e at 4.8 TB/s."""
     upper = name.upper()
-    if "H100" in upper or "H200" in upper:
+    if "H200" in upper:
+        return PROFILES["h200-sxm-141gb"]
+    if "H100" in upper:
         return PROFILES["h100-sxm-80gb"]
     if "A100" in upper:
         return PROFILES["a100-sxm-80gb" if memory_bytes > 60e9 else "a100-sxm-40gb"]

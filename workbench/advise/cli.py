@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--intra", default=None, help="link inside a node, LATENCY@BANDWIDTH, e.g. 2us@450GB/s")
     c.add_argument("--inter", default=None, help="link between nodes, e.g. 5us@50GB/s")
     c.add_argument("--framework", default=None, choices=sorted(FRAMEWORKS),
-                   help="the training framework a GPU preset is priced for (default: the preset's; dgx-h100: eager-fused, "
+                   help="the training framework a GPU preset is priced for (default: the preset's; dgx-h100, dgx-h200: eager-fused, "
                         "the A100 presets: megatron-2022)")
     s = parser.add_argument_group("space")
     s.add_argument("--batch", type=int, default=512, help="global batch in sequences (default 512)")

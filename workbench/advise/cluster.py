@@ -31,6 +31,8 @@ preset            devices, memory        inside a node             between nodes
 ================  =====================  ========================  ===========================  =================
 ``dgx-h100``      8 x H100 SXM 80 GB     NVLink 4, 450 GB/s, 2 us  8 x 400 Gb/s IB: 50 GB/s,    742 / 50 TFLOP/s
                   [1]                    [1]                       5 us [2]                     (of 989 / 67) [1]
+``dgx-h200``      8 x H200 SXM 141 GB    as ``dgx-h100`` [7]       as ``dgx-h100`` [7]          742 / 50 TFLOP/s
+                  [7]                                                                           (of 989 / 67) [7]
 ``p4d-a100``      8 x A100 40 GB [3]     NVLink 3, 300 GB/s, 2 us  400 Gb/s EFA per node:       275 / 17 TFLOP/s
                                          [3]                       6.25 GB/s, 15 us [4]         (of 312 / 19.5) [3]
 ``a2-ultra-100g`` 8 x A100 80 GB [3][5]  NVLink 3, 300 GB/s, 2 us  100 Gb/s per node (cloud     275 / 17 TFLOP/s
@@ -41,8 +43,8 @@ preset            devices, memory        inside a node             between nodes
 ================  =====================  ========================  ===========================  =================
 
 Memory is what a process can use (``workbench.advise.device``: 81,559 MiB of an H100 "80 GB" as
-nvidia-smi lists it, 85.06e9 bytes of an A100 80 GB as CUDA reports it, 0.99 of the A100 40 GB's
-40 GiB), not the name's 80e9 bytes.
+nvidia-smi lists it, 85.06e9 bytes of an A100 80 GB and 150.1e9 of an H200 "141 GB" as CUDA
+reports them, 0.99 of the A100 40 GB's 40 GiB), not the name's 80e9 bytes.
 
 [1] NVIDIA H100 Tensor Core GPU datasheet (SXM: 80 GB, NVLink 900 GB/s both ways, BF16 989 TFLOP/s
 dense, FP32 67 TFLOP/s). [2] NVIDIA DGX H100 user guide (8 x ConnectX-7, 400 Gb/s each).
@@ -51,6 +53,9 @@ dense, FP32 67 TFLOP/s). [2] NVIDIA DGX H100 user guide (8 x ConnectX-7, 400 Gb/
 "GPU machine types": a2-ultragpu-8g, 8 x A100 80 GB, 100 Gbps network bandwidth. [6] NVIDIA DGX A100
 user guide and system architecture white paper (8 x A100 SXM4 80 GB on 6 NVSwitches, 600 GB/s of
 NVLink per GPU both ways; 8 x ConnectX-6 200 Gb/s HDR InfiniBand for the compute fabric, one per GPU).
+[7] NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, the H100's peaks) and DGX H200
+datasheet (8 x H200 on 4 NVSwitches, 900 GB/s of NVLink per GPU both ways; 8 x ConnectX-7 400 Gb/s for
+the compute fabric): the DGX H100's links, a GPU with more and faster memory.
 Latencies are typical one-way small-message figures (orders of magnitude, as in
 :mod:`workbench.comm.topology`).
 
@@ -67,7 +72,7 @@ Megatron-LM's (``MEGATRON``); ``None`` (a CPU cluster) keeps the formulas exactl
 ``framework``: the training framework (:class:`workbench.advise.framework.Framework`: attention
 kernel, fused or eager elementwise kernels, tensor-parallel overlap, what selective recomputation
 keeps, the optimizer's passes, gradient buckets); it sets the attention kernel of the device and of
-the runtime memory, so both read the same. ``dgx-h100`` runs ``eager-fused`` (eager PyTorch
+the runtime memory, so both read the same. ``dgx-h100`` and ``dgx-h200`` run ``eager-fused`` (eager PyTorch
 launching Megatron-style fused kernels, every operator dispatched from Python: see
 :mod:`workbench.advise.framework`), the A100 presets ``megatron-2022`` (Megatron-LM as in the
 published A100 runs at scale); ``None`` (a CPU cluster): none of its terms.
@@ -286,7 +291,10 @@ def link_text(link: Link) -> str:
 PROFILE_FORMAT = "workbench-advise-profile/1"
 _NCCL_COMM = 688 * 2 ** 20
 _H100_SXM, _A100_80, _A100_40 = DEVICES["h100-sxm-80gb"], DEVICES["a100-sxm-80gb"], DEVICES["a100-sxm-40gb"]
+_H200_SXM = DEVICES["h200-sxm-141gb"]
 _H100 = "NVIDIA H100 datasheet; DGX H100 user guide; compute: workbench.advise.device.PROFILES['h100-sxm-80gb']"
+_H200 = ("NVIDIA H200 datasheet; DGX H200 datasheet (the DGX H100's NVLink, NVSwitch and 8 x 400 Gb/s NICs); "
+         "compute: workbench.advise.device.PROFILES['h200-sxm-141gb']")
 _A100 = "NVIDIA A100 datasheet; {}; compute: workbench.advise.device.PROFILES['{}']"
 
 PRESETS: dict[str, Cluster] = {
@@ -294,6 +302,11 @@ PRESETS: dict[str, Cluster] = {
                         TOPOLOGY_PRESETS["nvlink-3.2tbps"].intra, TOPOLOGY_PRESETS["nvlink-3.2tbps"].inter,
                         name="dgx-h100", source=_H100, fp32_flops=_H100_SXM.achieved("fp32"), device=_H100_SXM,
                         communicator_bytes=_NCCL_COMM, nccl=NCCL_PRESETS["dgx-h100"], runtime_memory=MEGATRON,
+                        framework=EAGER_FUSED),
+    "dgx-h200": Cluster(1, 8, _H200_SXM.memory_bytes, _H200_SXM.achieved("bf16"),
+                        TOPOLOGY_PRESETS["nvlink-3.2tbps"].intra, TOPOLOGY_PRESETS["nvlink-3.2tbps"].inter,
+                        name="dgx-h200", source=_H200, fp32_flops=_H200_SXM.achieved("fp32"), device=_H200_SXM,
+                        communicator_bytes=_NCCL_COMM, nccl=NCCL_PRESETS["dgx-h200"], runtime_memory=MEGATRON,
                         framework=EAGER_FUSED),
     "p4d-a100": Cluster(1, 8, _A100_40.memory_bytes, _A100_40.achieved("bf16"),
                         TOPOLOGY_PRESETS["nvlink-400gbps"].intra, TOPOLOGY_PRESETS["nvlink-400gbps"].inter,

@@ -138,6 +138,9 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # and the same share is taken of the A100 40 GB's and the 96 GB H100's GiB
 H100_80GB_BYTES = 81559 * 2**20
 A100_80GB_BYTES = 85_056_798_720
+# an H200 "141 GB": torch.cuda.get_device_properties(0).total_memory on one H200 SXM
+# (docs/benchmarks/2026-11-28-h200-profile.json, measured by workbench advise --calibrate --device cuda)
+H200_141GB_BYTES = 150_109_880_320
 VISIBLE = A100_80GB_BYTES / (80 * 2**30)
 # the optimizer's bytes per parameter it updates (mixed precision as Megatron keeps it: fp32 master
 # weights, fp32 gradients and two fp32 Adam moments read, master and moments written, the bf16 copy
@@ -682,6 +685,22 @@ PROFILES: dict[str, Device] = {
                 "docs/benchmarks/2026-11-28-h200-layers.md; FA2 reaches at most 35% of an H100 (Shah et al. 2024, "
                 "FlashAttention-3)",
                 "attention 'flash': every H100 framework's (TransformerEngine, SDPA, flash-attn); a framework figure",
+                _LAUNCH, _MICRO)),
+    # The H200 is the H100 SXM's GH100 chip (132 SMs, the same clocks and 700 W, 989 TFLOP/s dense bf16: NVIDIA's
+    # H200 datasheet) with 141 GB of HBM3e at 4.8 TB/s. What the chip does is the H100 SXM's (its GEMM ceiling and
+    # FlashAttention-2's efficiency, which was itself measured on an H200); the memory is its own: the bandwidth a
+    # 1 GiB copy reached on one H200, 4.17 TB/s (0.87 of the datasheet's, as the H100's 3.0 is 0.9 of 3.35), and
+    # the bytes CUDA reported there (docs/benchmarks/2026-11-28-h200-profile.json). The same calibration measured
+    # a GEMM ceiling of 0.765 on that H200, the H100's 0.75 within 2%
+    "h200-sxm-141gb": Device(
+        name="H200 SXM 141 GB", bf16_flops=989e12, fp16_flops=989e12, fp32_flops=67e12, tf32_flops=494e12, sms=132,
+        gemm_ceiling=0.75, memory_bandwidth=4.17e12, memory_bytes=H200_141GB_BYTES, flash_efficiency=0.304,
+        source=("NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense, 67 "
+                "fp32, 494 tf32, 700 W; the H100's GH100 chip, 132 SMs)",
+                "gemm_ceiling 0.75 and flash_efficiency 0.304: the H100 SXM's (the same chip, clocks and power); "
+                "an H200's calibration measured 0.765 (docs/benchmarks/2026-11-28-h200-profile.json)",
+                "memory_bandwidth 4.17 TB/s and memory_bytes: measured on one H200 by workbench advise --calibrate "
+                "--device cuda (docs/benchmarks/2026-11-28-h200-profile.json): a 1 GiB copy, CUDA's total memory",
                 _LAUNCH, _MICRO)),
     # torchtitan's H100 benchmarks (docs/performance.md, Dec 2024) ran on Meta's Grand Teton hosts: "96GB HBM2e
     # with 2.4 TB/sec peak memory bandwidth" and "the default 500W power limit" (700 W TDP). The SMs and peaks

@@ -242,6 +242,11 @@ PRESETS: dict[str, NcclModel] = {
     #   one per GPU (DGX H100 user guide): 47 GB/s per GPU.
     "dgx-h100": NcclModel("dgx-h100", nvlink_busbw=370e9, network_Bps=47e9, p2p_Bps=370e9, nvls_busbw=480e9,
                           source="nccl-tests#212 and #290 (NVIDIA): NVLink ring 370, NVLS 480, NDR 46-48 GB/s per NIC"),
+    # DGX H200: the DGX H100's NVLink 4 and NVSwitch and its 8 ConnectX-7 NDR 400 Gb/s NICs for the compute fabric,
+    # one per GPU (NVIDIA DGX H200 datasheet): the same collectives, the same figures.
+    "dgx-h200": NcclModel("dgx-h200", nvlink_busbw=370e9, network_Bps=47e9, p2p_Bps=370e9, nvls_busbw=480e9,
+                          source="as dgx-h100 (the DGX H200 has the DGX H100's NVLink, NVSwitch and NICs): "
+                                 "nccl-tests#212 and #290 (NVIDIA)"),
     # A100 SXM, NVLink 3 through NVSwitch (300 GB/s line rate each way):
     # - ring busbw 235 GB/s: NCCL's own tuning model caps sm80 bus bandwidth there
     #   (src/graph/tuning.cc, NCCL 2.8: "if (compCap80) busBw = std::min(busBw, 235.0f)");
