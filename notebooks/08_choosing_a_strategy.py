@@ -55,6 +55,7 @@ from workbench.advise.cluster import PRESETS as CLUSTERS
 from workbench.advise.cluster import GiB
 from workbench.advise.memory_model import memory_by_rank
 from workbench.advise.shape import PRESETS as LLAMAS
+from workbench.advise.sensitivity import network_sensitivity
 from workbench.runtime.busy import busy_fraction, were_free
 from workbench.comm import Link
 
@@ -224,6 +225,12 @@ show.markdown(
     f"tensor parallelism (if any) stays inside each node.")
 
 # %% [markdown]
+# The explanation's `If:` line asks whether the answer holds when the network delivers half its
+# bandwidth, as a shared or untuned cloud network may: the advisor prices the chosen plan and the
+# twenty next fastest again on that slower network (`workbench.advise.sensitivity`) and says how
+# much the step slows and whether another of them would then be the fastest. The closer the
+# ranking, the likelier it flips.
+#
 # The answer the field gives, now with numbers for this model: traffic per step decides where
 # each dimension goes. Tensor parallelism exchanges `b s h` activations four times per layer and
 # micro-batch, so it stays on NVLink. What crosses the slow network is one or both of the other
@@ -544,6 +551,9 @@ print(f"{sum(r['within'] for r in checked)} of {len(checked)} rows within 15% an
 assert best_slow.feasible and best_slow.config.tp <= slow.devices_per_node
 assert "TP" not in where(best_slow, slow)
 text_slow = best_slow.explain()
+risk = network_sensitivity(best_slow)  # the choice on a network at half its bandwidth: slower, never faster
+assert f"If: {risk.describe()}." in text_slow and risk.slowed_seconds >= best_slow.time["total"]
+assert risk.best_seconds <= risk.slowed_seconds and network_sensitivity(best_fast) is None  # one node: no network
 crossing = where(best_slow, slow)
 assert crossing and all(f"{d} {getattr(best_slow.config, d.lower())} across nodes" in text_slow for d in crossing), \
     (crossing, text_slow)

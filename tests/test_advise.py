@@ -673,6 +673,45 @@ def test_explanation_names_the_deciding_fact_on_two_contrasting_clusters():
         in why and "its all-reduces" not in why
 
 
+def test_network_sensitivity_prices_the_choice_and_its_rivals_on_a_slower_network():
+    """The chosen plan and the fastest feasible ones priced again with the link between nodes (and
+    the NCCL model's network with it) at half its bandwidth: the plan's time is ``predict``'s on
+    that cluster, never faster than at full bandwidth; the fastest then is the least of those
+    priced; explain() says it; a cluster of one node, or a plan that does not fit, has no answer."""
+    from workbench.advise.sensitivity import Sensitivity, network_sensitivity
+
+    cluster = Cluster.preset("dgx-h100", nodes=4)
+    ranked = advise("llama-7b", cluster, 128, precisions=("bf16",))
+    best = ranked[0]
+    risk = network_sensitivity(best)
+    half = cluster.with_(inter=Link(cluster.inter.latency_s, cluster.inter.bandwidth_Bps / 2))
+    assert half.nccl.network_Bps == cluster.nccl.network_Bps / 2 and risk.network_Bps == half.inter.bandwidth_Bps
+    assert risk.slowed_seconds == predict("llama-7b", half, 128, best.config).time["total"] >= best.time["total"]
+    assert risk.considered == 21 and risk.seconds == best.time["total"]
+    rivals = [p.config for p in ranked if p.feasible][:21]
+    assert risk.best_seconds == min(predict("llama-7b", half, 128, c).time["total"] for c in rivals)
+    assert f"If: {risk.describe()}." in best.explain()
+    full = network_sensitivity(best, factor=1.0)
+    assert full.slowdown == 1 and full.best_seconds == best.time["total"]
+    # a slower network can only slow a plan, more where more of it crosses the network
+    quarter = network_sensitivity(best, factor=0.25)
+    assert quarter.slowed_seconds >= risk.slowed_seconds
+    # the sentence names another plan when the ranking flips
+    other = replace(best.config, dp=best.config.dp // 2, pp=best.config.pp * 2)
+    flipped = Sensitivity(0.5, 25e9, best.config, 10.0, 12.0, other, 11.0, 21)
+    assert f"{other.label()} would then be the fastest of the 21 fastest plans, 8.3% faster (11 s)" \
+        in flipped.describe() and "(+20%)" in flipped.describe()
+    one_node = advise("llama-7b", Cluster.preset("dgx-h100", nodes=1), 64, precisions=("bf16",))[0]
+    assert network_sensitivity(one_node) is None and "If:" not in one_node.explain()
+    too_big = predict("llama-70b", "dgx-h100", 512, Config(dp=8, zero=0, precision="bf16", microbatches=64))
+    assert network_sensitivity(too_big) is None
+    for bad in (0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="factor="):
+            network_sensitivity(best, factor=bad)
+    with pytest.raises(ValueError, match="rivals="):
+        network_sensitivity(best, rivals=-1)
+
+
 def test_predict_marks_what_does_not_fit_and_keeps_its_numbers():
     plan = predict("llama-70b", "dgx-h100", 512, Config(dp=8, zero=0, precision="bf16", microbatches=64))
     assert not plan.feasible and plan.reason.startswith("needs") and plan.memory["optimizer"] > 80e9

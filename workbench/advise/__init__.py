@@ -29,6 +29,7 @@ Files, one idea each:
 ``timing``          predicted step time: compute, exposed communication per dimension, bubble
 ``shared_cores``    the contention of ranks sharing CPU cores (a calibrated CPU cluster only)
 ``choose``          :func:`advise`: predict every configuration, rank
+``sensitivity``     does the choice hold if the network delivers less? (the ``If:`` line of explain())
 ``calibrate``       measure this machine (matmul rate, link costs) into a :class:`Cluster`
 ``calibrate_cuda``  measure a GPU into a device profile (``--calibrate --device cuda``)
 ``validate``        run a sample of configurations here and put measured beside predicted

@@ -383,5 +383,11 @@ def explain(plan: Plan) -> str:
                          f"({cluster.nodes} x {cluster.devices_per_node} devices){tail}.")
         lines += [f"Why: {w}." for w in _why(plan, ranked, cluster, shape)]
         lines += [f"Against: {r}." for r in _rivals(plan, ranked)]
+        if ranked and ranked[0] is plan:
+            # imported here: the sensitivity predicts again, and predict (choose) imports this module
+            from .sensitivity import network_sensitivity
+            risk = network_sensitivity(plan)
+            if risk is not None:
+                lines.append(f"If: {risk.describe()}.")
     lines += [f"Fact: {n}." for n in plan.notes]
     return "\n".join(lines)
