@@ -8,7 +8,9 @@ rule it breaks, when it cannot run (:func:`workbench.advise.space.infeasible_rea
 ``advise(model, cluster, global_batch, **space_opts) -> list[Plan]`` does it for every
 configuration of the space (:func:`workbench.advise.space.configurations`; the keyword arguments
 narrow it), returns the feasible plans fastest first (ties: less memory first), then the
-infeasible ones (least memory first), each with its reason. The splits ``dp x tp x pp`` that no
+infeasible ones (least memory first), each with its reason. The first plan also carries how it
+fares if the network between nodes delivers half its bandwidth (``Plan.what_ifs``:
+:mod:`workbench.advise.sensitivity`). The splits ``dp x tp x pp`` that no
 lever can make runnable (heads not divisible, too many stages...) appear once, with that reason.
 ``partial_recompute=True`` also tries full recomputation of only the first ``k`` layers of each
 stage (``Config.recompute_layers``) where recomputing every layer fits and recomputing none does
@@ -25,6 +27,7 @@ from dataclasses import replace
 from .cluster import Cluster
 from .memory_model import memory_per_device
 from .plan import DECISIONS, MEMORY_CATEGORIES, TIME_PARTS, Config, Plan, explain, layout_facts
+from .sensitivity import network_sensitivity
 from .shape import ModelShape
 from .space import check_config, configurations, memory_reason, structural_reason
 from .timing import step_time
@@ -118,6 +121,9 @@ def advise(model, cluster, global_batch: int, *, partial_recompute: bool = False
     ranked = feasible + infeasible
     for p in ranked:
         p._ranked = ranked
+    risk = network_sensitivity(ranked[0]) if ranked else None
+    if risk is not None:
+        ranked[0].what_ifs.append(risk.describe())
     return ranked
 
 

@@ -170,6 +170,7 @@ class Plan:
     feasible: bool = True
     reason: str = ""                 # why not, when infeasible ("needs 93.1 GiB per device, has 80")
     notes: list[str] = field(default_factory=list)  # the facts explain() draws on
+    what_ifs: list[str] = field(default_factory=list)  # how the choice fares if an input is off (advise's best)
 
     def explain(self) -> str:
         """Why this plan, in plain words: the deciding facts (see :func:`explain`)."""
@@ -383,11 +384,6 @@ def explain(plan: Plan) -> str:
                          f"({cluster.nodes} x {cluster.devices_per_node} devices){tail}.")
         lines += [f"Why: {w}." for w in _why(plan, ranked, cluster, shape)]
         lines += [f"Against: {r}." for r in _rivals(plan, ranked)]
-        if ranked and ranked[0] is plan:
-            # imported here: the sensitivity predicts again, and predict (choose) imports this module
-            from .sensitivity import network_sensitivity
-            risk = network_sensitivity(plan)
-            if risk is not None:
-                lines.append(f"If: {risk.describe()}.")
+    lines += [f"If: {w}." for w in plan.what_ifs]
     lines += [f"Fact: {n}." for n in plan.notes]
     return "\n".join(lines)

@@ -14,7 +14,10 @@ scales the NCCL model's network bandwidth with it) and reports how much the plan
 which of them is then the fastest. Memory does not depend on the network, so a plan that did not
 fit still does not; only time is priced again.
 
-Cost: ``rivals + 1`` calls of :func:`~workbench.advise.choose.predict`, no search: a few
+:func:`~workbench.advise.choose.advise` asks it of the plan it ranks first (at half the bandwidth)
+and keeps the answer in ``Plan.what_ifs``, the ``If:`` line of ``explain()``.
+
+Cost: ``rivals + 1`` step times (:func:`~workbench.advise.timing.step_time`), no search: a few
 milliseconds each. The rivals are the ``rivals`` fastest feasible plans of the ranking (the ones a
 slower network could reorder; a plan far down the ranking would need its communication to shrink
 the others' lead, which a slower network does not do to a plan that communicates more).
@@ -23,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .choose import predict
 from .cluster import Cluster
 from .plan import Config, Plan
 from .plan import _seconds as seconds_text
+from .timing import step_time
 
 __all__ = ["Sensitivity", "network_sensitivity"]
 
@@ -54,7 +57,7 @@ class Sensitivity:
         """One sentence: the plan's step time then, and whether it is still the fastest."""
         head = (f"with the network between nodes at {self.factor:.0%} of its bandwidth "
                 f"({self.network_Bps / 1e9:.3g} GB/s per device), {self.config.label()} takes "
-                f"{seconds_text(self.slowed_seconds)} (+{self.slowdown - 1:.0%})")
+                f"{seconds_text(self.slowed_seconds)} (+{_percent(self.slowdown - 1)})")
         if self.best == self.config:
             return f"{head} and is still the fastest of the {self.considered} fastest plans"
         gain = 1 - self.best_seconds / self.slowed_seconds
@@ -63,8 +66,8 @@ class Sensitivity:
 
 
 def network_sensitivity(plan: Plan, factor: float = 0.5, rivals: int = 20) -> Sensitivity | None:
-    """``plan`` (one of :func:`~workbench.advise.choose.advise`'s ranking, or a :func:`predict`
-    result) priced again with the network between nodes at ``factor`` of its bandwidth, beside the
+    """``plan`` (one of :func:`~workbench.advise.choose.advise`'s ranking, or a
+    :func:`~workbench.advise.choose.predict` result) priced again with the network between nodes at ``factor`` of its bandwidth, beside the
     ``rivals`` fastest feasible plans of its ranking. None where the question does not arise: a
     plan that does not fit, a cluster of one node (no network), or one without a GPU device model
     (an emulated link on this machine is what it was set to)."""
@@ -84,7 +87,7 @@ def network_sensitivity(plan: Plan, factor: float = 0.5, rivals: int = 20) -> Se
     slow = _slowed(cluster, factor)
     ranked = getattr(plan, "_ranked", None) or [plan]
     configs = [plan.config] + [p.config for p in ranked if p.feasible and p.config != plan.config][:rivals]
-    times = {c: predict(shape, slow, global_batch, c).time["total"] for c in configs}
+    times = {c: step_time(shape, slow, c, global_batch)["total"] for c in configs}
     best = min(configs, key=lambda c: times[c])
     return Sensitivity(factor=float(factor), network_Bps=slow.inter.bandwidth_Bps, config=plan.config,
                        seconds=plan.time["total"], slowed_seconds=times[plan.config], best=best,
@@ -95,3 +98,8 @@ def _slowed(cluster: Cluster, factor: float) -> Cluster:
     """The cluster with its link between nodes at ``factor`` of its bandwidth (the NCCL model follows)."""
     inter = cluster.inter
     return cluster.with_(inter=type(inter)(inter.latency_s, inter.bandwidth_Bps * factor))
+
+
+def _percent(x: float) -> str:
+    """A share as a percentage, one decimal below 10% (a 0.3% slowdown is not "0%")."""
+    return f"{x:.1%}" if abs(x) < 0.1 else f"{x:.0%}"
