@@ -18,9 +18,10 @@ fit still does not; only time is priced again.
 and keeps the answer in ``Plan.what_ifs``, the ``If:`` line of ``explain()``.
 
 Cost: ``rivals + 1`` step times (:func:`~workbench.advise.timing.step_time`), no search: a few
-milliseconds each. The rivals are the ``rivals`` fastest feasible plans of the ranking (the ones a
-slower network could reorder; a plan far down the ranking would need its communication to shrink
-the others' lead, which a slower network does not do to a plan that communicates more).
+milliseconds each. The rivals are the ``rivals`` fastest feasible plans of the ranking: a slower
+network reorders plans whose times are close; one far behind would have to make up more than its
+deficit, which only a plan that sends much less across nodes can, and the next fastest usually
+include such a plan (another split of the same devices).
 """
 from __future__ import annotations
 
@@ -67,10 +68,11 @@ class Sensitivity:
 
 def network_sensitivity(plan: Plan, factor: float = 0.5, rivals: int = 20) -> Sensitivity | None:
     """``plan`` (one of :func:`~workbench.advise.choose.advise`'s ranking, or a
-    :func:`~workbench.advise.choose.predict` result) priced again with the network between nodes at ``factor`` of its bandwidth, beside the
-    ``rivals`` fastest feasible plans of its ranking. None where the question does not arise: a
-    plan that does not fit, a cluster of one node (no network), or one without a GPU device model
-    (an emulated link on this machine is what it was set to)."""
+    :func:`~workbench.advise.choose.predict` result) priced again with the network between nodes
+    at ``factor`` of its bandwidth, beside the ``rivals`` fastest feasible plans of its ranking.
+    None where the question does not arise: a plan that does not fit, a cluster of one node (no
+    network), or one without a GPU device model (an emulated link on this machine is what it was
+    set to)."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise ValueError(f"network_sensitivity(factor={factor!r}): the share of the network's bandwidth "
                          "delivered, in (0, 1], e.g. 0.5")
