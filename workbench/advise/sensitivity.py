@@ -25,7 +25,7 @@ include such a plan (another split of the same devices).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cluster import Cluster
 from .plan import Config, Plan
@@ -98,8 +98,7 @@ def network_sensitivity(plan: Plan, factor: float = 0.5, rivals: int = 20) -> Se
 
 def _slowed(cluster: Cluster, factor: float) -> Cluster:
     """The cluster with its link between nodes at ``factor`` of its bandwidth (the NCCL model follows)."""
-    inter = cluster.inter
-    return cluster.with_(inter=type(inter)(inter.latency_s, inter.bandwidth_Bps * factor))
+    return cluster.with_(inter=replace(cluster.inter, bandwidth_Bps=cluster.inter.bandwidth_Bps * factor))
 
 
 def _percent(x: float) -> str:
